@@ -1,0 +1,175 @@
+"""Model parity against transformers (eager attention) for every family, and loader errors."""
+import json
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from model import CheckpointError, load_model
+from model.config import from_hf_config
+from tests.helpers import rel_err
+from tests.tiny_models import FAMILIES, save_tiny
+
+B, T = 2, 20  # T above the Gemma 2/3 test sliding window (8)
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def pair(request, tmp_path_factory):
+    family = request.param
+    folder = str(tmp_path_factory.mktemp(family))
+    hf = save_tiny(family, folder, sharded=(family == "llama"))
+    ours, cfg = load_model(folder, dtype=torch.float32)
+    return family, hf, ours, cfg
+
+
+def test_logits_match_transformers(pair):
+    family, hf, ours, cfg = pair
+    ids = torch.randint(0, cfg.vocab_size, (B, T))
+    with torch.no_grad():
+        ref = hf(ids).logits
+        out = ours(ids)
+    assert out.shape == (B, T, cfg.vocab_size)
+    err = rel_err(out, ref)
+    print(f"{family}: logits rel err {err:.2e}")
+    assert err < 1e-4, f"{family}: logits differ from transformers, rel err {err:.2e}"
+
+
+def test_gradients_match_transformers(pair):
+    family, hf, ours, cfg = pair
+    ids = torch.randint(0, cfg.vocab_size, (B, T))
+    labels = torch.randint(0, cfg.vocab_size, (B, T))
+    for p in ours.parameters():
+        p.requires_grad_(True)
+    hf.zero_grad()
+    F.cross_entropy(hf(ids).logits.flatten(0, 1), labels.flatten()).backward()
+    F.cross_entropy(ours(ids).flatten(0, 1), labels.flatten()).backward()
+    hf_grads = dict(hf.named_parameters())
+    worst = 0.0
+    for n, p in ours.named_parameters():
+        ref = hf_grads[n].grad
+        assert p.grad is not None, n
+        err = rel_err(p.grad, ref)
+        worst = max(worst, err)
+        assert err < 1e-4, f"{family}: grad of {n} rel err {err:.2e}"
+    print(f"{family}: worst grad rel err {worst:.2e}")
+    for p in ours.parameters():
+        p.grad = None
+        p.requires_grad_(False)
+
+
+def test_loss_path_matches_logits_path(pair):
+    """forward(targets=...) (fused loss, no logits) equals CE over the returned logits."""
+    family, hf, ours, cfg = pair
+    ids = torch.randint(0, cfg.vocab_size, (B, T))
+    targets = torch.randint(0, cfg.vocab_size, (B, T))
+    targets[0, :5] = -100
+    with torch.no_grad():
+        ref = F.cross_entropy(ours(ids).flatten(0, 1), targets.flatten(), ignore_index=-100)
+        loss = ours(ids, targets=targets)
+    assert rel_err(loss, ref) < 1e-5
+
+
+def test_packed_documents_match_separate_runs(pair):
+    """Two documents packed in one row with restarting position_ids give each document's own logits."""
+    family, hf, ours, cfg = pair
+    a, b = torch.randint(0, cfg.vocab_size, (1, 13)), torch.randint(0, cfg.vocab_size, (1, 11))
+    row = torch.cat([a, b], dim=1)
+    pos = torch.cat([torch.arange(13), torch.arange(11)])[None]
+    doc = torch.cat([torch.zeros(13), torch.ones(11)]).long()[None]
+    with torch.no_grad():
+        packed = ours(row, position_ids=pos, doc_ids=doc)
+        sep = torch.cat([ours(a), ours(b)], dim=1)
+    assert rel_err(packed, sep) < 1e-5
+
+
+def test_old_style_config_keys():
+    """config.json files on the hub use transformers<5 keys (rope_theta, rope_scaling, ...)."""
+    llama3 = {"architectures": ["LlamaForCausalLM"], "hidden_size": 64, "intermediate_size": 96,
+              "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 10,
+              "rope_theta": 500000.0, "rope_scaling": {"factor": 32.0, "high_freq_factor": 4.0,
+              "low_freq_factor": 1.0, "original_max_position_embeddings": 8192, "rope_type": "llama3"}}
+    c = from_hf_config(llama3)
+    assert c.rope_theta == 500000.0 and c.rope_scaling["rope_type"] == "llama3" and c.head_dim == 16
+    gemma3 = {"architectures": ["Gemma3ForCausalLM"], "hidden_size": 64, "intermediate_size": 96,
+              "num_hidden_layers": 6, "num_attention_heads": 4, "num_key_value_heads": 1, "vocab_size": 10,
+              "head_dim": 32, "rope_theta": 1000000.0, "rope_local_base_freq": 10000.0, "sliding_window": 512,
+              "sliding_window_pattern": 6, "query_pre_attn_scalar": 32, "hidden_activation": "gelu_pytorch_tanh"}
+    c = from_hf_config(gemma3)
+    assert c.layer_types == ["sliding"] * 5 + ["full"] and c.rope_local_theta == 10000.0
+    assert c.qk_norm and c.sandwich_norm and c.norm_offset == 1.0 and c.act == "gelu_tanh"
+    gemma2 = {**gemma3, "architectures": ["Gemma2ForCausalLM"], "attn_logit_softcapping": 50.0,
+              "final_logit_softcapping": 30.0}
+    del gemma2["sliding_window_pattern"]
+    c = from_hf_config(gemma2)
+    assert c.layer_types[:2] == ["sliding", "full"] and c.attn_softcap == 50.0 and not c.qk_norm
+
+
+# ----------------------------------------------------------------------------- errors
+
+def test_unknown_name_lists_known_names():
+    with pytest.raises(ValueError, match="Known short names: .*tinyllama"):
+        load_model("no-such-model")
+
+
+def test_unsupported_architecture(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["BertModel"], "model_type": "bert"}))
+    with pytest.raises(ValueError, match="unsupported architecture.*LlamaForCausalLM"):
+        load_model(str(tmp_path))
+
+
+def test_folder_without_config_or_weights(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no config.json"):
+        load_model(str(tmp_path))
+    save_tiny("llama", str(tmp_path))
+    os.remove(tmp_path / "model.safetensors")
+    with pytest.raises(FileNotFoundError, match="no \\*.safetensors"):
+        load_model(str(tmp_path))
+
+
+def _rewrite(folder, fn):
+    from safetensors.torch import load_file, save_file
+    path = os.path.join(folder, "model.safetensors")
+    tensors = load_file(path)
+    fn(tensors)
+    save_file(tensors, path, metadata={"format": "pt"})
+
+
+def test_missing_tensor_is_named(tmp_path):
+    save_tiny("llama", str(tmp_path))
+    _rewrite(str(tmp_path), lambda t: t.pop("model.layers.1.mlp.up_proj.weight"))
+    with pytest.raises(CheckpointError, match="missing tensor.*model.layers.1.mlp.up_proj.weight"):
+        load_model(str(tmp_path))
+
+
+def test_unexpected_tensor_is_named(tmp_path):
+    save_tiny("llama", str(tmp_path))
+    _rewrite(str(tmp_path), lambda t: t.update({"model.layers.0.extra.weight": torch.randn(3)}))
+    with pytest.raises(CheckpointError, match="unexpected tensor 'model.layers.0.extra.weight'"):
+        load_model(str(tmp_path))
+
+
+def test_shape_mismatch_is_named(tmp_path):
+    save_tiny("llama", str(tmp_path))
+    _rewrite(str(tmp_path), lambda t: t.update({"model.norm.weight": torch.randn(65)}))
+    with pytest.raises(CheckpointError, match="'model.norm.weight' has shape \\(65,\\), expected \\(64,\\)"):
+        load_model(str(tmp_path))
+
+
+def test_truncated_safetensors(tmp_path):
+    save_tiny("llama", str(tmp_path))
+    path = tmp_path / "model.safetensors"
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+    with pytest.raises(CheckpointError, match="truncated or corrupt"):
+        load_model(str(tmp_path))
+
+
+def test_offline_hub_id_says_how_to_use_a_folder(monkeypatch, tmp_path):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))
+    import huggingface_hub.constants as c
+    monkeypatch.setattr(c, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(c, "HF_HUB_CACHE", str(tmp_path))
+    with pytest.raises(ValueError, match="pass a local folder"):
+        load_model("someone/not-cached-model")
