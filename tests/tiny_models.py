@@ -65,3 +65,19 @@ def save_tiny(family, folder, seed=0, sharded=False):
     os.makedirs(folder, exist_ok=True)
     model.save_pretrained(folder, safe_serialization=True, max_shard_size="40KB" if sharded else "5GB")
     return model
+
+
+def make_run_folder(folder, family="llama", seed=0, chat_template=True):
+    """A complete tiny model folder (weights + tokenizer) that train.py can run on."""
+    import transformers as tf
+    from tests.tiny_tokenizer import CHATML, make_test_tokenizer
+    make_test_tokenizer(folder, chat_template=CHATML if chat_template else None)
+    with open(os.path.join(folder, "tokenizer.json")) as f:
+        vocab = len(__import__("json").load(f)["model"]["vocab"])
+    torch.manual_seed(seed)
+    cfg = hf_config(family)
+    cfg.vocab_size = max(vocab, 400)
+    cfg.bos_token_id, cfg.eos_token_id, cfg.pad_token_id = 1, 2, 0
+    model = tf.AutoModelForCausalLM.from_config(cfg).float()
+    model.save_pretrained(folder, safe_serialization=True)
+    return folder

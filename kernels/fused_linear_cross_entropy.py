@@ -1,0 +1,132 @@
+"""lm_head matmul fused with cross-entropy: the loss of hidden states [N, H] against a
+vocabulary projection W [V, H] without ever holding the [N, V] logits.
+
+References: Liger-Kernel `ops/fused_linear_cross_entropy.py` (gradients in the forward
+pass, chunked over tokens), Wijmans et al. 2024 "Cut Your Losses in Large-Vocabulary
+Language Models".
+
+Forward, per chunk of C tokens (C chosen so the chunk logits take at most
+MAX_CHUNK_BYTES):
+
+    logits = h_c @ W^T (+ b)                           [C, V], compute dtype
+    loss_c, G = cross_entropy kernel on logits         G = dloss_i/dlogits, unreduced,
+                                                       written over the logits buffer
+    dH[c]  = G @ W                                     [C, H], kept in fp32
+    dW    += G^T @ h_c        (only if W requires grad) [V, H], kept in fp32
+    db    += sum_rows G       (only if b requires grad)
+
+Backward scales the fp32 buffers by s = grad_output / num_targets ("mean") or
+grad_output ("sum") and casts once, so an fp16 loss scale of 65536 is applied before
+any rounding to fp16. "none" scales row i of dH by grad_output[i]; it cannot do so inside
+the sum that forms dW or db, so reduction="none" with a trainable W or b is refused.
+
+Memory beyond the inputs: one chunk of logits, dH in fp32 (N*H*4 bytes) and, only when
+W is trainable, dW in fp32 (V*H*4 bytes) plus one [V, H] product per chunk.
+"""
+import torch
+import torch.nn.functional as F
+
+from kernels.cross_entropy import (LossOptions, check_loss_args, cross_entropy_forward, cross_entropy_reference,
+                                   grad_scale, mean_denominator, reduce_losses)
+
+MAX_CHUNK_BYTES = 256 * 2**20  # the chunk logits: 512 tokens at V=256k in bf16, small next to the model
+
+
+def chunk_rows(N: int, V: int, itemsize: int) -> int:
+    return max(1, min(N, MAX_CHUNK_BYTES // (V * itemsize)))
+
+
+def _forward_chunks(hidden, weight, bias, targets, opts: LossOptions, need_dh, need_dw, need_db):
+    """Per-row losses [N] fp32 and the unreduced fp32 gradients (None where not needed)."""
+    N, H = hidden.shape
+    V = weight.shape[0]
+    f32 = dict(dtype=torch.float32, device=hidden.device)
+    dh = torch.zeros(N, H, **f32) if need_dh else None  # zeros: also the answer when N == 0
+    dw = torch.zeros(V, H, **f32) if need_dw else None
+    db = torch.zeros(V, **f32) if need_db else None
+    losses = torch.empty(N, **f32)
+    need_grad = need_dh or need_dw or need_db
+    rows = chunk_rows(N, V, hidden.element_size())
+    for start in range(0, N, rows):
+        h = hidden[start:start + rows]  # (C, H)
+        logits = F.linear(h, weight, bias)  # (C, V)
+        losses[start:start + rows] = cross_entropy_forward(
+            logits, targets[start:start + rows], ignore_index=opts.ignore_index, softcap=opts.softcap,
+            scale=opts.scale, dlogits=logits if need_grad else None)
+        # logits now holds G = dloss/dlogits (unreduced)
+        if need_dh:
+            dh[start:start + rows] = logits @ weight  # (C, H)
+        if need_dw:
+            dw += logits.t() @ h  # (V, H)
+        if need_db:
+            db += logits.sum(0, dtype=torch.float32)  # (V,)
+    return losses, dh, dw, db
+
+
+class _FusedLinearCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, targets, num_targets, opts: LossOptions):
+        need_dh, need_dw, need_db = ctx.needs_input_grad[:3]
+        if opts.reduction == "none" and (need_dw or need_db):
+            raise ValueError("fused_linear_cross_entropy(reduction='none') cannot give the gradient of a trainable "
+                             "weight or bias (a per-row grad_output would have to enter the sum over rows). "
+                             "Freeze them (requires_grad_(False)) or use reduction='sum'/'mean'.")
+        losses, dh, dw, db = _forward_chunks(hidden, weight, bias, targets, opts, need_dh, need_dw, need_db)
+        denominator = mean_denominator(targets, num_targets, opts.ignore_index) if opts.reduction == "mean" else 1.0
+        loss = reduce_losses(losses, denominator, opts.reduction)
+        assert loss.dtype == torch.float32, f"loss must be float32, got {loss.dtype}"
+        ctx.save_for_backward(dh, dw, db)
+        ctx.denominator, ctx.reduction = denominator, opts.reduction
+        ctx.dtypes = hidden.dtype, weight.dtype, None if bias is None else bias.dtype
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        s = grad_scale(grad_loss, ctx.denominator, ctx.reduction)  # fp32: 0-dim, or (N, 1) for "none"
+        grads = []
+        for buf, dtype in zip(ctx.saved_tensors, ctx.dtypes):
+            if buf is None:
+                grads.append(None)
+                continue
+            assert buf.dtype == torch.float32, f"gradient buffer must be float32, got {buf.dtype}"
+            out = torch.empty(buf.shape, dtype=dtype, device=buf.device)
+            grads.append(torch.mul(buf, s, out=out))  # scaled in fp32, rounded once
+        dh, dw, db = grads
+        return dh, dw, db, None, None, None
+
+
+def _check(hidden, weight, bias, targets, opts):
+    check_loss_args(hidden, targets, opts, "hidden")
+    if weight.dim() != 2 or weight.shape[1] != hidden.shape[1]:
+        raise ValueError(f"weight must be [V, H] with H = hidden.shape[1] = {hidden.shape[1]}; got {tuple(weight.shape)}")
+    assert weight.dtype == hidden.dtype, f"weight must have hidden's dtype {hidden.dtype}, got {weight.dtype}"
+    if bias is not None:
+        assert bias.shape == (weight.shape[0],), f"bias must be [V], got {tuple(bias.shape)}"
+        assert bias.dtype == hidden.dtype, f"bias must have hidden's dtype {hidden.dtype}, got {bias.dtype}"
+
+
+def fused_linear_cross_entropy(hidden, weight, targets, *, bias=None, ignore_index=-100, softcap=None, scale=None,
+                               reduction="mean", num_targets=None):
+    """cross_entropy(hidden @ weight.T + bias, targets, ...) without materializing the logits.
+
+    hidden [N, H], weight [V, H] and bias [V] share one dtype (fp32/bf16/fp16); targets [N] int64.
+    Returns an fp32 loss, as cross_entropy does (see kernels/cross_entropy.py)."""
+    opts = LossOptions(ignore_index, softcap, scale, reduction)
+    _check(hidden, weight, bias, targets, opts)
+    params = (hidden, weight) if bias is None else (hidden, weight, bias)
+    if torch.is_grad_enabled() and any(t.requires_grad for t in params):
+        return _FusedLinearCrossEntropy.apply(hidden, weight, bias, targets, num_targets, opts)
+    # no graph will be built (needs_input_grad does not see no_grad()): skip every gradient
+    losses, *_ = _forward_chunks(hidden, weight, bias, targets, opts, False, False, False)
+    denominator = mean_denominator(targets, num_targets, ignore_index) if reduction == "mean" else 1.0
+    return reduce_losses(losses, denominator, reduction)
+
+
+def fused_linear_cross_entropy_reference(hidden, weight, targets, *, bias=None, ignore_index=-100, softcap=None,
+                                         scale=None, reduction="mean", num_targets=None):
+    """Pure torch: full logits in the compute dtype, then the fp32 cross-entropy reference."""
+    opts = LossOptions(ignore_index, softcap, scale, reduction)
+    _check(hidden, weight, bias, targets, opts)
+    logits = F.linear(hidden, weight, bias)  # (N, V)
+    return cross_entropy_reference(logits, targets, ignore_index=ignore_index, softcap=softcap, scale=scale,
+                                   reduction=reduction, num_targets=num_targets)

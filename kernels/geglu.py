@@ -1,0 +1,139 @@
+"""GeGLU activation h = gelu(gate) * up, elementwise, any shape; gelu exact (erf) or
+its tanh approximation.
+
+References: Shazeer 2020 "GLU Variants Improve Transformer"; Hendrycks & Gimpel 2016
+"GELUs"; Hugging Face GemmaMLP (`gelu_pytorch_tanh`); Unsloth `kernels/geglu.py`.
+
+approximate="none":  gelu(g)  = 0.5 g (1 + erf(g / sqrt2))
+                     gelu'(g) = 0.5 (1 + erf(g / sqrt2)) + g * exp(-g^2 / 2) / sqrt(2 pi)
+approximate="tanh":  t = tanh(k (g + c g^3)), k = sqrt(2 / pi), c = 0.044715
+                     gelu(g)  = 0.5 g (1 + t)
+                     gelu'(g) = 0.5 (1 + t) + 0.5 g (1 - t^2) k (1 + 3 c g^2)
+then
+    h = gelu(g) * u,   dup = dh * gelu(g),   dgate = dh * u * gelu'(g)
+
+tanh(x) is computed as 2 sigmoid(2x) - 1 (libdevice.tanh does not run in the
+interpreter). All math in fp32; one rounding at the store, whereas HF rounds gelu(g)
+and the product separately (about one ulp apart). `geglu_forward` / `geglu_backward`
+are the plain functions for fused callers; see kernels/swiglu.py for `inplace`.
+"""
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+APPROXIMATIONS = ("tanh", "none")
+BLOCK = 1024
+NUM_WARPS = 4
+
+
+@triton.jit
+def _gelu_and_grad(g, APPROX_TANH: tl.constexpr):
+    """(gelu(g), gelu'(g)) in fp32."""
+    if APPROX_TANH:
+        k = 0.7978845608028654  # sqrt(2 / pi)
+        c = 0.044715
+        t = 2.0 * tl.sigmoid(2.0 * k * (g + c * g * g * g)) - 1.0
+        gelu = 0.5 * g * (1.0 + t)
+        dgelu = 0.5 * (1.0 + t) + 0.5 * g * (1.0 - t * t) * k * (1.0 + 3.0 * c * g * g)
+    else:
+        cdf = 0.5 * (1.0 + tl.math.erf(g * 0.7071067811865476))  # 1 / sqrt2
+        gelu = g * cdf
+        dgelu = cdf + g * tl.exp(-0.5 * g * g) * 0.3989422804014327  # 1 / sqrt(2 pi)
+    return gelu, dgelu
+
+
+@triton.jit
+def _geglu_forward_kernel(gate_ptr, up_ptr, h_ptr, n, APPROX_TANH: tl.constexpr, BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    g = tl.load(gate_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(up_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    gelu, _ = _gelu_and_grad(g, APPROX_TANH)
+    tl.store(h_ptr + offs, (gelu * u).to(h_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _geglu_backward_kernel(dh_ptr, gate_ptr, up_ptr, dgate_ptr, dup_ptr, n,
+                           APPROX_TANH: tl.constexpr, BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    dh = tl.load(dh_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    g = tl.load(gate_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(up_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    gelu, dgelu = _gelu_and_grad(g, APPROX_TANH)
+    tl.store(dgate_ptr + offs, (dh * u * dgelu).to(dgate_ptr.dtype.element_ty), mask=mask)
+    tl.store(dup_ptr + offs, (dh * gelu).to(dup_ptr.dtype.element_ty), mask=mask)
+
+
+def _check(approximate, *tensors):
+    if approximate not in APPROXIMATIONS:
+        raise ValueError(f"geglu: approximate={approximate!r}; expected one of {APPROXIMATIONS}")
+    shape, dtype = tensors[0].shape, tensors[0].dtype
+    assert dtype in DTYPES, f"geglu: inputs must be fp32/bf16/fp16, got {dtype}"
+    for t in tensors[1:]:
+        if t.shape != shape or t.dtype != dtype:
+            raise ValueError(f"geglu: gate, up (and dh) must share shape and dtype; got {tuple(shape)} {dtype} "
+                             f"and {tuple(t.shape)} {t.dtype}")
+
+
+def geglu_forward(gate, up, approximate="tanh"):
+    """h = gelu(gate) * up, a new contiguous tensor of gate's shape and dtype."""
+    _check(approximate, gate, up)
+    gate, up = gate.contiguous(), up.contiguous()
+    h = torch.empty_like(gate)
+    n = h.numel()
+    if n > 0:
+        _geglu_forward_kernel[(triton.cdiv(n, BLOCK),)](gate, up, h, n, APPROX_TANH=approximate == "tanh",
+                                                         BLOCK=BLOCK, num_warps=NUM_WARPS)
+    return h
+
+
+def geglu_backward(dh, gate, up, approximate="tanh", inplace=False):
+    """(dgate, dup). inplace=True writes them into gate and up (which must be contiguous) and
+    returns those tensors; use it only when the caller owns gate and up and is done with them."""
+    _check(approximate, dh, gate, up)
+    dh = dh.contiguous()
+    if inplace:
+        if not (gate.is_contiguous() and up.is_contiguous()):
+            raise ValueError("geglu_backward(inplace=True) needs contiguous gate and up to overwrite")
+        dgate, dup = gate, up
+    else:
+        gate, up = gate.contiguous(), up.contiguous()
+        dgate, dup = torch.empty_like(gate), torch.empty_like(up)
+    n = dh.numel()
+    if n > 0:
+        _geglu_backward_kernel[(triton.cdiv(n, BLOCK),)](dh, gate, up, dgate, dup, n,
+                                                          APPROX_TANH=approximate == "tanh", BLOCK=BLOCK,
+                                                          num_warps=NUM_WARPS)
+    return dgate, dup
+
+
+class _GeGLU(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, gate, up, approximate):
+        h = geglu_forward(gate, up, approximate)
+        assert h.dtype == gate.dtype, f"geglu: h must be {gate.dtype}, got {h.dtype}"
+        ctx.save_for_backward(gate, up)
+        ctx.approximate = approximate
+        return h
+
+    @staticmethod
+    def backward(ctx, dh):
+        gate, up = ctx.saved_tensors
+        assert dh.dtype == gate.dtype, f"geglu: dh must be {gate.dtype}, got {dh.dtype}"
+        dgate, dup = geglu_backward(dh, gate, up, ctx.approximate)
+        return dgate, dup, None
+
+
+def geglu(gate, up, approximate="tanh"):
+    """gelu(gate) * up for gate, up of one shape and dtype; approximate in {"tanh", "none"}."""
+    _check(approximate, gate, up)
+    return _GeGLU.apply(gate, up, approximate)
+
+
+def geglu_reference(gate, up, approximate="tanh"):
+    """Pure torch, as HF GemmaMLP (in the inputs' dtype)."""
+    _check(approximate, gate, up)
+    return F.gelu(gate, approximate=approximate) * up

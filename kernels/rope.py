@@ -1,0 +1,148 @@
+"""Rotary position embedding (RoPE) of q and k, HF "rotate half" layout, one Triton
+program per token (all q and k heads of that token).
+
+References: Su et al. 2021 "RoFormer"; Hugging Face `apply_rotary_pos_emb` and
+`rotate_half` (modeling_llama.py); Liger-Kernel `ops/rope.py`.
+
+With x = (x1, x2) split at D/2, cos = (c1, c2), sin = (s1, s2) (HF: c1 == c2, s1 == s2,
+but the kernel reads both halves), and R = rotate_half, R(x) = (-x2, x1):
+
+    out = x * cos + R(x) * sin  =  (x1*c1 - x2*s1,  x2*c2 + x1*s2)
+
+R is linear with R^T = -R, so
+
+    dx = dout * cos + R^T(dout * sin) = dout * cos - R(dout * sin)
+       = (d1*c1 + d2*s2,  d2*c2 - d1*s1)
+
+which is the forward map with (s1, s2) replaced by (-s2, -s1): the same kernel with
+BACKWARD=True. cos and sin are per-token tables [B, T, D] (batch may broadcast), so any
+position ids work, packed rows restarting at 0 included. They get no gradient.
+"""
+import torch
+import triton
+import triton.language as tl
+
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+@triton.jit
+def _rotate_heads(x_ptr, out_ptr, n_heads, HALF, c1, c2, s1, s2, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
+    """Rotate the n_heads contiguous heads of one token ([n_heads, 2*HALF] at x_ptr)."""
+    h = tl.arange(0, BLOCK_H)[:, None]
+    d = tl.arange(0, BLOCK_HALF)[None, :]
+    mask = (h < n_heads) & (d < HALF)
+    offs = h * (2 * HALF) + d
+    x1 = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(x_ptr + offs + HALF, mask=mask, other=0.0).to(tl.float32)
+    o1 = x1 * c1[None, :] - x2 * s1[None, :]
+    o2 = x2 * c2[None, :] + x1 * s2[None, :]
+    tl.store(out_ptr + offs, o1.to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(out_ptr + offs + HALF, o2.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _rope_kernel(
+    q_ptr, k_ptr, q_out_ptr, k_out_ptr,  # [B, T, H, D] contiguous
+    cos_ptr, sin_ptr, cs_batch_stride, cs_token_stride,  # [B, T, D], last dim contiguous
+    T, HQ, HK, HALF,
+    BACKWARD: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_HALF: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)  # b * T + t
+    b = token // T
+    t = token % T
+    d = tl.arange(0, BLOCK_HALF)
+    dmask = d < HALF
+    cs = b * cs_batch_stride + t * cs_token_stride
+    c1 = tl.load(cos_ptr + cs + d, mask=dmask, other=0.0).to(tl.float32)
+    c2 = tl.load(cos_ptr + cs + HALF + d, mask=dmask, other=0.0).to(tl.float32)
+    s1 = tl.load(sin_ptr + cs + d, mask=dmask, other=0.0).to(tl.float32)
+    s2 = tl.load(sin_ptr + cs + HALF + d, mask=dmask, other=0.0).to(tl.float32)
+    if BACKWARD:
+        s1, s2 = -s2, -s1
+    q_offset = token * HQ * 2 * HALF
+    k_offset = token * HK * 2 * HALF
+    _rotate_heads(q_ptr + q_offset, q_out_ptr + q_offset, HQ, HALF, c1, c2, s1, s2, BLOCK_HQ, BLOCK_HALF)
+    _rotate_heads(k_ptr + k_offset, k_out_ptr + k_offset, HK, HALF, c1, c2, s1, s2, BLOCK_HK, BLOCK_HALF)
+
+
+def launch_config(Hq: int, Hk: int, D: int) -> tuple[int, int, int, int]:
+    """(BLOCK_HQ, BLOCK_HK, BLOCK_HALF, num_warps): every head of a token in one program."""
+    block_hq, block_hk, block_half = triton.next_power_of_2(Hq), triton.next_power_of_2(Hk), triton.next_power_of_2(D // 2)
+    num_warps = 8 if block_hq * block_half >= 4096 else 4
+    return block_hq, block_hk, block_half, num_warps
+
+
+def rope_rotate(q, k, cos, sin, backward=False):
+    """The launcher: new (q_out, k_out), contiguous, q's and k's dtypes. backward=True applies
+    the transpose map (dq, dk from dq_out, dk_out)."""
+    B, T, Hq, D = q.shape
+    Hk = k.shape[2]
+    q, k = q.contiguous(), k.contiguous()
+    cos, sin = cos.expand(B, T, D), sin.expand(B, T, D)
+    if cos.stride() != sin.stride() or cos.stride(-1) != 1:
+        cos, sin = cos.contiguous(), sin.contiguous()
+    q_out, k_out = torch.empty_like(q), torch.empty_like(k)
+    if B * T > 0:
+        block_hq, block_hk, block_half, num_warps = launch_config(Hq, Hk, D)
+        _rope_kernel[(B * T,)](
+            q, k, q_out, k_out, cos, sin, cos.stride(0), cos.stride(1),
+            T, Hq, Hk, D // 2,
+            BACKWARD=backward, BLOCK_HQ=block_hq, BLOCK_HK=block_hk, BLOCK_HALF=block_half, num_warps=num_warps)
+    return q_out, k_out
+
+
+class _RoPE(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, cos, sin):
+        for name, t in (("q", q), ("k", k), ("cos", cos), ("sin", sin)):
+            assert t.dtype in DTYPES, f"apply_rope: {name} must be fp32/bf16/fp16, got {t.dtype}"
+        q_out, k_out = rope_rotate(q, k, cos, sin)
+        assert q_out.dtype == q.dtype and k_out.dtype == k.dtype, "apply_rope: outputs must keep q's and k's dtypes"
+        ctx.save_for_backward(cos, sin)
+        return q_out, k_out
+
+    @staticmethod
+    def backward(ctx, dq_out, dk_out):
+        cos, sin = ctx.saved_tensors
+        dq, dk = rope_rotate(dq_out, dk_out, cos, sin, backward=True)
+        return dq, dk, None, None
+
+
+def _check(q, k, cos, sin):
+    if q.dim() != 4 or k.dim() != 4 or q.shape[:2] != k.shape[:2] or q.shape[-1] != k.shape[-1]:
+        raise ValueError(f"q and k must be [B, T, H, D] with the same B, T, D; got {tuple(q.shape)}, {tuple(k.shape)}")
+    B, T, _, D = q.shape
+    if D % 2:
+        raise ValueError(f"head_dim must be even for rotate-half RoPE, got {D}")
+    for name, t in (("cos", cos), ("sin", sin)):
+        if t.dim() != 3 or t.shape[1:] != (T, D) or t.shape[0] not in (1, B):
+            raise ValueError(f"{name} must be [B or 1, T, D] = [{B}, {T}, {D}], got {tuple(t.shape)}")
+
+
+def apply_rope(q, k, cos, sin):
+    """Rotate q [B, T, Hq, D] and k [B, T, Hk, D] by cos, sin [B, T, D] (HF layout)."""
+    _check(q, k, cos, sin)
+    return _RoPE.apply(q, k, cos, sin)
+
+
+def rotate_half(x):
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def rope_reference(q, k, cos, sin):
+    """Pure torch, as HF: cos and sin cast to the input's dtype (HF's rotary module does it),
+    then x * cos + rotate_half(x) * sin."""
+    _check(q, k, cos, sin)
+    cos, sin = cos[:, :, None, :], sin[:, :, None, :]  # (B, T, 1, D): broadcast over heads
+    q_out = q * cos.to(q.dtype) + rotate_half(q) * sin.to(q.dtype)
+    k_out = k * cos.to(k.dtype) + rotate_half(k) * sin.to(k.dtype)
+    return q_out, k_out
+
+
+def rope_cos_sin(position_ids, inv_freq, attention_scaling=1.0, dtype=torch.float32):
+    """cos, sin [B, T, D] for position_ids [B, T] and inv_freq [D/2], computed in fp32 (HF layout:
+    the D/2 frequencies repeated twice), then scaled and cast to dtype."""
+    freqs = position_ids[:, :, None].float() * inv_freq.float()[None, None, :]  # (B, T, D/2)
+    emb = torch.cat((freqs, freqs), dim=-1)  # (B, T, D)
+    return (emb.cos() * attention_scaling).to(dtype), (emb.sin() * attention_scaling).to(dtype)

@@ -1,0 +1,39 @@
+"""Draw the train and eval loss curves of a run to a PNG.
+
+    pip install matplotlib      # the only script-only dependency
+    python scripts/plot.py out/ [--png out/loss.png]
+"""
+import argparse
+import json
+import os
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("run", help="a run folder (with metrics.jsonl) or a metrics.jsonl file")
+    p.add_argument("--png", default=None, help="output image (default: <run>/loss.png)")
+    args = p.parse_args()
+    path = args.run if args.run.endswith(".jsonl") else os.path.join(args.run, "metrics.jsonl")
+    with open(path) as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    train = [(r["step"], r["loss"]) for r in rows if "loss" in r]
+    evals = [(r["step"], r["eval_loss"]) for r in rows if "eval_loss" in r]
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(7, 4))
+    if train:
+        ax.plot(*zip(*train), label="train loss", lw=1)
+    if evals:
+        ax.plot(*zip(*evals), "o-", label="eval loss")
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("loss (mean per target token)")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    out = args.png or os.path.join(os.path.dirname(path), "loss.png")
+    fig.savefig(out, dpi=120, bbox_inches="tight")
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,12 @@
+"""Shared test helpers."""
+import torch
+
+
+def assert_close(actual, expected, atol, rtol, name="tensor"):
+    """torch.testing.assert_close on fp32 copies, with the max and mean |difference| in the message."""
+    assert actual.shape == expected.shape, f"{name}: shape {tuple(actual.shape)} != expected {tuple(expected.shape)}"
+    a, e = actual.detach().float(), expected.detach().float()
+    diff = (a - e).abs()
+    stats = (f"{name}: max |diff| {diff.max().item():.3g}, mean |diff| {diff.mean().item():.3g}"
+             if diff.numel() else f"{name}: empty")
+    torch.testing.assert_close(a, e, atol=atol, rtol=rtol, equal_nan=False, msg=lambda m: f"{stats}\n{m}")

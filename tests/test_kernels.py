@@ -1,0 +1,417 @@
+"""Every kernel against its pure-torch reference: outputs, and input/weight gradients from
+one random upstream gradient pushed through both. On CPU the kernels run in Triton's
+interpreter (tests/conftest.py); `pytest -m gpu` repeats the checks at realistic sizes."""
+import importlib
+
+import pytest
+import torch
+
+from kernels import (apply_rope, cross_entropy, cross_entropy_reference, fused_linear_cross_entropy,
+                     fused_linear_cross_entropy_reference, geglu, geglu_backward, geglu_forward, geglu_reference,
+                     rms_norm, rms_norm_reference, rope_cos_sin, rope_reference, swiglu, swiglu_backward,
+                     swiglu_forward, swiglu_reference)
+from tests.helpers import assert_close
+
+# kernels/__init__.py re-exports the function of the same name, which hides the module attribute
+flce_module = importlib.import_module("kernels.fused_linear_cross_entropy")
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+# relative tolerance per dtype; the absolute tolerance is this times the largest |expected|.
+# bf16 and fp16: a few ulps (the kernels round once where torch rounds at every op).
+RTOL = {torch.float32: 1e-5, torch.bfloat16: 1.6e-2, torch.float16: 2e-3}
+gpu = pytest.mark.gpu
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)
+
+
+def close(actual, expected, dtype, name, scale=1.0):
+    rtol = RTOL[dtype] * scale
+    atol = rtol * expected.detach().abs().max().item() if expected.numel() else 0.0
+    assert_close(actual, expected, atol=atol, rtol=rtol, name=name)
+
+
+def leaves(*tensors):
+    """Two independent leaf copies of every tensor: one for the kernel, one for the reference."""
+    return [t.detach().clone().requires_grad_() for t in tensors], [t.detach().clone().requires_grad_() for t in tensors]
+
+
+# ----------------------------------------------------------------------------- cross-entropy
+
+def make_targets(N, V, ignore_index, device):
+    targets = torch.randint(0, V, (N,), device=device)
+    targets[torch.rand(N, device=device) < 0.25] = ignore_index
+    if N > 1:
+        targets[0] = ignore_index  # at least one ignored row, at least one counted row
+        targets[1] = torch.randint(0, V, ()).item()
+    return targets
+
+
+def check_cross_entropy(device, dtype, N, V, softcap=None, scale=None, reduction="mean", num_targets=None,
+                        ignore_index=-100, layout="contiguous"):
+    if layout == "contiguous":
+        base = torch.randn(N, V, device=device) * 4
+        view = lambda t: t
+    elif layout == "row_strided":  # e.g. a slice of a wider buffer
+        base = torch.randn(N, V + 37, device=device) * 4
+        view = lambda t: t[:, :V]
+    else:  # "transposed": the vocab dim is strided
+        base = torch.randn(V, N, device=device) * 4
+        view = lambda t: t.t()
+    (x,), (x_ref,) = leaves(base.to(dtype))
+    targets = make_targets(N, V, ignore_index, device)
+    kw = dict(ignore_index=ignore_index, softcap=softcap, scale=scale, reduction=reduction, num_targets=num_targets)
+    loss = cross_entropy(view(x), targets, **kw)
+    ref = cross_entropy_reference(view(x_ref), targets, **kw)
+    assert loss.dtype == torch.float32 and loss.shape == ref.shape
+    close(loss, ref, torch.float32, "loss", scale=10)
+    grad_loss = torch.randn_like(ref)
+    loss.backward(grad_loss)
+    ref.backward(grad_loss)
+    assert x.grad.dtype == dtype
+    close(x.grad, x_ref.grad, dtype, "dlogits")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("N, V", [(21, 32000), (8, 151936), (3, 262144), (5, 4099)])
+def test_cross_entropy(dtype, N, V):
+    # 151936 and 262144 span several 32768-wide chunks (online logsumexp), the last one partial
+    check_cross_entropy(DEVICE, dtype, N, V)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("softcap, scale", [(30.0, None), (None, 0.5), (30.0, 2.0), (5.0, None)])
+def test_cross_entropy_softcap_scale(dtype, softcap, scale):
+    check_cross_entropy(DEVICE, dtype, 6, 40000, softcap=softcap, scale=scale)
+
+
+@pytest.mark.parametrize("reduction", ["none", "sum", "mean"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cross_entropy_reduction(dtype, reduction):
+    check_cross_entropy(DEVICE, dtype, 9, 5000, reduction=reduction, softcap=20.0)
+
+
+@pytest.mark.parametrize("num_targets", [37, torch.tensor(37), torch.tensor(0)])
+def test_cross_entropy_caller_num_targets(num_targets):
+    check_cross_entropy(DEVICE, torch.float32, 7, 3000, num_targets=num_targets)
+
+
+@pytest.mark.parametrize("layout", ["row_strided", "transposed"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cross_entropy_non_contiguous(dtype, layout):
+    check_cross_entropy(DEVICE, dtype, 5, 33000, layout=layout)
+
+
+def test_cross_entropy_custom_ignore_index():
+    # 7 is a real token id here: rows with target 7 must be ignored, -100 has no meaning
+    check_cross_entropy(DEVICE, torch.float32, 8, 1000, ignore_index=7)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("N", [0, 5])
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_cross_entropy_zero_targets(dtype, N, reduction):
+    x = (torch.randn(N, 1000, device=DEVICE) * 4).to(dtype).requires_grad_()
+    targets = torch.full((N,), -100, device=DEVICE)
+    loss = cross_entropy(x, targets, reduction=reduction, softcap=30.0)
+    assert loss.dtype == torch.float32 and loss.item() == 0.0
+    loss.backward(torch.tensor(3.0, device=DEVICE))
+    assert x.grad.shape == x.shape and x.grad.dtype == dtype
+    assert torch.isfinite(x.grad).all() and (x.grad == 0).all()
+
+
+def test_cross_entropy_no_grad_skips_gradient():
+    x = torch.randn(4, 500, device=DEVICE, requires_grad=True)
+    targets = make_targets(4, 500, -100, DEVICE)
+    with torch.no_grad():
+        loss = cross_entropy(x, targets)
+    assert loss.grad_fn is None
+    close(loss, cross_entropy_reference(x, targets), torch.float32, "loss", scale=10)
+
+
+def test_cross_entropy_twice_backward_is_refused():
+    # the gradient buffer is scaled in place: a retained graph must not silently reuse it
+    x = torch.randn(3, 100, device=DEVICE, requires_grad=True)
+    loss = cross_entropy(x, torch.tensor([1, 2, 3], device=DEVICE))
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+
+
+# ----------------------------------------------------------------------------- fused linear cross-entropy
+
+def check_fused_linear_cross_entropy(device, dtype, N, H, V, chunk_rows=None, bias=False, train_weight=True,
+                                     softcap=None, reduction="mean", grad_scale=None, num_targets=None,
+                                     monkeypatch=None):
+    if chunk_rows is not None:  # force several chunks, the last one partial
+        monkeypatch.setattr(flce_module, "MAX_CHUNK_BYTES", chunk_rows * V * torch.finfo(dtype).bits // 8)
+        assert flce_module.chunk_rows(N, V, torch.finfo(dtype).bits // 8) == chunk_rows
+    tensors = [torch.randn(N, H, device=device).to(dtype), (torch.randn(V, H, device=device) / H**0.5).to(dtype)]
+    if bias:
+        tensors.append(torch.randn(V, device=device).to(dtype))
+    ours, refs = leaves(*tensors)
+    for t in ours[1:] + refs[1:]:
+        t.requires_grad_(train_weight)
+    targets = make_targets(N, V, -100, device)
+    kw = dict(softcap=softcap, reduction=reduction, num_targets=num_targets)
+    loss = fused_linear_cross_entropy(ours[0], ours[1], targets, bias=ours[2] if bias else None, **kw)
+    ref = fused_linear_cross_entropy_reference(refs[0], refs[1], targets, bias=refs[2] if bias else None, **kw)
+    assert loss.dtype == torch.float32
+    close(loss, ref, dtype, "loss")
+    grad_loss = torch.randn_like(ref) if grad_scale is None else torch.full_like(ref, grad_scale)
+    loss.backward(grad_loss)
+    ref.backward(grad_loss)
+    names = ["dhidden", "dweight", "dbias"]
+    for name, a, b in zip(names, ours, refs):
+        if not b.requires_grad:
+            assert a.grad is None, name
+            continue
+        assert a.grad.dtype == dtype, name
+        assert torch.isfinite(a.grad).all(), f"{name} is not finite"
+        close(a.grad, b.grad, dtype, name, scale=2)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fused_linear_cross_entropy(dtype, monkeypatch):
+    check_fused_linear_cross_entropy(DEVICE, dtype, 19, 48, 3001, chunk_rows=4, bias=True, monkeypatch=monkeypatch)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fused_linear_cross_entropy_softcap_frozen_weight(dtype, monkeypatch):
+    check_fused_linear_cross_entropy(DEVICE, dtype, 13, 32, 2000, chunk_rows=5, train_weight=False, softcap=30.0,
+                                     monkeypatch=monkeypatch)
+
+
+@pytest.mark.parametrize("reduction, num_targets", [("sum", None), ("mean", 50), ("mean", torch.tensor(50)),
+                                                     ("none", None)])
+def test_fused_linear_cross_entropy_reductions(reduction, num_targets, monkeypatch):
+    check_fused_linear_cross_entropy(DEVICE, torch.float32, 11, 24, 1500, chunk_rows=3, reduction=reduction,
+                                     num_targets=num_targets, train_weight=reduction != "none",
+                                     monkeypatch=monkeypatch)
+
+
+def test_fused_linear_cross_entropy_fp16_loss_scale(monkeypatch):
+    # grad_output = 65536 (fp16 loss scaling): scaled in fp32, then cast, so right and finite
+    check_fused_linear_cross_entropy(DEVICE, torch.float16, 17, 32, 2500, chunk_rows=6, grad_scale=65536.0,
+                                     monkeypatch=monkeypatch)
+
+
+def test_fused_linear_cross_entropy_none_with_trainable_weight_is_refused():
+    h, w = torch.randn(4, 8, device=DEVICE), torch.randn(50, 8, device=DEVICE, requires_grad=True)
+    with pytest.raises(ValueError, match="reduction='none'"):
+        fused_linear_cross_entropy(h, w, torch.tensor([1, 2, 3, 4], device=DEVICE), reduction="none")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("N", [0, 6])
+def test_fused_linear_cross_entropy_zero_targets(dtype, N):
+    h = torch.randn(N, 16, device=DEVICE).to(dtype).requires_grad_()
+    w = torch.randn(300, 16, device=DEVICE).to(dtype).requires_grad_()
+    loss = fused_linear_cross_entropy(h, w, torch.full((N,), -100, device=DEVICE), softcap=30.0)
+    assert loss.item() == 0.0
+    loss.backward()
+    for name, t in (("dhidden", h), ("dweight", w)):
+        assert t.grad.shape == t.shape and t.grad.dtype == dtype, name
+        assert torch.isfinite(t.grad).all() and (t.grad == 0).all(), name
+
+
+def test_fused_linear_cross_entropy_no_grad_skips_gradient():
+    h, w = torch.randn(5, 16, device=DEVICE, requires_grad=True), torch.randn(300, 16, device=DEVICE)
+    targets = make_targets(5, 300, -100, DEVICE)
+    with torch.no_grad():
+        loss = fused_linear_cross_entropy(h, w, targets)
+    assert loss.grad_fn is None
+    close(loss, fused_linear_cross_entropy_reference(h, w, targets), torch.float32, "loss", scale=10)
+
+
+# ----------------------------------------------------------------------------- RMSNorm
+
+def check_rms_norm(device, dtype, shape, cast, offset, w_dtype=None):
+    H = shape[-1]
+    x = torch.randn(shape, device=device).to(dtype)
+    w = (torch.randn(H, device=device) * 0.5 + (1.0 if offset == 0.0 else 0.0)).to(w_dtype or dtype)
+    (x1, w1), (x2, w2) = leaves(x, w)
+    y = rms_norm(x1, w1, eps=1e-6, offset=offset, cast=cast)
+    ref = rms_norm_reference(x2, w2, eps=1e-6, offset=offset, cast=cast)
+    assert y.dtype == ref.dtype and y.shape == ref.shape
+    close(y, ref, dtype, "y")  # x's dtype: the llama cast rounds xhat to it
+    dy = torch.randn_like(ref)
+    y.backward(dy)
+    ref.backward(dy)
+    assert x1.grad.dtype == x.dtype and w1.grad.dtype == w.dtype
+    close(x1.grad, x2.grad, dtype, "dx", scale=2)
+    close(w1.grad, w2.grad, dtype, "dw", scale=2)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(3, 423, 96), (2, 3, 2304)])
+@pytest.mark.parametrize("cast, offset", [("llama", 0.0), ("gemma", 1.0)])
+def test_rms_norm(dtype, shape, cast, offset):
+    check_rms_norm(DEVICE, dtype, shape, cast, offset)
+
+
+@pytest.mark.parametrize("cast, offset", [("llama", 1.0), ("gemma", 0.0)])
+def test_rms_norm_other_offsets(cast, offset):
+    check_rms_norm(DEVICE, torch.bfloat16, (5, 200), cast, offset)
+
+
+def test_rms_norm_fp32_weight_bf16_input():
+    # llama cast promotes to the weight's dtype, as HF's `weight * x.to(input_dtype)` does
+    check_rms_norm(DEVICE, torch.bfloat16, (4, 7, 64), "llama", 0.0, w_dtype=torch.float32)
+
+
+def test_rms_norm_non_contiguous():
+    x = torch.randn(6, 5, 130, device=DEVICE)[:, :, 1:129]  # (6, 5, 128), row stride 130
+    w = torch.randn(128, device=DEVICE)
+    close(rms_norm(x, w), rms_norm_reference(x, w), torch.float32, "y")
+
+
+# ----------------------------------------------------------------------------- RoPE
+
+def check_rope(device, dtype, B, T, Hq, Hk, D, cs_dtype=torch.float32, packed=False, transposed=False):
+    if packed:  # two documents per row, positions restart at 0
+        position_ids = torch.cat([torch.arange(T // 2), torch.arange(T - T // 2)]).expand(B, T).to(device)
+    else:
+        position_ids = torch.randint(0, 4096, (B, T), device=device)
+    inv_freq = 1.0 / 10000 ** (torch.arange(0, D, 2, device=device).float() / D)
+    cos, sin = rope_cos_sin(position_ids, inv_freq, attention_scaling=1.1, dtype=cs_dtype)
+    if transposed:  # [B, H, T, D] storage seen as [B, T, H, D]
+        q = torch.randn(B, Hq, T, D, device=device).to(dtype).transpose(1, 2)
+        k = torch.randn(B, Hk, T, D, device=device).to(dtype).transpose(1, 2)
+    else:
+        q = torch.randn(B, T, Hq, D, device=device).to(dtype)
+        k = torch.randn(B, T, Hk, D, device=device).to(dtype)
+    (q1, k1), (q2, k2) = leaves(q, k)
+    out = apply_rope(q1, k1, cos, sin)
+    ref = rope_reference(q2, k2, cos, sin)
+    dq, dk = torch.randn_like(ref[0]), torch.randn_like(ref[1])
+    for name, a, b in (("q_out", out[0], ref[0]), ("k_out", out[1], ref[1])):
+        assert a.dtype == dtype and a.shape == b.shape, name
+        close(a, b, dtype, name)
+    torch.autograd.backward(out, (dq, dk))
+    torch.autograd.backward(ref, (dq, dk))
+    close(q1.grad, q2.grad, dtype, "dq")
+    close(k1.grad, k2.grad, dtype, "dk")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("B, T, Hq, Hk, D", [(2, 7, 4, 2, 64), (1, 5, 8, 4, 256), (3, 3, 6, 1, 80)])
+def test_rope(dtype, B, T, Hq, Hk, D):
+    check_rope(DEVICE, dtype, B, T, Hq, Hk, D)
+
+
+def test_rope_packed_positions_broadcast_cos_bf16_tables():
+    check_rope(DEVICE, torch.bfloat16, 1, 12, 4, 2, 32, cs_dtype=torch.bfloat16, packed=True)
+
+
+def test_rope_non_contiguous():
+    check_rope(DEVICE, torch.float32, 2, 6, 4, 2, 64, transposed=True)
+
+
+# ----------------------------------------------------------------------------- SwiGLU / GeGLU
+
+ACTIVATIONS = {
+    "swiglu": (swiglu, swiglu_reference, swiglu_forward, swiglu_backward),
+    "geglu_tanh": (lambda g, u: geglu(g, u, "tanh"), lambda g, u: geglu_reference(g, u, "tanh"),
+                   lambda g, u: geglu_forward(g, u, "tanh"),
+                   lambda dh, g, u, **kw: geglu_backward(dh, g, u, "tanh", **kw)),
+    "geglu_erf": (lambda g, u: geglu(g, u, "none"), lambda g, u: geglu_reference(g, u, "none"),
+                  lambda g, u: geglu_forward(g, u, "none"),
+                  lambda dh, g, u, **kw: geglu_backward(dh, g, u, "none", **kw)),
+}
+
+
+def check_activation(device, dtype, shape, act, non_contiguous=False):
+    fn, reference, _, _ = ACTIVATIONS[act]
+    gate = (torch.randn(shape, device=device) * 3).to(dtype)
+    up = torch.randn(shape, device=device).to(dtype)
+    (g1, u1), (g2, u2) = leaves(gate, up)
+    view = (lambda t: t.transpose(0, -1)) if non_contiguous else (lambda t: t)
+    h = fn(view(g1), view(u1))
+    ref = reference(view(g2), view(u2))
+    assert h.dtype == dtype and h.shape == ref.shape
+    close(h, ref, dtype, "h")
+    dh = torch.randn_like(ref)
+    h.backward(dh)
+    ref.backward(dh)
+    close(g1.grad, g2.grad, dtype, "dgate", scale=2)
+    close(u1.grad, u2.grad, dtype, "dup")
+
+
+@pytest.mark.parametrize("act", list(ACTIVATIONS))
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(3, 423, 37), (1, 2, 4096)])
+def test_activation(act, dtype, shape):
+    check_activation(DEVICE, dtype, shape, act)
+
+
+@pytest.mark.parametrize("act", list(ACTIVATIONS))
+def test_activation_non_contiguous(act):
+    check_activation(DEVICE, torch.float32, (5, 7, 11), act, non_contiguous=True)
+
+
+@pytest.mark.parametrize("act", list(ACTIVATIONS))
+def test_activation_low_level_inplace(act):
+    _, reference, forward, backward = ACTIVATIONS[act]
+    gate, up, dh = (torch.randn(4, 300, device=DEVICE) for _ in range(3))
+    g_ref, u_ref = gate.clone().requires_grad_(), up.clone().requires_grad_()
+    reference(g_ref, u_ref).backward(dh)
+    close(forward(gate, up), reference(gate, up), torch.float32, "h")
+    dgate, dup = backward(dh, gate, up, inplace=True)
+    assert dgate.data_ptr() == gate.data_ptr() and dup.data_ptr() == up.data_ptr()
+    close(dgate, g_ref.grad, torch.float32, "dgate")
+    close(dup, u_ref.grad, torch.float32, "dup")
+
+
+# ----------------------------------------------------------------------------- GPU, realistic sizes
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("V", [32000, 151936, 262144])
+@pytest.mark.parametrize("softcap", [None, 30.0])
+def test_gpu_cross_entropy(dtype, V, softcap):
+    check_cross_entropy("cuda", dtype, 4096, V, softcap=softcap)
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("N, H, V", [(4096, 2048, 32000), (2048, 2304, 256000)])
+def test_gpu_fused_linear_cross_entropy(dtype, N, H, V):
+    check_fused_linear_cross_entropy("cuda", dtype, N, H, V, softcap=30.0 if V == 256000 else None)
+
+
+@gpu
+@needs_cuda
+def test_gpu_fused_linear_cross_entropy_fp16_loss_scale():
+    check_fused_linear_cross_entropy("cuda", torch.float16, 4096, 2048, 32000, grad_scale=65536.0)
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("H, cast, offset", [(2048, "llama", 0.0), (2304, "gemma", 1.0)])
+def test_gpu_rms_norm(dtype, H, cast, offset):
+    check_rms_norm("cuda", dtype, (4, 2048, H), cast, offset)
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("Hq, Hk, D", [(32, 4, 64), (8, 4, 256)])
+def test_gpu_rope(dtype, Hq, Hk, D):
+    check_rope("cuda", dtype, 4, 2048, Hq, Hk, D)
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("act", list(ACTIVATIONS))
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("inter", [5632, 9216])
+def test_gpu_activation(act, dtype, inter):
+    check_activation("cuda", dtype, (4, 2048, inter), act)
