@@ -21,8 +21,9 @@ import random
 import shutil
 import signal
 import sys
+import tempfile
 import time
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 
 import torch
@@ -31,6 +32,8 @@ import torch.distributed as dist
 import data
 from model import LoRAConfig, load_model, load_tokenizer
 from model.adapters import save_adapter
+from model.config import from_hf_config
+from model.load import read_hf_config, resolve
 from model.lora import ALL_TARGETS, lora_parameters
 
 
@@ -123,6 +126,12 @@ def validate(cfg: TrainConfig):
         fail(f"--lora-targets: unknown module(s) {unknown or '(none given)'}; this model has {','.join(ALL_TARGETS)}")
     if cfg.quantize not in (None, "nf4"):
         fail(f"--quantize must be nf4 (or left out), got {cfg.quantize!r}")
+    if cfg.quantize == "nf4":
+        try:
+            import bitsandbytes  # noqa: F401  (model/qlora.py needs it; fail now, not after the data is read)
+        except Exception as e:  # ImportError, or the error of a bitsandbytes whose native library fails to load
+            fail(f"--quantize nf4 needs bitsandbytes, which cannot be imported ({type(e).__name__}: {e}). Install "
+                 "it (pip install bitsandbytes), or leave out --quantize to train LoRA on the full-precision base")
     if cfg.dtype not in ("auto", "bf16", "fp16", "fp32"):
         fail(f"--dtype must be auto, bf16, fp16 or fp32, got {cfg.dtype!r}")
 
@@ -160,32 +169,66 @@ def choose_dtype(cfg, device):
     return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[cfg.dtype], "as requested"
 
 
-def prepare_out_dir(cfg):
-    """Refuse to mix runs; check the folder is writable before any long work starts."""
+def check_out_dir(cfg):
+    """Refuse to mix runs, and check that out_dir can be written, before any long work. Writes nothing."""
     has_run = os.path.isdir(cfg.out_dir) and any(
         os.path.exists(os.path.join(cfg.out_dir, f)) for f in ("metrics.jsonl", "checkpoints", "train_config.json"))
     if has_run and not (cfg.overwrite or cfg.resume):
         fail(f"{cfg.out_dir!r} already holds a run. Pass --resume auto to continue it, --overwrite to replace "
              "it, or choose another --out-dir")
-    parent = os.path.dirname(os.path.abspath(cfg.out_dir))
-    probe_dir = cfg.out_dir if os.path.isdir(cfg.out_dir) else parent
-    if not os.path.isdir(probe_dir) or not os.access(probe_dir, os.W_OK):
-        fail(f"cannot write to {probe_dir!r}: choose a writable --out-dir")
+    where = nearest_existing(cfg.out_dir)
+    try:  # os.access says yes to root even on a read-only mount: try for real (an unnamed file, gone on close)
+        tempfile.TemporaryFile(dir=where).close()
+    except OSError as e:
+        fail(f"cannot write to --out-dir {cfg.out_dir!r} ({e.strerror}: {where!r}); choose a writable folder")
+
+
+def nearest_existing(path):
+    """`path`, or its closest ancestor that exists: where a folder not yet created will live."""
+    path = os.path.abspath(path)
+    while not os.path.exists(path):
+        path = os.path.dirname(path)
+    return path
 
 
 def check_free_disk(cfg, model):
     need = 3 * sum(p.numel() * 4 for _, p in lora_parameters(model)) + (64 << 20)  # weights + 2 Adam moments
-    free = shutil.disk_usage(cfg.out_dir).free
+    free = shutil.disk_usage(nearest_existing(cfg.out_dir)).free
     if free < 2 * need:
         fail(f"only {free / 2**20:.0f} MiB free in {cfg.out_dir!r}, a checkpoint needs about "
              f"{need / 2**20:.0f} MiB (twice that while the previous one is kept); free space or use another --out-dir")
 
 
-def load_data(cfg, tokenizer, model_cfg):
-    vocab = model_cfg.vocab_size
-    if tokenizer.vocab_size > vocab:
-        fail(f"the tokenizer has {tokenizer.vocab_size} tokens but the model's embedding has {vocab} rows: "
-             "they do not belong together. Use the tokenizer of this model")
+def check_vocab(tokenizer, model_cfg):
+    if tokenizer.vocab_size > model_cfg.vocab_size:
+        fail(f"the tokenizer has {tokenizer.vocab_size} tokens but the model's embedding has {model_cfg.vocab_size} "
+             "rows: they do not belong together. Use the tokenizer of this model")
+
+
+def start_run_folder(cfg, step):
+    """Create out_dir (rank 0, once every check has passed). --overwrite clears the previous run, so a later
+    --resume auto cannot pick up its checkpoints; --resume drops the metrics past the checkpoint at `step`,
+    which the resumed run writes again (its train records after `step`, its evals from `step` on)."""
+    os.makedirs(cfg.out_dir, exist_ok=True)
+    metrics = os.path.join(cfg.out_dir, "metrics.jsonl")
+    if cfg.resume and os.path.exists(metrics):
+        with open(metrics) as f:
+            records = [json.loads(line) for line in f if line.endswith("\n")]  # a line cut by a kill has no \n
+        keep = [r for r in records if r["step"] < step or (r["step"] == step and "loss" in r)]
+        with open(metrics, "w") as f:
+            f.writelines(json.dumps(r) + "\n" for r in keep)
+    elif cfg.overwrite:
+        for name in ("metrics.jsonl", "checkpoints", "adapter"):
+            path = os.path.join(cfg.out_dir, name)
+            if os.path.isdir(path):
+                shutil.rmtree(path)
+            elif os.path.exists(path):
+                os.remove(path)
+    with open(os.path.join(cfg.out_dir, "train_config.json"), "w") as f:
+        json.dump(dataclasses.asdict(cfg), f, indent=2)
+
+
+def load_data(cfg, tokenizer):
     examples = data.load_examples(cfg.data)
     if cfg.data == "builtin" or cfg.data.startswith("builtin"):
         train_ex, eval_ex = examples, data.load_examples("builtin:eval")
@@ -200,10 +243,10 @@ def load_data(cfg, tokenizer, model_cfg):
     eval_enc = [data.encode_example(e, tokenizer) for e in eval_ex]
     fits = [e for e in enc if len(e[0]) <= cfg.max_len]
     if not fits:
-        longest = min(len(e[0]) for e in enc)
-        fail(f"every training example is longer than --max-len {cfg.max_len} (the shortest has {longest} tokens); "
+        shortest = min(len(e[0]) for e in enc)
+        fail(f"every training example is longer than --max-len {cfg.max_len} (the shortest has {shortest} tokens); "
              "raise --max-len or shorten the examples")
-    if not any(any(m[1:]) for _, m in enc):  # a target needs a preceding token
+    if not any(any(m[1:]) for _, m in fits):  # a target needs a preceding token
         fail("no example has any target token (every label is masked): check the dataset's answers/assistant "
              "turns, or pass --train-on-inputs")
     if len(fits) < len(enc):
@@ -216,31 +259,43 @@ def load_data(cfg, tokenizer, model_cfg):
 
 def latest_checkpoint(out_dir):
     root = os.path.join(out_dir, "checkpoints")
-    steps = sorted(d for d in os.listdir(root) if d.startswith("step-")) if os.path.isdir(root) else []
+    if not os.path.isdir(root):
+        return None
+    steps = sorted(d for d in os.listdir(root) if d.startswith("step-") and not d.endswith(".tmp"))  # .tmp: incomplete
     return os.path.join(root, steps[-1]) if steps else None
 
 
-def save_checkpoint(cfg, model, optimizer, state, batches, step):
+def save_checkpoint(cfg, model, optimizer, state, batches, step, rank, world):
     """Write everything a resume needs into a temp folder, then rename it into place (atomic):
-    a save that is interrupted leaves only a stray *.tmp folder and every earlier checkpoint intact."""
+    a save that is interrupted leaves only a stray *.tmp folder and every earlier checkpoint intact.
+    Every rank calls it (each sends its RNG state); rank 0 writes. Returns the path on every rank."""
+    rng = {"torch": torch.get_rng_state(), "python": random.getstate(),
+           "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
+    rngs = [rng] * world
+    if world > 1:  # each rank's own dropout stream, so a resume continues every one of them exactly
+        dist.all_gather_object(rngs, rng)
     root = os.path.join(cfg.out_dir, "checkpoints")
-    os.makedirs(root, exist_ok=True)
     final = os.path.join(root, f"step-{step:07d}")
+    if rank != 0:
+        return final
+    os.makedirs(root, exist_ok=True)
+    for d in os.listdir(root):
+        if d.endswith(".tmp"):  # left by a save that was killed: incomplete, never read
+            shutil.rmtree(os.path.join(root, d))
     tmp = final + ".tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)  # the folder name says it is incomplete until the rename below
     torch.save({
         "step": step,
         "config": dataclasses.asdict(cfg),
+        "world_size": world,
         "lora": {n: p.detach().cpu() for n, p in lora_parameters(model)},
         "optimizer": optimizer.state_dict(),
         "state": state,  # loss scale, good-step counter
-        "data": batches.state_dict(),
-        "rng": {"torch": torch.get_rng_state(), "python": random.getstate(),
-                "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None},
+        "data": batches.state_dict(),  # the same on every rank: they step together
+        "rng": rngs,  # one per rank
     }, os.path.join(tmp, "state.pt"))
     save_adapter(model, os.path.join(tmp, "adapter"), base_model=cfg.model)
-    if os.path.isdir(final):  # the same step saved again (a resumed run): replace it
+    if os.path.isdir(final):  # the same step saved again (a run resumed from an older checkpoint): replace it
         shutil.rmtree(final)
     os.replace(tmp, final)
     old = sorted(d for d in os.listdir(root) if d.startswith("step-") and not d.endswith(".tmp"))
@@ -249,7 +304,8 @@ def save_checkpoint(cfg, model, optimizer, state, batches, step):
     return final
 
 
-def load_checkpoint(cfg, model, optimizer, batches, device):
+def find_checkpoint(cfg, world):
+    """The checkpoint that --resume names, read and checked against this run before any long work."""
     path = latest_checkpoint(cfg.out_dir) if cfg.resume == "auto" else cfg.resume
     if path is None or not os.path.isfile(os.path.join(path, "state.pt")):
         fail(f"--resume {cfg.resume}: no checkpoint found (looked for {path or cfg.out_dir + '/checkpoints/step-*'}/state.pt)")
@@ -259,18 +315,28 @@ def load_checkpoint(cfg, model, optimizer, batches, device):
         if old[key] != getattr(cfg, key):
             fail(f"--resume {path}: the checkpoint was trained with {key}={old[key]!r}, this run has "
                  f"{getattr(cfg, key)!r}. Resume with the same model and LoRA settings, or start a new --out-dir")
+    if ck["world_size"] != world:
+        fail(f"--resume {path}: the checkpoint was written by {ck['world_size']} process(es), this run has "
+             f"{world}. Resume with the same number (torchrun --nproc_per_node={ck['world_size']}): each process "
+             "continues its own share of the data")
+    ck["path"] = path
+    return ck
+
+
+def restore(ck, model, optimizer, batches, rank, device):
+    """Load checkpoint `ck` (from find_checkpoint) into the run. Returns (step, loss-scaling state)."""
     params = dict(lora_parameters(model))
     with torch.no_grad():
         for n, t in ck["lora"].items():
             params[n].copy_(t.to(device))
     optimizer.load_state_dict(ck["optimizer"])
     batches.load_state_dict(ck["data"])
-    torch.set_rng_state(ck["rng"]["torch"])
-    random.setstate(ck["rng"]["python"])
-    if ck["rng"]["cuda"] is not None and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(ck["rng"]["cuda"])
-    print(f"resumed from {path} at step {ck['step']}")
-    return ck["step"], ck["state"], path
+    rng = ck["rng"][rank]
+    torch.set_rng_state(rng["torch"])
+    random.setstate(rng["python"])
+    if rng["cuda"] is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(rng["cuda"])
+    return ck["step"], ck["state"]
 
 
 # ----------------------------------------------------------------------------- eval
@@ -318,6 +384,35 @@ def lr_at(cfg, step):
 # ----------------------------------------------------------------------------- main
 
 
+@contextmanager
+def stop_on_sigint():
+    """A flag that SIGINT (Ctrl-C) sets instead of raising KeyboardInterrupt, so the loop can finish its step
+    and checkpoint. Repeats only set it again (torchrun sends its workers one more); on exit the previous
+    handler is back."""
+    stop = {"requested": False}
+    previous = signal.signal(signal.SIGINT, lambda *_: stop.update(requested=True))
+    try:
+        yield stop
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def any_rank(flag, world, device):
+    """`flag` or-ed over the ranks, so that all of them take the same branch (and meet in the same collectives)."""
+    if world == 1:
+        return flag
+    t = torch.tensor(int(flag), device=device)
+    dist.all_reduce(t)
+    return bool(t)
+
+
+def next_steps(last_ckpt, fix):
+    """How to go on after the run stopped on NaN/inf: `fix`, then continue from the last good checkpoint."""
+    if last_ckpt is None:
+        return f"No checkpoint was saved yet: {fix} and start again"
+    return f"The last good checkpoint is {last_ckpt}: {fix} and continue from it with --resume {last_ckpt}"
+
+
 def main(cfg: TrainConfig):
     validate(cfg)
     rank, world, device = setup_distributed(cfg)
@@ -326,19 +421,24 @@ def main(cfg: TrainConfig):
     dtype, why = choose_dtype(cfg, device)
     use_kernels = device.type == "cuda" if cfg.kernels is None else cfg.kernels
     log(f"device {device}, dtype {dtype}: {why}; kernels {'on' if use_kernels else 'off (torch references)'}")
-    if master:
-        prepare_out_dir(cfg)
-    torch.manual_seed(cfg.seed)
-    random.seed(cfg.seed)
+    # Every input is checked before the slow work (the weights, the training), on every rank alike, and
+    # nothing is written until all checks have passed.
+    check_out_dir(cfg)
+    resume_from = find_checkpoint(cfg, world) if cfg.resume else None
+    tokenizer = load_tokenizer(cfg.model)
+    if not cfg.model.endswith(".gguf"):  # config.json alone; a .gguf holds its tokenizer and weights together
+        check_vocab(tokenizer, from_hf_config(read_hf_config(resolve(cfg.model))))
+    train_enc, eval_enc = load_data(cfg, tokenizer)
+    torch.manual_seed(cfg.seed + rank)  # dropout, different on each rank (the LoRA init has its own generator)
+    random.seed(cfg.seed + rank)
 
     lora = LoRAConfig(r=cfg.lora_r, alpha=cfg.lora_alpha, dropout=cfg.lora_dropout,
                       targets=tuple(t for t in cfg.lora_targets.split(",") if t), rslora=cfg.rslora)
-    tokenizer = load_tokenizer(cfg.model)
     model, mcfg = load_model(cfg.model, dtype=dtype, device=device, lora=lora, quantize=cfg.quantize,
                              use_kernels=use_kernels, lora_seed=cfg.seed)
     model.gradient_checkpointing = cfg.gradient_checkpointing
     model.offload_activations = cfg.offload_activations
-    train_enc, eval_enc = load_data(cfg, tokenizer, mcfg)
+    check_free_disk(cfg, model)
     pad = tokenizer.pad_id if tokenizer.pad_id is not None else tokenizer.eos_id
     batches = data.Batches(train_enc, batch_size=cfg.batch_size, max_len=cfg.max_len, pad_id=pad,
                            packing=cfg.packing, seed=cfg.seed, rank=rank, world_size=world)
@@ -356,126 +456,133 @@ def main(cfg: TrainConfig):
     # divide the gradients by it before clipping; on inf/NaN skip the step and halve the scale.
     state = {"scale": cfg.loss_scale if dtype == torch.float16 else 1.0, "good_steps": 0, "skipped_in_row": 0}
     step, last_ckpt = 0, None
-    if cfg.resume:
-        step, state, last_ckpt = load_checkpoint(cfg, model, optimizer, batches, device)
+    if resume_from:
+        step, state = restore(resume_from, model, optimizer, batches, rank, device)
+        last_ckpt = resume_from["path"]
+        if dtype != torch.float16:  # a checkpoint of an fp16 run, resumed in bf16/fp32: no loss scaling
+            state["scale"] = 1.0
+        log(f"resumed from {last_ckpt} at step {step}")
     saved_step = step  # never re-save the checkpoint we start from
     ddp = None
     if world > 1:
         ddp = torch.nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
     forward = ddp if ddp is not None else model
     if master:
-        os.makedirs(cfg.out_dir, exist_ok=True)
-        check_free_disk(cfg, model)
-        with open(os.path.join(cfg.out_dir, "train_config.json"), "w") as f:
-            json.dump(dataclasses.asdict(cfg), f, indent=2)
-        if not cfg.resume and os.path.exists(os.path.join(cfg.out_dir, "metrics.jsonl")):
-            os.remove(os.path.join(cfg.out_dir, "metrics.jsonl"))
+        start_run_folder(cfg, step)
     metrics = open(os.path.join(cfg.out_dir, "metrics.jsonl"), "a") if master else None
-    stop = {"requested": False}
-    signal.signal(signal.SIGINT, lambda *_: stop.update(requested=True))  # finish the step, save, exit
 
     model.train()
     t_last, tokens_since = time.time(), 0
-    while step < cfg.max_steps:
-        lr = lr_at(cfg, step)
-        for g in optimizer.param_groups:
-            g["lr"] = lr
+    with stop_on_sigint() as stop:  # Ctrl-C: finish the step, checkpoint, exit
+        while step < cfg.max_steps:
+            lr = lr_at(cfg, step)
+            for g in optimizer.param_groups:
+                g["lr"] = lr
 
-        if cfg.eval_every and step % cfg.eval_every == 0 and eval_sets:
-            log_eval(step, evaluate(model, eval_sets, device), metrics, log)
-        if master and cfg.save_every and step % cfg.save_every == 0 and step > saved_step:
-            last_ckpt, saved_step = save_checkpoint(cfg, model, optimizer, state, batches, step), step
+            if cfg.save_every and step % cfg.save_every == 0 and step > saved_step:
+                last_ckpt, saved_step = save_checkpoint(cfg, model, optimizer, state, batches, step, rank, world), step
+            if cfg.eval_every and step % cfg.eval_every == 0 and eval_sets:
+                log_eval(step, evaluate(model, eval_sets, device), metrics, log)
 
-        micro = [next(batches) for _ in range(cfg.grad_accum)]
-        n_targets = torch.tensor(sum(data.num_targets(b) for b in micro), device=device)
-        if world > 1:  # every rank joins, even one whose micro-batches have no targets
-            dist.all_reduce(n_targets)
-        n_targets = int(n_targets)
-        if n_targets == 0:
-            log(f"warning: step {step} has no target tokens (every label masked); skipping it")
-            step += 1
-            continue
-        loss_sum = torch.zeros((), device=device)
-        for i, batch in enumerate(micro):
-            b = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
-            check_dtype(b["input_ids"], torch.long, "input_ids")
-            sync = ddp.no_sync() if ddp is not None and i < len(micro) - 1 else nullcontext()
-            with sync:
-                loss = forward(b["input_ids"], b["position_ids"], b["doc_ids"], targets=b["targets"],
-                               num_targets=n_targets)  # Σ token losses of this micro-batch / n_targets
-                check_dtype(loss, torch.float32, "loss")
-                # DDP averages gradients over ranks; the loss is already divided by the global
-                # count, so multiply by world to get the gradient of the global sum / count.
-                (loss * (state["scale"] * world)).backward()
-            loss_sum += loss.detach()
-            tokens_since += b["input_ids"].numel() * world
+            micro = [next(batches) for _ in range(cfg.grad_accum)]
+            n_targets = torch.tensor(sum(data.num_targets(b) for b in micro), device=device)
+            if world > 1:  # every rank joins, even one whose micro-batches have no targets
+                dist.all_reduce(n_targets)
+            n_targets = int(n_targets)
+            if n_targets == 0:  # the same on every rank
+                log(f"warning: step {step + 1} has no target tokens (every label masked); skipping it")
+                step += 1
+                continue
+            loss_sum = torch.zeros((), device=device)
+            for i, batch in enumerate(micro):
+                b = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+                check_dtype(b["input_ids"], torch.long, "input_ids")
+                sync = ddp.no_sync() if ddp is not None and i < len(micro) - 1 else nullcontext()
+                with sync:  # a rank without targets here still runs backward (zero grads): DDP's all-reduce needs it
+                    loss = forward(b["input_ids"], b["position_ids"], b["doc_ids"], targets=b["targets"],
+                                   num_targets=n_targets)  # Σ token losses of this micro-batch / n_targets
+                    check_dtype(loss, torch.float32, "loss")
+                    # DDP averages gradients over ranks; the loss is already divided by the global
+                    # count, so multiply by world to get the gradient of the global sum / count.
+                    (loss * (state["scale"] * world)).backward()
+                loss_sum += loss.detach()
+                tokens_since += b["input_ids"].numel() * world
 
-        for p in params:
-            if p.grad is not None:
-                check_dtype(p.grad, torch.float32, "LoRA gradient")
-                p.grad.div_(state["scale"])  # unscale before clipping, so the grad norm is the true one
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip if cfg.grad_clip > 0 else float("inf"))
-        if world > 1:
-            dist.all_reduce(loss_sum)
-        loss_val = loss_sum.item()
-        finite = math.isfinite(grad_norm.item()) and math.isfinite(loss_val)
-        if dtype == torch.float16:
-            if finite:
-                optimizer.step()
-                state["good_steps"] += 1
-                state["skipped_in_row"] = 0
-                if state["good_steps"] % cfg.scale_growth_interval == 0:
-                    state["scale"] *= 2
+            for p in params:
+                if p.grad is not None:
+                    check_dtype(p.grad, torch.float32, "LoRA gradient")
+                    p.grad.div_(state["scale"])  # unscale before clipping, so the grad norm is the true one
+            grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip if cfg.grad_clip > 0 else float("inf"))
+            if world > 1:
+                dist.all_reduce(loss_sum)
+            loss_val = loss_sum.item()
+            finite = math.isfinite(grad_norm.item()) and math.isfinite(loss_val)  # the same on every rank
+            if dtype == torch.float16:
+                if finite:
+                    optimizer.step()
+                    state["good_steps"] += 1
+                    state["skipped_in_row"] = 0
+                    if state["good_steps"] % cfg.scale_growth_interval == 0:
+                        state["scale"] *= 2
+                else:
+                    state["scale"] = max(state["scale"] / 2, 1.0)
+                    state["good_steps"] = 0
+                    state["skipped_in_row"] += 1
+                    log(f"step {step + 1}: inf/NaN gradients in fp16, skipped; loss scale -> {state['scale']:g}")
+                    if state["skipped_in_row"] > cfg.max_skipped_steps:
+                        fix = "lower --lr, or use --dtype bf16 where the GPU has it (or fp32),"
+                        fail(f"{state['skipped_in_row']} fp16 steps in a row had inf/NaN gradients (up to step "
+                             f"{step + 1}; loss scale now {state['scale']:g}), more than --max-skipped-steps "
+                             f"{cfg.max_skipped_steps}. {next_steps(last_ckpt, fix)}")
+            elif not finite:
+                fail(f"the loss or gradient is NaN/inf at step {step + 1} (loss {loss_val:g}, grad norm "
+                     f"{grad_norm.item():g}). {next_steps(last_ckpt, 'lower --lr (or check the data)')}")
             else:
-                state["scale"] = max(state["scale"] / 2, 1.0)
-                state["good_steps"] = 0
-                state["skipped_in_row"] += 1
-                log(f"step {step}: inf/NaN gradients in fp16, skipped; loss scale -> {state['scale']:g}")
-                if state["skipped_in_row"] > cfg.max_skipped_steps:
-                    fail(f"{state['skipped_in_row']} fp16 steps in a row had inf/NaN gradients (step {step}); "
-                         f"last good checkpoint: {last_ckpt or 'none'}. Lower --lr, or use --dtype bf16/fp32")
-        elif not finite:
-            fail(f"loss or gradient is NaN/inf at step {step} (loss {loss_val}, grad norm {grad_norm.item()}); "
-                 f"last good checkpoint: {last_ckpt or 'none'}. Lower --lr or check the data; resume with --resume")
-        else:
-            optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        step += 1
+                optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            step += 1
 
-        if step % cfg.log_every == 0 or step == cfg.max_steps:
-            dt = time.time() - t_last
-            tok_s = tokens_since / max(dt, 1e-9)
-            mem = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else 0.0
-            rec = {"step": step, "loss": loss_val, "lr": lr, "grad_norm": grad_norm.item(), "tokens_per_s": tok_s,
-                   "peak_mem_gib": mem, "loss_scale": state["scale"], "target_tokens": n_targets}
-            scale = f" | scale {state['scale']:g}" if dtype == torch.float16 else ""
-            log(f"step {step}/{cfg.max_steps} | loss {loss_val:.4f} | lr {lr:.2e} | grad norm {grad_norm.item():.3f} | "
-                f"{tok_s / 1e3:.1f}k tok/s{scale} | peak mem {mem:.2f} GiB")
-            if master:
-                metrics.write(json.dumps(rec) + "\n")
-                metrics.flush()
-            t_last, tokens_since = time.time(), 0
-        if stop["requested"]:
-            if master:
-                last_ckpt = save_checkpoint(cfg, model, optimizer, state, batches, step)
-            log(f"interrupted: saved {last_ckpt}. Continue with: python train.py --resume auto "
-                f"--out-dir {cfg.out_dir} (and the same options)")
-            return
+            if step % cfg.log_every == 0 or step == cfg.max_steps:
+                dt = time.time() - t_last
+                tok_s = tokens_since / max(dt, 1e-9)
+                mem = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else 0.0
+                rec = {"step": step, "loss": loss_val, "lr": lr, "grad_norm": grad_norm.item(), "tokens_per_s": tok_s,
+                       "peak_mem_gib": mem, "loss_scale": state["scale"], "target_tokens": n_targets}
+                scale = f" | scale {state['scale']:g}" if dtype == torch.float16 else ""
+                log(f"step {step}/{cfg.max_steps} | loss {loss_val:.4f} | lr {lr:.2e} | grad norm {grad_norm.item():.3f} | "
+                    f"{tok_s / 1e3:.1f}k tok/s{scale} | peak mem {mem:.2f} GiB")
+                if master:
+                    metrics.write(json.dumps(rec) + "\n")
+                    metrics.flush()
+                t_last, tokens_since = time.time(), 0
+            if any_rank(stop["requested"], world, device):
+                break
 
-    if eval_sets:
-        log_eval(step, evaluate(model, eval_sets, device), metrics, log)
+    if step > saved_step:
+        last_ckpt = save_checkpoint(cfg, model, optimizer, state, batches, step, rank, world)
+    if step < cfg.max_steps:
+        log(f"interrupted after step {step}: saved {last_ckpt}. To continue, run the same command with --resume auto")
+    else:
+        if eval_sets:
+            log_eval(step, evaluate(model, eval_sets, device), metrics, log)
+        if master:
+            save_adapter(model, os.path.join(cfg.out_dir, "adapter"), base_model=cfg.model)
+            log(f"done: adapter in {os.path.join(cfg.out_dir, 'adapter')} (PEFT format), checkpoint {last_ckpt}")
     if master:
-        last_ckpt = save_checkpoint(cfg, model, optimizer, state, batches, step)
-        save_adapter(model, os.path.join(cfg.out_dir, "adapter"), base_model=cfg.model)
         metrics.close()
-        log(f"done: adapter in {os.path.join(cfg.out_dir, 'adapter')} (PEFT format), checkpoint {last_ckpt}")
     if world > 1:
         dist.destroy_process_group()
 
 
-if __name__ == "__main__":
+def cli(argv=None):
+    """The command line: bad input is one `error: ...` line and exit status 2, no traceback."""
     try:
-        main(parse_args())
+        main(parse_args(argv))
     except (UserError, ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(cli())

@@ -20,8 +20,13 @@ grad_output ("sum") and casts once, so an fp16 loss scale of 65536 is applied be
 any rounding to fp16. "none" scales row i of dH by grad_output[i]; it cannot do so inside
 the sum that forms dW or db, so reduction="none" with a trainable W or b is refused.
 
+G is unreduced (|G| <= 1, elementwise) so that fp16 does not underflow before the loss
+scale arrives. Its products over tokens can then exceed fp16's range: dH = G @ W cannot
+(|dH| <= 2 max|W|), but dW can, so under fp16 the dW product is taken in fp32.
+
 Memory beyond the inputs: one chunk of logits, dH in fp32 (N*H*4 bytes) and, only when
-W is trainable, dW in fp32 (V*H*4 bytes) plus one [V, H] product per chunk.
+W is trainable, dW in fp32 (V*H*4 bytes) plus one [V, H] product per chunk (and, under
+fp16, an fp32 copy of the chunk's G). With a frozen lm_head (LoRA) only the first two.
 """
 import torch
 import torch.nn.functional as F
@@ -57,7 +62,11 @@ def _forward_chunks(hidden, weight, bias, targets, opts: LossOptions, need_dh, n
         if need_dh:
             dh[start:start + rows] = logits @ weight  # (C, H)
         if need_dw:
-            dw += logits.t() @ h  # (V, H)
+            if logits.dtype == torch.float16:
+                # sums over the chunk's tokens are not yet divided by num_targets: past 65504 in fp16
+                dw += logits.t().float() @ h.float()  # (V, H)
+            else:
+                dw += logits.t() @ h  # (V, H)
         if need_db:
             db += logits.sum(0, dtype=torch.float32)  # (V,)
     return losses, dh, dw, db

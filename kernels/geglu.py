@@ -12,7 +12,7 @@ approximate="tanh":  t = tanh(k (g + c g^3)), k = sqrt(2 / pi), c = 0.044715
 then
     h = gelu(g) * u,   dup = dh * gelu(g),   dgate = dh * u * gelu'(g)
 
-tanh(x) is computed as 2 sigmoid(2x) - 1 (libdevice.tanh does not run in the
+tanh(x) is computed from exp(-2|x|) (libdevice.tanh does not run in the
 interpreter). All math in fp32; one rounding at the store, whereas HF rounds gelu(g)
 and the product separately (about one ulp apart). `geglu_forward` / `geglu_backward`
 are the plain functions for fused callers; see kernels/swiglu.py for `inplace`.
@@ -29,12 +29,21 @@ NUM_WARPS = 4
 
 
 @triton.jit
+def _tanh(x):
+    # libdevice.tanh does not run in Triton's interpreter. exp(-2|x|) <= 1 never overflows
+    # (2 * sigmoid(2x) - 1 does, harmlessly but noisily, for |x| > 44).
+    e = tl.exp(-2.0 * tl.abs(x))
+    t = (1.0 - e) / (1.0 + e)
+    return tl.where(x >= 0, t, -t)
+
+
+@triton.jit
 def _gelu_and_grad(g, APPROX_TANH: tl.constexpr):
     """(gelu(g), gelu'(g)) in fp32."""
     if APPROX_TANH:
         k = 0.7978845608028654  # sqrt(2 / pi)
         c = 0.044715
-        t = 2.0 * tl.sigmoid(2.0 * k * (g + c * g * g * g)) - 1.0
+        t = _tanh(k * (g + c * g * g * g))
         gelu = 0.5 * g * (1.0 + t)
         dgelu = 0.5 * (1.0 + t) + 0.5 * g * (1.0 - t * t) * k * (1.0 + 3.0 * c * g * g)
     else:

@@ -14,7 +14,7 @@ import torch
 from safetensors import safe_open
 from safetensors import SafetensorError
 
-from model.config import NAMED_MODELS, ModelConfig, from_hf_config
+from model.config import NAMED_MODELS, from_hf_config
 from model.lora import LoRAConfig, LoRALinear
 from model.tokenizer import load_tokenizer as _load_tokenizer_folder
 from model.transformer import Transformer
@@ -54,13 +54,14 @@ def resolve(name_or_path: str) -> str:
             f"folder with config.json and *.safetensors: --model /path/to/folder") from e
 
 
-def read_config(folder: str) -> ModelConfig:
+def read_hf_config(folder: str) -> dict:
+    """config.json as a dict: kept on the model (`model.hf_config`) for merge_and_save to write back."""
     path = os.path.join(folder, "config.json")
     if not os.path.isfile(path):
         raise FileNotFoundError(f"no config.json in {folder!r}: a model folder needs config.json and "
                                 "*.safetensors (as written by transformers' save_pretrained)")
     with open(path) as f:
-        return from_hf_config(json.load(f))
+        return json.load(f)
 
 
 def safetensors_files(folder: str) -> list[str]:
@@ -88,28 +89,35 @@ def _set_tensor(model, name, tensor):
 
 
 def load_model(name_or_path: str, dtype=torch.float32, device="cpu", lora: LoRAConfig | None = None,
-               quantize: str | None = None, use_kernels: bool = False, lora_seed: int = 0):
+               quantize: str | None = None, use_kernels: bool = False, lora_seed: int = 0,
+               fused_lora: bool = True):
     """Build the model and load its weights. Returns (model, config).
 
     dtype is the dtype of the frozen base weights and of the activations; LoRA
     weights are always fp32 masters. quantize="nf4" stores frozen linear weights in
-    4-bit NF4 (QLoRA).
+    4-bit NF4 (QLoRA). fused_lora: run projections through the fused LoRA autograd
+    Functions (model/lora.py); False gives the plain-autograd reference path.
     """
     if quantize not in (None, "nf4"):
         raise ValueError(f"quantize must be None or 'nf4', got {quantize!r}")
     if isinstance(name_or_path, str) and name_or_path.endswith(".gguf"):
         from model.gguf import load_gguf
-        return load_gguf(name_or_path, dtype=dtype, device=device, lora=lora, use_kernels=use_kernels,
-                         lora_seed=lora_seed)
+        return load_gguf(name_or_path, dtype=dtype, device=device, lora=lora, quantize=quantize,
+                         use_kernels=use_kernels, lora_seed=lora_seed, fused_lora=fused_lora)
     folder = resolve(name_or_path)
-    cfg = read_config(folder)
+    hf_config = read_hf_config(folder)
+    cfg = from_hf_config(hf_config)
     files = safetensors_files(folder)
     with torch.device("meta"):
-        model = Transformer(cfg, lora=lora, use_kernels=use_kernels)
+        model = Transformer(cfg, lora=lora, use_kernels=use_kernels, fused_lora=fused_lora)
+    model.hf_config = hf_config
     expected = {n: p.shape for n, p in model.named_parameters(remove_duplicate=False)
                 if ".lora_" not in n}
     if cfg.tie_embeddings:
         expected.pop("lm_head.weight")
+    if quantize == "nf4":
+        from model.qlora import quantize_linear_
+        nf4_keys = {n + ".weight" for n, m in model.named_modules() if isinstance(m, LoRALinear)}
     seen = set()
     for path in files:
         try:
@@ -134,16 +142,17 @@ def load_model(name_or_path: str, dtype=torch.float32, device="cpu", lora: LoRAC
                 if tuple(t.shape) != tuple(expected[key]):
                     raise CheckpointError(f"tensor {key!r} has shape {tuple(t.shape)}, expected "
                                           f"{tuple(expected[key])} from config.json")
-                _set_tensor(model, key, t.to(device=device, dtype=dtype))
+                t = t.to(device=device, dtype=dtype)
+                if quantize == "nf4" and key in nf4_keys:
+                    quantize_linear_(model.get_submodule(key.removesuffix(".weight")), t)
+                else:
+                    _set_tensor(model, key, t)
                 seen.add(key)
     missing = sorted(set(expected) - seen)
     if missing:
         more = f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""
         raise CheckpointError(f"checkpoint {folder!r} is missing tensor(s) {missing[:5]}{more}")
     finish_model(model, cfg, device, lora_seed)
-    if quantize == "nf4":
-        from model.qlora import quantize_model
-        quantize_model(model)
     return model, cfg
 
 
@@ -153,7 +162,7 @@ def finish_model(model, cfg, device, lora_seed):
         model.lm_head.weight = model.model.embed_tokens.weight
     gen = torch.Generator().manual_seed(lora_seed)
     for m in model.modules():
-        if isinstance(m, LoRALinear):
+        if isinstance(m, LoRALinear) and m.r:
             a = torch.empty(m.lora_A.shape, dtype=torch.float32)
             bound = 1.0 / m.in_features ** 0.5  # kaiming_uniform(a=sqrt(5)) bound, as in nn.Linear / PEFT
             a.uniform_(-bound, bound, generator=gen)

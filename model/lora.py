@@ -1,22 +1,85 @@
-"""LoRA (Hu et al. 2021): y = x W^T + b + s * dropout(x) A^T B^T, with W frozen.
+"""LoRA as a plain module, and fused autograd Functions for the projections that carry it.
 
-`LoRALinear` is a plain module built into the model when it is created. It owns the
-frozen base `weight` (and `bias`), so base checkpoint keys still match, and adds
-`lora_A` [r, in] (kaiming-uniform) and `lora_B` [out, r] (zeros), kept in fp32 as
-master weights. The scale s is alpha / r, or alpha / sqrt(r) with rsLoRA.
+    Y = X Wᵀ + b + s · (X̃ Aᵀ) Bᵀ,    X̃ = dropout(X) = X ⊙ M,  M ∈ {0, 1/(1-p)}
+    W [out, in], b: frozen base (W may be 4-bit NF4, see model/qlora.py)
+    A [r, in] kaiming-uniform, B [out, r] zeros: trained, fp32 master weights
+    s = alpha / r, or alpha / sqrt(r) with rsLoRA
 
-The LoRA weights are cast to the activation dtype for the matmuls; autograd's cast
-backward returns their gradients in fp32 to the master, so a bf16 forward never meets
-an fp32 operand inside a matmul ("expected BFloat16 but got Float").
+References: Hu et al. 2021 "LoRA"; Kalajdzievski 2023 "rsLoRA"; torchtune
+`modules/peft/lora.py` (LoRALinear owns the frozen weight, so checkpoint keys match);
+PEFT `tuners/lora/layer.py` (init, dropout on the LoRA input only); Unsloth
+`kernels/fast_lora.py` (one Function for the whole MLP, its backward written down).
+
+Every q/k/v/o/gate/up/down projection is a LoRALinear; r = 0 means no adapter. One code
+path thus serves base-only and adapted projections, full-precision and NF4 weights.
+
+Two execution paths, chosen by `Transformer(fused_lora=...)`:
+- unfused: `LoRALinear.forward` in plain autograd. The reference, and the path taken
+  whenever a base weight requires grad (full fine-tuning): the fused Functions return no
+  gradient for W or b.
+- fused (the default): `lora_projections` runs q, k, v in one Function (X cast and saved
+  once, dX summed in one pass) and o in another; `lora_mlp` runs gate, up, the gated
+  activation and down in one Function. For backward they save X, the dropped-out inputs
+  X̃ (only when dropout is on), gate and up pre-activations G and U, the down-projection
+  dropout mask (bool), the small products X̃Aᵀ [N, r] and the LoRA weights. They never
+  save a dequantized or cast base weight (W is dequantized again in backward and freed
+  after each matmul), nor the activation H = act(G) ⊙ U (recomputed from G and U).
+  Dropout > 0 and biases are supported on this path. Dropout masks are drawn with
+  F.dropout, in the order PEFT draws them (q, k, v, o, gate, up, down), so the two paths
+  agree mask for mask under one seed. The gated activation inside `lora_mlp` is the
+  Triton kernels' forward/backward pair when the model uses kernels, else the torch
+  reference and its autograd (so the fused path also runs, and is tested, on CPU).
+
+Backward of one projection, given dY [N, out]:
+
+    dB = s · dYᵀ (X̃ Aᵀ)                  [out, r]   (X̃ Aᵀ saved from forward)
+    dA = s · (dY B)ᵀ X̃                   [r, in]
+    dX̃ = s · (dY B) A                    [N, in]
+    dX = dY W + dX̃ ⊙ M                   [N, in]
+
+With dropout off X̃ = X and dX̃ is added to dX in place. With it on, X̃ is a separate
+input of the Function (drawn outside it) and autograd applies ⊙ M. Projections sharing
+X (q, k, v) sum their dX into one buffer.
+
+The MLP, with act(g) = g·σ(g) (SwiGLU) or gelu(g) (GeGLU):
+
+    G = X W_gᵀ + s_g (X̃_g A_gᵀ) B_gᵀ,   U likewise,   H = act(G) ⊙ U,   H̃ = H ⊙ M_d
+    Y = H W_dᵀ + s_d (H̃ A_dᵀ) B_dᵀ        (biases added where the model has them)
+
+    dH  = dY W_d + (s_d (dY B_d) A_d) ⊙ M_d       [N, I]
+    dB_d = s_d dYᵀ (H̃ A_dᵀ),   dA_d = s_d (dY B_d)ᵀ H̃
+    dU  = dH ⊙ act(G)
+    dG  = dH ⊙ U ⊙ act'(G),    SwiGLU: act'(g) = σ(g) (1 + g (1 - σ(g)))
+    then gate and up backward as single projections sharing X (dX summed).
+
+M_d is drawn inside the Function (H only exists there) and saved as a bool mask. With
+the Triton kernels, the activation backward writes dG and dU over the saved G and U, so
+the MLP Function's backward can run only once per forward (it raises if asked twice).
+
+Dtypes. The compute dtype is autocast's dtype when autocast is on for X's device, else
+X's dtype. Inside the Functions autocast is off and every operand is cast explicitly: X,
+X̃, W (dequantized), b and the fp32 LoRA weights go to the compute dtype for the
+matmuls; outputs are in the compute dtype; dX goes back in X's dtype and dA, dB in fp32,
+to the masters. Saving fp32 LoRA weights and multiplying a bf16 gradient by them in
+backward, where autocast no longer applies, is the classic "expected BFloat16 but got
+Float" failure; tests/test_lora.py reproduces it. Every tensor entering and leaving the
+Functions has its dtype asserted.
 """
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from functools import partial
+from typing import Callable, NamedTuple
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from kernels.geglu import geglu_backward, geglu_forward, geglu_reference
+from kernels.swiglu import swiglu_backward, swiglu_forward, swiglu_reference
+
 ALL_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+COMPUTE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)  # float64: gradcheck only
+MASTER_DTYPES = (torch.float32, torch.float64)
 
 
 @dataclass
@@ -34,6 +97,8 @@ class LoRAConfig:
             raise ValueError(f"unknown LoRA target module(s) {unknown}; this model has {list(ALL_TARGETS)}")
         if self.r <= 0:
             raise ValueError(f"LoRA rank must be > 0, got {self.r}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"LoRA dropout must be in [0, 1), got {self.dropout}")
 
     @property
     def scale(self):
@@ -41,43 +106,73 @@ class LoRAConfig:
 
 
 class LoRALinear(nn.Module):
-    def __init__(self, in_features, out_features, bias, cfg: LoRAConfig):
+    """A frozen linear projection with an optional LoRA adapter (lora=None: r = 0, none)."""
+
+    def __init__(self, in_features, out_features, bias, lora: LoRAConfig | None = None, name="linear"):
         super().__init__()
-        self.in_features, self.out_features = in_features, out_features
+        self.in_features, self.out_features, self.name = in_features, out_features, name
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
-        self.r, self.scale = cfg.r, cfg.scale
-        self.lora_A = nn.Parameter(torch.empty(cfg.r, in_features, dtype=torch.float32))
-        self.lora_B = nn.Parameter(torch.empty(out_features, cfg.r, dtype=torch.float32))
-        self.dropout = nn.Dropout(cfg.dropout) if cfg.dropout > 0 else nn.Identity()
-        self.reset_lora_parameters()
+        self.nf4 = None  # an NF4Weight that replaces `weight` once quantized (model/qlora.py)
+        self.r = lora.r if lora else 0
+        self.scale = lora.scale if lora else 0.0
+        self.dropout_p = lora.dropout if lora else 0.0
+        if self.r:
+            self.lora_A = nn.Parameter(torch.empty(self.r, in_features, dtype=torch.float32))
+            self.lora_B = nn.Parameter(torch.empty(out_features, self.r, dtype=torch.float32))
+        else:
+            self.lora_A = self.lora_B = None
+        self.reset_parameters()
 
     @torch.no_grad()
-    def reset_lora_parameters(self):
-        if self.lora_A.is_meta:
+    def reset_parameters(self):
+        """nn.Linear's init for the base; PEFT's for the adapter (B = 0: it starts as a no-op).
+        On the meta device there is nothing to fill: load_model loads W and seeds A."""
+        if self.weight.is_meta:
             return
-        nn.init.kaiming_uniform_(self.lora_A, a=math.sqrt(5))  # as nn.Linear (and PEFT) do
-        nn.init.zeros_(self.lora_B)
+        nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))
+        if self.bias is not None:
+            nn.init.uniform_(self.bias, -self.in_features ** -0.5, self.in_features ** -0.5)
+        if self.r:
+            nn.init.kaiming_uniform_(self.lora_A, a=math.sqrt(5))
+            nn.init.zeros_(self.lora_B)
+
+    def base_weight(self):
+        """W [out, in] in its stored dtype. An NF4 weight is dequantized into a new tensor:
+        drop it as soon as it has been used."""
+        return self.weight if self.nf4 is None else self.nf4.dequantize()
+
+    def lora_input(self, x):
+        """dropout(x) for the adapter, or None when there is no adapter or dropout is off
+        (the adapter then reads x itself)."""
+        if self.r and self.training and self.dropout_p > 0:
+            return F.dropout(x, self.dropout_p, training=True)
+        return None
 
     def forward(self, x):
-        y = F.linear(x, self.weight, self.bias)
-        a, b = self.lora_A.to(x.dtype), self.lora_B.to(x.dtype)
-        return y + (self.dropout(x) @ a.t() @ b.t()) * self.scale
+        """The unfused reference, in plain autograd."""
+        y = F.linear(x, self.base_weight(), self.bias)
+        if not self.r:
+            return y
+        x_lora = self.lora_input(x)
+        x_lora = x if x_lora is None else x_lora
+        a, b = self.lora_A.to(x.dtype), self.lora_B.to(x.dtype)  # autograd returns their grads in fp32
+        return y + (x_lora @ a.t() @ b.t()) * self.scale
 
     def extra_repr(self):
-        return f"in={self.in_features}, out={self.out_features}, r={self.r}, scale={self.scale:g}"
+        quant = ", nf4" if self.nf4 is not None else ""
+        return f"in={self.in_features}, out={self.out_features}, r={self.r}, scale={self.scale:g}{quant}"
 
 
 def make_linear(in_features, out_features, bias, name, lora: LoRAConfig | None):
-    """A LoRALinear when `name` is a LoRA target, else a plain frozen-to-be nn.Linear."""
-    if lora is not None and name in lora.targets:
-        return LoRALinear(in_features, out_features, bias, lora)
-    return nn.Linear(in_features, out_features, bias=bias)
+    """The LoRALinear for projection `name`, with an adapter when `name` is a LoRA target."""
+    adapted = lora is not None and name in lora.targets
+    return LoRALinear(in_features, out_features, bias, lora if adapted else None, name=name)
 
 
 def lora_parameters(model):
     """(name, parameter) of every LoRA weight in `model`."""
-    return [(n, p) for n, p in model.named_parameters() if ".lora_A" in n or ".lora_B" in n]
+    return [(n, p) for n, p in model.named_parameters() if n.endswith((".lora_A", ".lora_B"))]
 
 
 def mark_trainable(model, train_embeddings=False):
@@ -86,3 +181,233 @@ def mark_trainable(model, train_embeddings=False):
         is_lora = n.endswith(".lora_A") or n.endswith(".lora_B")
         is_embed = n in ("model.embed_tokens.weight", "lm_head.weight")
         p.requires_grad_(is_lora or (train_embeddings and is_embed))
+
+
+def fusable(projs):
+    """The fused Functions return no gradient for W and b: use them only while those are frozen."""
+    return not any(t is not None and t.requires_grad for p in projs for t in (p.weight, p.bias))
+
+
+# ----------------------------------------------------------------------------- gated activation
+
+class GLU(NamedTuple):
+    """The MLP activation H = act(G) ⊙ U as a forward/backward pair, for `lora_mlp`."""
+    forward: Callable  # (gate, up) -> h
+    backward: Callable  # (dh, gate, up) -> (dgate, dup)
+    inplace: bool  # backward writes dgate, dup over gate, up (saves two [N, I] buffers)
+
+
+def _autograd_backward(fn, dh, gate, up):
+    """(dgate, dup) of fn(gate, up) by autograd: the torch reference's own gradient."""
+    with torch.enable_grad():
+        gate, up = gate.detach().requires_grad_(), up.detach().requires_grad_()
+        return torch.autograd.grad(fn(gate, up), (gate, up), dh)
+
+
+def make_glu(act: str, use_kernels: bool) -> GLU:
+    """The Triton kernels' forward/backward helpers (backward in place), or the torch
+    reference and its autograd."""
+    if act == "silu":
+        fwd, bwd, ref = swiglu_forward, swiglu_backward, swiglu_reference
+    else:
+        approx = "tanh" if act == "gelu_tanh" else "none"
+        fwd, bwd, ref = (partial(f, approximate=approx) for f in (geglu_forward, geglu_backward, geglu_reference))
+    if use_kernels:
+        return GLU(fwd, partial(bwd, inplace=True), inplace=True)
+    return GLU(ref, partial(_autograd_backward, ref), inplace=False)
+
+
+# ----------------------------------------------------------------------------- fused Functions
+
+def compute_dtype(x):
+    """The dtype the matmuls run in: autocast's when it is on for x's device, else x's own."""
+    dev = x.device.type
+    return torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
+
+
+def _expect(t, dtype, name):
+    assert t.dtype == dtype, f"fused LoRA: {name} must be {dtype}, got {t.dtype}"
+
+
+def _check_inputs(ctx, names, tensors, x):
+    """Assert the input dtypes and remember them, so backward can assert its gradients'."""
+    assert x.dtype in COMPUTE_DTYPES, f"fused LoRA: x must be one of {COMPUTE_DTYPES}, got {x.dtype}"
+    for name, t in zip(names, tensors):
+        if t is None:
+            continue
+        if name.startswith("lora_"):
+            assert t.dtype in MASTER_DTYPES, (
+                f"fused LoRA: {name} must be an fp32 master weight, got {t.dtype}. Do not cast the model "
+                f"with .to(dtype): load_model(dtype=...) sets the base dtype and keeps LoRA weights in fp32")
+        else:
+            _expect(t, x.dtype, name)
+    ctx.names, ctx.dtypes = names, [None if t is None else t.dtype for t in tensors]
+
+
+def _to(t, dtype):
+    return None if t is None else t.to(dtype)
+
+
+def _check_grads(ctx, grads):
+    for name, dtype, g in zip(ctx.names, ctx.dtypes, grads):
+        if g is not None:
+            _expect(g, dtype, f"gradient of {name}")
+    return grads
+
+
+def _project(p, x, x_lora, a, b, dtype):
+    """(Y, X̃ Aᵀ) of one projection in `dtype`. The dequantized / cast W is freed on return."""
+    y = F.linear(x, p.base_weight().to(dtype), None if p.bias is None else p.bias.to(dtype))  # (N, out)
+    if a is None:
+        return y, None
+    xa = (x if x_lora is None else x_lora) @ a.to(dtype).t()  # (N, r)
+    return y.addmm_(xa, b.to(dtype).t(), alpha=p.scale), xa
+
+
+def _project_backward(p, dy, x, x_lora, xa, a, b, dx, need):
+    """Add dY W into dx (and s (dY B) A when the adapter reads X itself); return [dX̃, dA, dB].
+    dx: an (N, in) buffer, or None when nothing needs dX. need: whether dX̃, dA, dB are wanted."""
+    if dx is not None:
+        dx.addmm_(dy, p.base_weight().to(dy.dtype))  # dequantized again, freed on return
+    if a is None:
+        return [None, None, None]
+    a_c = a.to(dy.dtype)
+    dyb = dy @ b.to(dy.dtype)  # (N, r)
+    db = torch.mm(dy.t(), xa).mul_(p.scale).to(b.dtype) if need[2] else None
+    da = torch.mm(dyb.t(), x if x_lora is None else x_lora).mul_(p.scale).to(a.dtype) if need[1] else None
+    dx_lora = None
+    if x_lora is None:
+        if dx is not None:
+            dx.addmm_(dyb, a_c, alpha=p.scale)
+    elif need[0]:
+        dx_lora = torch.mm(dyb, a_c).mul_(p.scale)  # in the compute dtype, like dx
+    return [dx_lora, da, db]
+
+
+class _LoRAProjections(torch.autograd.Function):
+    """Y_i = X W_iᵀ + b_i + s_i (X̃_i A_iᵀ) B_iᵀ for projections i that share the input X [N, in].
+
+    Inputs after X: (X̃_i, A_i, B_i) per projection. A_i, B_i are None without an adapter;
+    X̃_i is None unless that adapter's dropout is on (the adapter then reads X).
+    """
+
+    @staticmethod
+    def forward(ctx, projs, x, *lora):
+        dtype = compute_dtype(x)
+        names = ["x"] + [f"{n} of {p.name}" for p in projs for n in ("dropout(x)", "lora_A", "lora_B")]
+        _check_inputs(ctx, names, (x, *lora), x)
+        ys, saved = [], []
+        with torch.autocast(x.device.type, enabled=False):
+            xc = x.to(dtype)
+            for i, p in enumerate(projs):
+                x_lora, a, b = lora[3 * i: 3 * i + 3]
+                x_lora = _to(x_lora, dtype)
+                y, xa = _project(p, xc, x_lora, a, b, dtype)
+                _expect(y, dtype, f"output of {p.name}")
+                ys.append(y)
+                saved += [x_lora, xa, a, b]
+        ctx.save_for_backward(xc, *saved)
+        ctx.projs = projs
+        return tuple(ys)
+
+    @staticmethod
+    def backward(ctx, *dys):
+        xc, *saved = ctx.saved_tensors
+        x_dtype = ctx.dtypes[0]  # X's, and every X̃_i's (asserted in forward)
+        need = ctx.needs_input_grad[1:]  # x, then (X̃_i, A_i, B_i) per projection
+        grads = []
+        with torch.autocast(xc.device.type, enabled=False):
+            dx = torch.zeros_like(xc) if need[0] else None
+            for i, (p, dy) in enumerate(zip(ctx.projs, dys)):
+                _expect(dy, xc.dtype, f"gradient of the {p.name} output")
+                x_lora, xa, a, b = saved[4 * i: 4 * i + 4]
+                dx_lora, da, db = _project_backward(p, dy, xc, x_lora, xa, a, b, dx, need[1 + 3 * i: 4 + 3 * i])
+                grads += [_to(dx_lora, x_dtype), da, db]
+        return (None, *_check_grads(ctx, [_to(dx, x_dtype)] + grads))
+
+
+class _LoRAMLP(torch.autograd.Function):
+    """Y = down(act(gate(X)) ⊙ up(X)), each projection with its LoRA adapter (see the module docstring).
+
+    Inputs: X [N, H]; X̃_gate, X̃_up (None unless that dropout is on); then A, B of gate,
+    up and down (None where there is no adapter). The down-projection's dropout mask is
+    drawn here, since H only exists here.
+    """
+
+    @staticmethod
+    def forward(ctx, projs, glu, x, x_gate, x_up, *ab):
+        gate, up, down = projs
+        dtype = compute_dtype(x)
+        names = ["x", "dropout(x) of gate_proj", "dropout(x) of up_proj"] + [
+            f"{n} of {p.name}" for p in projs for n in ("lora_A", "lora_B")]
+        _check_inputs(ctx, names, (x, x_gate, x_up, *ab), x)
+        a_g, b_g, a_u, b_u, a_d, b_d = ab
+        p_drop = down.dropout_p if down.r and down.training else 0.0
+        with torch.autocast(x.device.type, enabled=False):
+            xc = x.to(dtype)
+            x_gate, x_up = _to(x_gate, dtype), _to(x_up, dtype)
+            g, xa_g = _project(gate, xc, x_gate, a_g, b_g, dtype)  # (N, I)
+            u, xa_u = _project(up, xc, x_up, a_u, b_u, dtype)  # (N, I)
+            h = glu.forward(g, u)  # (N, I)
+            keep, h_lora = None, None
+            if p_drop > 0:
+                mask = F.dropout(torch.ones_like(h), p_drop)  # 0 or 1/(1-p), drawn as F.dropout(h) draws
+                keep, h_lora = mask != 0, h * mask
+                del mask
+            y, xa_d = _project(down, h, h_lora, a_d, b_d, dtype)  # (N, H)
+            del h, h_lora
+        for t, name in ((g, "gate"), (u, "up"), (y, "output")):
+            _expect(t, dtype, f"MLP {name}")
+        ctx.save_for_backward(xc, x_gate, x_up, g, u, keep, xa_g, xa_u, xa_d, *ab)
+        ctx.projs, ctx.glu, ctx.p_drop = projs, glu, p_drop
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        if ctx.glu.inplace:
+            # Triton's writes do not bump tensor versions, so autograd could not tell that a
+            # second backward would read gradients where G and U were.
+            if getattr(ctx, "consumed", False):
+                raise RuntimeError("fused LoRA MLP: backward ran twice through one forward (retain_graph=True?), "
+                                   "but the first overwrote the saved gate/up activations with their gradients. "
+                                   "Build the model with fused_lora=False to backpropagate twice")
+            ctx.consumed = True
+        xc, x_gate, x_up, g, u, keep, xa_g, xa_u, xa_d, a_g, b_g, a_u, b_u, a_d, b_d = ctx.saved_tensors
+        gate, up, down = ctx.projs
+        need = ctx.needs_input_grad[2:]  # x, X̃_gate, X̃_up, A_g, B_g, A_u, B_u, A_d, B_d
+        _expect(dy, xc.dtype, "gradient of the MLP output")
+        with torch.autocast(xc.device.type, enabled=False):
+            h = ctx.glu.forward(g, u)  # recomputed: never saved
+            mask = None if keep is None else keep.to(h.dtype).div_(1 - ctx.p_drop)  # as F.dropout scales
+            h_lora = None if mask is None else h * mask
+            dh = torch.zeros_like(h)
+            dh_lora, da_d, db_d = _project_backward(down, dy, h, h_lora, xa_d, a_d, b_d, dh, (True, *need[7:9]))
+            if dh_lora is not None:
+                dh.addcmul_(dh_lora, mask)
+            del h, h_lora, dh_lora, mask
+            dg, du = ctx.glu.backward(dh, g, u)  # with the kernels: written over g, u
+            del dh
+            dx = torch.zeros_like(xc) if need[0] else None
+            dx_gate, da_g, db_g = _project_backward(gate, dg, xc, x_gate, xa_g, a_g, b_g, dx, (need[1], *need[3:5]))
+            dx_up, da_u, db_u = _project_backward(up, du, xc, x_up, xa_u, a_u, b_u, dx, (need[2], *need[5:7]))
+        x_dtype = ctx.dtypes[0]  # X's, and X̃_gate's and X̃_up's (asserted in forward)
+        dxs = [_to(t, x_dtype) for t in (dx, dx_gate, dx_up)]
+        return (None, None, *_check_grads(ctx, dxs + [da_g, db_g, da_u, db_u, da_d, db_d]))
+
+
+def lora_projections(x, projs):
+    """tuple(p(x) for p in projs) as one autograd Function: X is cast and saved once, and
+    dX is summed over the projections in one pass. x (..., in)."""
+    x2 = x.reshape(-1, x.shape[-1])  # (N, in)
+    lora = [t for p in projs for t in (p.lora_input(x2), p.lora_A, p.lora_B)]
+    ys = _LoRAProjections.apply(projs, x2, *lora)
+    return tuple(y.view(*x.shape[:-1], y.shape[-1]) for y in ys)
+
+
+def lora_mlp(x, projs, glu: GLU):
+    """down(act(gate(x)) ⊙ up(x)) for projs = (gate, up, down), as one autograd Function. x (..., H)."""
+    gate, up, down = projs
+    x2 = x.reshape(-1, x.shape[-1])  # (N, H)
+    y = _LoRAMLP.apply(projs, glu, x2, gate.lora_input(x2), up.lora_input(x2),
+                       gate.lora_A, gate.lora_B, up.lora_A, up.lora_B, down.lora_A, down.lora_B)
+    return y.view(*x.shape[:-1], y.shape[-1])

@@ -20,6 +20,7 @@ import math
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 from torch.utils.checkpoint import checkpoint
 
 from kernels.cross_entropy import cross_entropy_reference
@@ -29,14 +30,15 @@ from kernels.rms_norm import rms_norm, rms_norm_reference
 from kernels.rope import apply_rope, rope_reference
 from kernels.swiglu import swiglu, swiglu_reference
 from model.config import ModelConfig
-from model.lora import LoRAConfig, make_linear
+from model.lora import LoRAConfig, fusable, lora_mlp, lora_projections, make_glu, make_linear
 
 
 class Ops:
     """The numerical building blocks, Triton or pure torch. Chosen once, when the model is built."""
 
-    def __init__(self, use_kernels: bool):
+    def __init__(self, use_kernels: bool, fused_lora: bool = True):
         self.use_kernels = use_kernels
+        self.fused_lora = fused_lora  # projections through model/lora.py's fused autograd Functions
         self.rms_norm = rms_norm if use_kernels else rms_norm_reference
         self.rope = apply_rope if use_kernels else rope_reference
         self.swiglu = swiglu if use_kernels else swiglu_reference
@@ -99,13 +101,33 @@ def attention_mask(doc_ids, window):
     return (keep & same_doc)[:, None]
 
 
-def attend(q, k, v, mask, scale, softcap):
-    """Softmax attention. q (B, Hq, T, D); k, v (B, Hk, T, D); mask bool (B, 1, T, T) or None = causal.
+def flex_block_mask(doc_ids, window):
+    """The same mask as `attention_mask`, as a FlexAttention BlockMask: O(T) memory, and blocks
+    that are fully masked (other documents, outside the window) are skipped, not computed."""
+    B, T = doc_ids.shape
 
-    SDPA is used wherever it is exact. Softcapping (Gemma 2) is a non-linearity on the
-    scores that SDPA cannot express, so that path computes the scores explicitly
-    (transformers' sdpa path silently drops the softcap; this one never does).
+    def keep(b, h, q, kv):
+        ok = (kv <= q) & (doc_ids[b, q] == doc_ids[b, kv])
+        return ok & (q - kv < window) if window is not None else ok
+
+    return create_block_mask(keep, B, None, T, T, device=doc_ids.device)
+
+
+# FlexAttention is fast only when compiled: one fused kernel for any mask and score_mod.
+_flex_attention = torch.compile(flex_attention, dynamic=False)
+
+
+def attend(q, k, v, mask, scale, softcap):
+    """Softmax attention. q (B, Hq, T, D); k, v (B, Hk, T, D).
+
+    mask: None (plain causal), a bool (B, 1, T, T) tensor (CPU), or a FlexAttention BlockMask (GPU).
+    SDPA is used wherever it is exact. Softcapping (Gemma 2) is a non-linearity on the scores
+    that SDPA cannot express (transformers' sdpa path silently drops it; this one never does):
+    on GPU it is FlexAttention's score_mod, on CPU the scores are computed explicitly.
     """
+    if isinstance(mask, BlockMask):
+        score_mod = None if softcap is None else (lambda s, b, h, qi, ki: softcap * torch.tanh(s / softcap))
+        return _flex_attention(q, k, v, score_mod=score_mod, block_mask=mask, scale=scale, enable_gqa=True)
     if softcap is None:
         if mask is None:
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
@@ -141,14 +163,18 @@ class Attention(nn.Module):
 
     def forward(self, x, cos, sin, mask):
         B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, self.nh, self.d)
-        k = self.k_proj(x).view(B, T, self.nkv, self.d)
-        v = self.v_proj(x).view(B, T, self.nkv, self.d)
+        qkv = (self.q_proj, self.k_proj, self.v_proj)
+        fused = self.ops.fused_lora and fusable(qkv + (self.o_proj,))
+        q, k, v = lora_projections(x, qkv) if fused else (p(x) for p in qkv)
+        q = q.view(B, T, self.nh, self.d)
+        k = k.view(B, T, self.nkv, self.d)
+        v = v.view(B, T, self.nkv, self.d)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.ops.rope(q, k, cos, sin)  # (B, T, nh, d), (B, T, nkv, d)
         y = attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask, self.scale, self.softcap)
-        return self.o_proj(y.transpose(1, 2).reshape(B, T, self.nh * self.d))
+        y = y.transpose(1, 2).reshape(B, T, self.nh * self.d)
+        return lora_projections(y, (self.o_proj,))[0] if fused else self.o_proj(y)
 
 
 class MLP(nn.Module):
@@ -160,8 +186,12 @@ class MLP(nn.Module):
         self.down_proj = make_linear(I, H, cfg.mlp_bias, "down_proj", lora)
         self.act = cfg.act
         self.ops = ops
+        self.glu = make_glu(cfg.act, ops.use_kernels)  # forward/backward pair for the fused path
 
     def forward(self, x):
+        projs = (self.gate_proj, self.up_proj, self.down_proj)
+        if self.ops.fused_lora and fusable(projs):
+            return lora_mlp(x, projs, self.glu)
         gate, up = self.gate_proj(x), self.up_proj(x)
         if self.act == "silu":
             h = self.ops.swiglu(gate, up)
@@ -205,10 +235,12 @@ class Backbone(nn.Module):
 
 
 class Transformer(nn.Module):
-    def __init__(self, cfg: ModelConfig, lora: LoRAConfig | None = None, use_kernels: bool = False):
+    def __init__(self, cfg: ModelConfig, lora: LoRAConfig | None = None, use_kernels: bool = False,
+                 fused_lora: bool = True):
         super().__init__()
         self.config = cfg
-        self.ops = Ops(use_kernels)
+        self.lora_config = lora  # written into adapter_config.json by model/adapters.py
+        self.ops = Ops(use_kernels, fused_lora)
         self.model = Backbone(cfg, self.ops, lora)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
@@ -230,10 +262,14 @@ class Transformer(nn.Module):
         for t in set(cfg.layer_types):
             tables[t] = rope_cos_sin(position_ids, rope_inv_freq(cfg, t, dev), x.dtype)
             window = cfg.sliding_window if t == "sliding" and cfg.sliding_window is not None else None
-            if doc_ids is None and (window is None or window >= T):
-                masks[t] = None  # plain causal: SDPA's fast path
+            window = window if window is not None and window < T else None
+            docs = doc_ids if doc_ids is not None else torch.zeros_like(input_ids)
+            if x.is_cuda and (doc_ids is not None or window is not None or cfg.attn_softcap is not None):
+                masks[t] = flex_block_mask(docs, window)
+            elif doc_ids is None and window is None:
+                masks[t] = None  # plain causal: SDPA's fast (flash) path
             else:
-                masks[t] = attention_mask(doc_ids if doc_ids is not None else torch.zeros_like(input_ids), window)
+                masks[t] = attention_mask(docs, window)
         for layer in self.model.layers:
             cos, sin = tables[layer.layer_type]
             args = (x, cos, sin, masks[layer.layer_type])

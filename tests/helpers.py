@@ -10,3 +10,10 @@ def assert_close(actual, expected, atol, rtol, name="tensor"):
     stats = (f"{name}: max |diff| {diff.max().item():.3g}, mean |diff| {diff.mean().item():.3g}"
              if diff.numel() else f"{name}: empty")
     torch.testing.assert_close(a, e, atol=atol, rtol=rtol, equal_nan=False, msg=lambda m: f"{stats}\n{m}")
+
+
+def rel_err(actual, expected):
+    """‖a − b‖ / ‖b‖ in float64 (the absolute norm of the difference when b is zero)."""
+    a, b = actual.detach().double(), expected.detach().double()
+    den = b.norm()
+    return ((a - b).norm() / den).item() if den > 0 else (a - b).norm().item()

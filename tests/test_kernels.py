@@ -200,6 +200,25 @@ def test_fused_linear_cross_entropy_fp16_loss_scale(monkeypatch):
                                      monkeypatch=monkeypatch)
 
 
+def test_fused_linear_cross_entropy_fp16_unreduced_sums_stay_finite():
+    # 64 tokens, one target, large coherent hidden states: the unreduced dW row sums to about
+    # -64 * 2000, past fp16's 65504. Scaled in fp32 by 65536 / 2**20 (a step-wide token count)
+    # before the cast it is about -8000; cast first it would be -inf.
+    N, H, V = 64, 32, 500
+    hidden = (2000 * torch.randn(H, device=DEVICE).sign() + torch.randn(N, H, device=DEVICE)).half()
+    weight = (torch.randn(V, H, device=DEVICE) * 1e-3).half()
+    targets = torch.full((N,), 3, device=DEVICE)
+    (h, w), (h_ref, w_ref) = leaves(hidden, weight)
+    loss = fused_linear_cross_entropy(h, w, targets, num_targets=2**20)
+    ref = fused_linear_cross_entropy_reference(h_ref, w_ref, targets, num_targets=2**20)
+    loss.backward(torch.tensor(65536.0, device=DEVICE))
+    ref.backward(torch.tensor(65536.0, device=DEVICE))
+    assert w_ref.grad.abs().max() > 4000 and torch.isfinite(w_ref.grad).all()
+    assert torch.isfinite(w.grad).all(), "dweight overflowed: scale in fp32 before casting to fp16"
+    close(w.grad, w_ref.grad, torch.float16, "dweight", scale=2)
+    close(h.grad, h_ref.grad, torch.float16, "dhidden", scale=2)
+
+
 def test_fused_linear_cross_entropy_none_with_trainable_weight_is_refused():
     h, w = torch.randn(4, 8, device=DEVICE), torch.randn(50, 8, device=DEVICE, requires_grad=True)
     with pytest.raises(ValueError, match="reduction='none'"):
@@ -264,6 +283,23 @@ def test_rms_norm_fp32_weight_bf16_input():
     check_rms_norm(DEVICE, torch.bfloat16, (4, 7, 64), "llama", 0.0, w_dtype=torch.float32)
 
 
+@pytest.mark.parametrize("cast, offset", [("llama", 0.0), ("gemma", 1.0)])
+def test_rms_norm_rounds_like_hf(cast, offset):
+    # HF's intermediate roundings are emulated: nearly every element bit-identical (a few
+    # differ through rsqrt's last bit). Without the emulation about a quarter differ.
+    # fp16 here: Triton 3.9's interpreter truncates fp32 -> bf16 (no rounding), so bf16 is checked on GPU.
+    check_rms_norm_bits(DEVICE, torch.float16, (64, 2304), cast, offset)
+
+
+def check_rms_norm_bits(device, dtype, shape, cast, offset):
+    x = torch.randn(shape, device=device).to(dtype)
+    w = (torch.randn(shape[-1], device=device) * 0.5 + 1.0 - offset).to(dtype)
+    y = rms_norm(x, w, offset=offset, cast=cast)
+    ref = rms_norm_reference(x, w, offset=offset, cast=cast)
+    identical = (y == ref).float().mean().item()
+    assert identical > 0.99, f"only {identical:.1%} of elements are bit-identical to HF"
+
+
 def test_rms_norm_non_contiguous():
     x = torch.randn(6, 5, 130, device=DEVICE)[:, :, 1:129]  # (6, 5, 128), row stride 130
     w = torch.randn(128, device=DEVICE)
@@ -272,13 +308,16 @@ def test_rms_norm_non_contiguous():
 
 # ----------------------------------------------------------------------------- RoPE
 
-def check_rope(device, dtype, B, T, Hq, Hk, D, cs_dtype=torch.float32, packed=False, transposed=False):
+def check_rope(device, dtype, B, T, Hq, Hk, D, cs_dtype=torch.float32, packed=False, transposed=False,
+               random_tables=False):
     if packed:  # two documents per row, positions restart at 0
-        position_ids = torch.cat([torch.arange(T // 2), torch.arange(T - T // 2)]).expand(B, T).to(device)
+        position_ids = torch.cat([torch.arange(T // 2), torch.arange(T - T // 2)]).expand(1, T).to(device)
     else:
         position_ids = torch.randint(0, 4096, (B, T), device=device)
     inv_freq = 1.0 / 10000 ** (torch.arange(0, D, 2, device=device).float() / D)
     cos, sin = rope_cos_sin(position_ids, inv_freq, attention_scaling=1.1, dtype=cs_dtype)
+    if random_tables:  # halves that differ: the kernel must pair each half of x with its own half of cos/sin
+        cos, sin = torch.randn_like(cos), torch.randn_like(sin)
     if transposed:  # [B, H, T, D] storage seen as [B, T, H, D]
         q = torch.randn(B, Hq, T, D, device=device).to(dtype).transpose(1, 2)
         k = torch.randn(B, Hk, T, D, device=device).to(dtype).transpose(1, 2)
@@ -305,11 +344,16 @@ def test_rope(dtype, B, T, Hq, Hk, D):
 
 
 def test_rope_packed_positions_broadcast_cos_bf16_tables():
-    check_rope(DEVICE, torch.bfloat16, 1, 12, 4, 2, 32, cs_dtype=torch.bfloat16, packed=True)
+    # cos/sin [1, T, D] broadcast over a batch of 3
+    check_rope(DEVICE, torch.bfloat16, 3, 12, 4, 2, 32, cs_dtype=torch.bfloat16, packed=True)
 
 
 def test_rope_non_contiguous():
     check_rope(DEVICE, torch.float32, 2, 6, 4, 2, 64, transposed=True)
+
+
+def test_rope_general_tables():
+    check_rope(DEVICE, torch.float32, 2, 5, 4, 2, 64, random_tables=True)
 
 
 # ----------------------------------------------------------------------------- SwiGLU / GeGLU
@@ -398,6 +442,14 @@ def test_gpu_fused_linear_cross_entropy_fp16_loss_scale():
 @pytest.mark.parametrize("H, cast, offset", [(2048, "llama", 0.0), (2304, "gemma", 1.0)])
 def test_gpu_rms_norm(dtype, H, cast, offset):
     check_rms_norm("cuda", dtype, (4, 2048, H), cast, offset)
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("cast, offset", [("llama", 0.0), ("gemma", 1.0)])
+def test_gpu_rms_norm_rounds_like_hf(dtype, cast, offset):
+    check_rms_norm_bits("cuda", dtype, (4 * 2048, 2048), cast, offset)
 
 
 @gpu

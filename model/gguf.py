@@ -1,0 +1,501 @@
+"""GGUF, llama.cpp's single-file format: load Llama, Qwen2 and Gemma checkpoints, and write them back.
+
+References: ggml's docs/gguf.md (the format); llama.cpp's convert_hf_to_gguf.py (tensor names,
+the q/k permutation, Gemma's norms, `rope_freqs` for Llama 3 rope scaling) and llama-vocab.cpp
+(the pre-tokenizer regexes); gguf-py (`GGUFReader`, `GGUFWriter`, `quants`).
+
+    model, cfg = load_model("SmolLM2-135M-Instruct.Q4_1.gguf")   # routed here by model.load
+    tokenizer = load_tokenizer("SmolLM2-135M-Instruct.Q4_1.gguf")
+    save_gguf(model, tokenizer, "out.gguf", ftype="q8_0")          # LoRA merged into the weights
+
+A GGUF differs from a Hugging Face checkpoint in four ways, all undone on load and redone on save:
+1. Names: `blk.{i}.attn_q.weight` for `model.layers.{i}.self_attn.q_proj.weight` (`GLOBAL_NAMES`,
+   `LAYER_NAMES`), and shapes listed fastest dimension first (ggml's ne[0] is the row length), so
+   a Linear weight [out, in] is listed as (in, out). The data itself is row-major [out, in].
+2. Quantization: blocks of 32 or 256 weights share scales. Every type gguf-py can dequantize loads
+   (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_*, Q2_K..Q6_K, IQ*); it is dequantized to fp32 once, then
+   cast to the requested dtype. Export writes F32, F16, BF16 or Q8_0.
+3. Rotary layout (Llama only): llama.cpp's "normal" rope rotates adjacent pairs (x0, x1), (x2, x3),
+   ..., while Hugging Face's rotates halves (x_j, x_{j+d/2}). The converter therefore reorders the
+   rows of each head of q_proj and k_proj (weights and biases) from [first half; second half] to
+   interleaved: permute(w) = w.reshape(n_head, 2, d/2, ...).swapaxes(1, 2). Loading applies the
+   inverse, w.reshape(n_head, d/2, 2, ...).swapaxes(1, 2). Qwen2 and Gemma use llama.cpp's NEOX
+   rope, which rotates halves, so their rows are stored as they are.
+4. Gemma's norms: Hugging Face's GemmaRMSNorm scales by (1 + w); llama.cpp's converter stores
+   1 + w and llama.cpp scales by the stored value. Loading subtracts `cfg.norm_offset`, export
+   adds it back.
+
+The tokenizer is stored as metadata too: `tokenizer.ggml.tokens` / `merges` / `token_type`, the
+special-token ids, the chat template, and `tokenizer.ggml.pre`, a name for the regex that splits
+text before BPE. Byte-level BPE ("gpt2": Llama 3, Qwen2, SmolLM2, ...) is rebuilt with the
+`tokenizers` library; SentencePiece vocabularies ("llama": Llama 2, Gemma) are not supported yet.
+"""
+import json
+import math
+import os
+from dataclasses import dataclass, field, replace
+
+import numpy as np
+import torch
+
+try:
+    import gguf
+except ImportError as e:  # an optional dependency: only GGUF files need it
+    raise ImportError("reading or writing GGUF files needs the gguf package: pip install 'gguf>=0.10' "
+                      "(or pip install -e '.[gguf]')") from e
+from gguf import GGMLQuantizationType as QType
+from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
+from tokenizers import Tokenizer as _HFTokenizer
+
+from model.adapters import merged_weight
+from model.config import ModelConfig
+from model.load import CheckpointError, _set_tensor, finish_model
+from model.lora import LoRAConfig, LoRALinear
+from model.tokenizer import Tokenizer
+from model.transformer import Transformer, rope_inv_freq
+
+
+@dataclass
+class Family:
+    hf_architecture: str  # ModelConfig.architecture, written back into config.json on export
+    permuted_qk: bool  # llama.cpp's "normal" (interleaved) rope: q/k rows are permuted, see point 3
+    numerics: dict = field(default_factory=dict)  # ModelConfig fields llama.cpp hard-codes for this arch
+    embed_scale_sqrt: bool = False  # embeddings scaled by sqrt(hidden_size) (Gemma)
+
+
+# GGUF `general.architecture` -> what its metadata does not say. Looked up exactly.
+FAMILIES = {
+    "llama": Family("LlamaForCausalLM", permuted_qk=True),
+    "qwen2": Family("Qwen2ForCausalLM", permuted_qk=False),
+    "gemma": Family("GemmaForCausalLM", permuted_qk=False, embed_scale_sqrt=True,
+                    numerics=dict(norm_offset=1.0, norm_cast="gemma", act="gelu_tanh")),
+}
+
+# Features of ModelConfig that none of the architectures above has: a config using one cannot be written.
+NOT_IN_FAMILIES = ("qk_norm", "sandwich_norm", "attn_scale", "attn_softcap", "final_softcap", "sliding_window",
+                   "rope_local_theta")
+
+GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+LAYER_NAMES = {  # blk.{i}.<key> -> model.layers.{i}.<value>
+    "attn_norm.weight": "input_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight", "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.weight": "self_attn.k_proj.weight", "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.weight": "self_attn.v_proj.weight", "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_output.weight": "self_attn.o_proj.weight", "attn_output.bias": "self_attn.o_proj.bias",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight", "ffn_gate.bias": "mlp.gate_proj.bias",
+    "ffn_up.weight": "mlp.up_proj.weight", "ffn_up.bias": "mlp.up_proj.bias",
+    "ffn_down.weight": "mlp.down_proj.weight", "ffn_down.bias": "mlp.down_proj.bias",
+}
+ROPE_FREQS = "rope_freqs.weight"  # Llama 3.1+: per-frequency divisors, read into cfg.rope_scaling
+
+# Export types: --ftype name -> (ggml type of 2-D weights, llama.cpp's file type).
+FILE_TYPES = {
+    "f32": (QType.F32, gguf.LlamaFileType.ALL_F32),
+    "f16": (QType.F16, gguf.LlamaFileType.MOSTLY_F16),
+    "bf16": (QType.BF16, gguf.LlamaFileType.MOSTLY_BF16),
+    "q8_0": (QType.Q8_0, gguf.LlamaFileType.MOSTLY_Q8_0),
+}
+
+# `tokenizer.ggml.pre` -> the regexes llama.cpp splits text with before byte-level BPE, applied in turn
+# (llama-vocab.cpp). GPT-2's is the one the `tokenizers` ByteLevel pre-tokenizer has built in.
+_GPT2_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
+PRE_TOKENIZER_SPLITS = {
+    "gpt2": [_GPT2_SPLIT],
+    # Files from converters that did not recognize the tokenizer. llama.cpp then uses an odd regex of its
+    # own and warns that quality degrades; GPT-2's is what such (GPT-2 style) vocabularies were built with.
+    "default": [_GPT2_SPLIT],
+    "smollm": [r"\p{N}", _GPT2_SPLIT],  # digits one by one, then GPT-2
+    "llama-bpe": [r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+                  r"|\s*[\r\n]+|\s+(?!\S)|\s+"],
+    "qwen2": [r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+              r"|\s*[\r\n]+|\s+(?!\S)|\s+"],
+}
+# Text that the splits above cut differently; export names a tokenizer's pre-tokenizer by its cuts.
+_PRE_TOKENIZER_PROBE = "Hello world's WE'LL $foo  bar\n\n\t baz 12345 3.14 ¼ naïve 😀\r\n  end  "
+
+
+# ----------------------------------------------------------------------------- reading
+
+
+def _open(path):
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"no GGUF file at {path!r}")
+    try:
+        return gguf.GGUFReader(path)
+    except (ValueError, OSError) as e:
+        raise CheckpointError(f"cannot read {path!r} as GGUF ({e}): the file is truncated or not a GGUF file; "
+                              "download it again") from e
+
+
+_REQUIRED = object()
+
+
+def _meta(reader, key, default=_REQUIRED):
+    f = reader.fields.get(key)
+    if f is None:
+        if default is _REQUIRED:
+            raise CheckpointError(f"GGUF metadata key {key!r} is missing; it is needed to build the model")
+        return default
+    return f.contents()
+
+
+def hf_name(gguf_name: str) -> str:
+    """The nanotune / Hugging Face parameter name of a GGUF tensor name."""
+    if gguf_name in GLOBAL_NAMES:
+        return GLOBAL_NAMES[gguf_name]
+    parts = gguf_name.split(".", 2)  # blk, layer index, LAYER_NAMES key
+    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in LAYER_NAMES:
+        return f"model.layers.{parts[1]}.{LAYER_NAMES[parts[2]]}"
+    raise CheckpointError(f"GGUF tensor {gguf_name!r} has no counterpart in nanotune's model (known: "
+                          f"{sorted(GLOBAL_NAMES)}, blk.N.{{{', '.join(LAYER_NAMES)}}})")
+
+
+def read_tensor(t) -> torch.Tensor:
+    """A GGUF tensor (any type gguf-py can dequantize) as fp32, in row-major [out, in] order."""
+    shape = tuple(int(n) for n in reversed(t.shape))  # ggml lists the contiguous dimension first
+    try:
+        values = gguf.quants.dequantize(t.data, t.tensor_type)
+    except NotImplementedError as e:
+        raise CheckpointError(f"tensor {t.name!r} has type {t.tensor_type.name}, which gguf {gguf.__version__} "
+                              "cannot dequantize; upgrade gguf or requantize the file (e.g. to Q8_0)") from e
+    return torch.from_numpy(np.array(values, dtype=np.float32).reshape(shape))
+
+
+def unpermute_rope(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """llama.cpp's interleaved q/k rows -> Hugging Face's half-split rows (point 3 of the docstring)."""
+    d = w.shape[0] // n_heads
+    return w.reshape(n_heads, d // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+def permute_rope(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Hugging Face's half-split q/k rows -> llama.cpp's interleaved rows (convert_hf_to_gguf's permute)."""
+    d = w.shape[0] // n_heads
+    return w.reshape(n_heads, 2, d // 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+def scaling_from_rope_freqs(cfg: ModelConfig, factors: torch.Tensor) -> dict | None:
+    """cfg.rope_scaling that reproduces llama.cpp's `rope_freqs` divisors f_i (inv_freq_i / f_i).
+
+    convert_hf_to_gguf writes Llama 3 ("llama3") scaling only as these divisors. In
+    `rope_inv_freq`, with x = 1/wavelength and s = (old_len * x - lo) / (hi - lo) = a*x - b:
+    f = 1 where s >= 1, f = factor where s <= 0, and 1/f = (1 - s)/factor + s in between. So
+    factor = max f, every in-between f gives s exactly, and f depends on (old_len, lo, hi) only
+    through (a, b): lo = 1, hi = 1 + 1/b, old_len = a/b reproduce it. When fewer than two
+    frequencies fall in between, (a, b) is any line that keeps the others on their side; the
+    result is checked against the divisors either way.
+    """
+    f = factors.double()
+    factor = f.max().item()
+    if torch.allclose(f, torch.ones_like(f)):
+        return None
+    if torch.allclose(f, torch.full_like(f, factor)):
+        return {"rope_type": "linear", "factor": factor}
+    inv = rope_inv_freq(replace(cfg, rope_scaling=None), "full", "cpu").double()
+    x = inv / (2 * math.pi)
+    s = (1 / f - 1 / factor) / (1 - 1 / factor)
+    between = (s > 1e-6) & (s < 1 - 1e-6)
+    below, above = x[s <= 1e-6], x[s >= 1 - 1e-6]  # frequencies divided by `factor`, and left alone
+    if between.sum() >= 2:
+        (x1, x2), (s1, s2) = x[between][[0, -1]], s[between][[0, -1]]
+        a = (s2 - s1) / (x2 - x1)
+    elif between.sum() == 1:  # through (x1, s1), steep enough for s <= 0 below it and s >= 1 above it
+        x1, s1 = x[between][0], s[between][0]
+        slopes = []
+        if len(below):
+            slopes.append(s1 / (x1 - below.max()))
+        if len(above):
+            slopes.append((1 - s1) / (above.min() - x1))
+        a = max(slopes)
+    else:  # s = 0 at the highest divided frequency, 1 at the lowest one left alone
+        x1, s1 = below.max(), 0.0
+        a = 1 / (above.min() - x1)
+    b = a * x1 - s1
+    scaling = {"rope_type": "llama3", "factor": factor, "low_freq_factor": 1.0, "high_freq_factor": float(1 + 1 / b),
+               "original_max_position_embeddings": float(a / b)}
+    got = rope_inv_freq(replace(cfg, rope_scaling=scaling), "full", "cpu").double()
+    if not torch.allclose(got, inv / f, rtol=1e-5, atol=0):
+        raise CheckpointError(f"{ROPE_FREQS} holds rope divisors that are not Llama 3 rope scaling "
+                              f"({f.tolist()}); nanotune supports llama3 and linear rope scaling")
+    return scaling
+
+
+def read_config(reader) -> ModelConfig:
+    """A ModelConfig from GGUF metadata (`{arch}.*`, `tokenizer.ggml.*`) and the tensors present."""
+    arch = _meta(reader, "general.architecture")
+    if arch not in FAMILIES:
+        raise CheckpointError(f"GGUF architecture {arch!r} is not supported; nanotune loads {sorted(FAMILIES)}")
+    fam = FAMILIES[arch]
+    names = {t.name for t in reader.tensors}
+
+    def get(key, default=_REQUIRED):
+        return _meta(reader, f"{arch}.{key}", default)
+
+    H, nh = get("embedding_length"), get("attention.head_count")
+    head_dim = get("attention.key_length", H // nh)
+    rope_dims = get("rope.dimension_count", head_dim)
+    if rope_dims != head_dim:
+        raise CheckpointError(f"{arch}.rope.dimension_count is {rope_dims} but head_dim is {head_dim}: partial "
+                              "rotary embeddings are not supported")
+    n_tokens = len(reader.fields["tokenizer.ggml.tokens"].data) if "tokenizer.ggml.tokens" in reader.fields else None
+    vocab = get("vocab_size", n_tokens)
+    if vocab is None:
+        raise CheckpointError(f"GGUF metadata has neither {arch}.vocab_size nor tokenizer.ggml.tokens")
+    cfg = dict(
+        vocab_size=vocab, hidden_size=H, intermediate_size=get("feed_forward_length"),
+        n_layers=get("block_count"), n_heads=nh, n_kv_heads=get("attention.head_count_kv", nh), head_dim=head_dim,
+        rms_eps=get("attention.layer_norm_rms_epsilon"), max_position_embeddings=get("context_length", 2048),
+        rope_theta=get("rope.freq_base", 10000.0),
+        # Biases are whatever tensors the file has (Qwen2's q/k/v; Llama's attention_bias / mlp_bias).
+        qkv_bias="blk.0.attn_q.bias" in names, o_bias="blk.0.attn_output.bias" in names,
+        mlp_bias="blk.0.ffn_up.bias" in names, tie_embeddings="output.weight" not in names,
+        bos_token_id=_meta(reader, "tokenizer.ggml.bos_token_id", None),
+        eos_token_id=_meta(reader, "tokenizer.ggml.eos_token_id", None),
+        pad_token_id=_meta(reader, "tokenizer.ggml.padding_token_id", None),
+        architecture=fam.hf_architecture, **fam.numerics,
+    )
+    if fam.embed_scale_sqrt:
+        cfg["embed_scale"] = math.sqrt(H)
+    scaling = get("rope.scaling.type", "none")
+    if scaling == "linear":
+        cfg["rope_scaling"] = {"rope_type": "linear", "factor": get("rope.scaling.factor")}
+    elif scaling != "none":
+        raise CheckpointError(f"{arch}.rope.scaling.type {scaling!r} is not supported (supported: none, linear, "
+                              "and Llama 3 scaling stored as rope_freqs)")
+    config = ModelConfig(**cfg)
+    if ROPE_FREQS in names:
+        factors = read_tensor(next(t for t in reader.tensors if t.name == ROPE_FREQS))
+        config.rope_scaling = scaling_from_rope_freqs(config, factors)
+    return config
+
+
+def load_gguf(path, dtype=torch.float32, device="cpu", lora: LoRAConfig | None = None, quantize=None,
+              use_kernels=False, lora_seed=0, fused_lora=True):
+    """Build the model from a GGUF file and load its weights, dequantized to `dtype` (and requantized
+    to NF4 with quantize="nf4"). Returns (model, config), like model.load.load_model, which routes
+    *.gguf paths here."""
+    if quantize not in (None, "nf4"):
+        raise ValueError(f"quantize must be None or 'nf4', got {quantize!r}")
+    reader = _open(path)
+    cfg = read_config(reader)
+    fam = FAMILIES[_meta(reader, "general.architecture")]
+    with torch.device("meta"):
+        model = Transformer(cfg, lora=lora, use_kernels=use_kernels, fused_lora=fused_lora)
+    expected = {n: p.shape for n, p in model.named_parameters(remove_duplicate=False) if ".lora_" not in n}
+    if cfg.tie_embeddings:
+        expected.pop("lm_head.weight")
+    nf4_keys = set()
+    if quantize == "nf4":
+        from model.qlora import quantize_linear_  # imports bitsandbytes: only when asked
+        nf4_keys = {n + ".weight" for n, m in model.named_modules() if isinstance(m, LoRALinear)}
+    seen = set()
+    for t in reader.tensors:
+        if t.name == ROPE_FREQS:  # already in cfg.rope_scaling
+            continue
+        name = hf_name(t.name)
+        if name not in expected:
+            raise CheckpointError(f"unexpected tensor {t.name!r} ({name}) in {path!r}: this {cfg.architecture} "
+                                  "config has no such parameter")
+        w = read_tensor(t)
+        if fam.permuted_qk and ".q_proj." in name:
+            w = unpermute_rope(w, cfg.n_heads)
+        elif fam.permuted_qk and ".k_proj." in name:
+            w = unpermute_rope(w, cfg.n_kv_heads)
+        if name.endswith("norm.weight"):
+            w = w - cfg.norm_offset  # in fp32, before any cast
+        if tuple(w.shape) != tuple(expected[name]):
+            raise CheckpointError(f"tensor {t.name!r} has shape {tuple(w.shape)}, expected {tuple(expected[name])} "
+                                  "from the file's metadata")
+        w = w.to(device=device, dtype=dtype)
+        if name in nf4_keys:
+            quantize_linear_(model.get_submodule(name.removesuffix(".weight")), w)
+        else:
+            _set_tensor(model, name, w)
+        seen.add(name)
+    missing = sorted(set(expected) - seen)
+    if missing:
+        more = f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""
+        raise CheckpointError(f"{path!r} is missing tensor(s) {missing[:5]}{more}")
+    finish_model(model, cfg, device, lora_seed)
+    return model, cfg
+
+
+def _byte_level_pre_tokenizer(pre: str):
+    if pre not in PRE_TOKENIZER_SPLITS:
+        raise ValueError(f"GGUF tokenizer.ggml.pre {pre!r} is not supported; supported: "
+                         f"{sorted(PRE_TOKENIZER_SPLITS)}. Add its regexes (llama-vocab.cpp) to PRE_TOKENIZER_SPLITS")
+    splits = [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in PRE_TOKENIZER_SPLITS[pre]]
+    return pre_tokenizers.Sequence(splits + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+
+
+def load_gguf_tokenizer(path) -> Tokenizer:
+    """The tokenizer and chat template stored in a GGUF file's metadata."""
+    reader = _open(path)
+    kind = _meta(reader, "tokenizer.ggml.model")
+    if kind != "gpt2":
+        raise ValueError(f"{path!r} has a {kind!r} tokenizer; nanotune rebuilds byte-level BPE ('gpt2': Llama 3, "
+                         "Qwen2, SmolLM2) from GGUF. For a SentencePiece model ('llama': Llama 2, Gemma) load the "
+                         "tokenizer from the original Hugging Face folder")
+    tokens = _meta(reader, "tokenizer.ggml.tokens")
+    types = _meta(reader, "tokenizer.ggml.token_type", [1] * len(tokens))
+    merges = [tuple(m.split(" ")) for m in _meta(reader, "tokenizer.ggml.merges")]
+    tok = _HFTokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges))
+    tok.pre_tokenizer = _byte_level_pre_tokenizer(_meta(reader, "tokenizer.ggml.pre", "default"))
+    tok.decoder = decoders.ByteLevel()
+    # Control tokens (<|im_start|>) are matched whole and skipped when decoding; user-defined ones
+    # (<think>) are matched whole and kept, as llama.cpp does.
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                            for t, k in zip(tokens, types) if k == gguf.TokenType.CONTROL])
+    tok.add_tokens([AddedToken(t, special=False, normalized=False)
+                    for t, k in zip(tokens, types) if k == gguf.TokenType.USER_DEFINED])
+    return Tokenizer(tok=tok, bos_id=_meta(reader, "tokenizer.ggml.bos_token_id", None),
+                     eos_id=_meta(reader, "tokenizer.ggml.eos_token_id", None),
+                     pad_id=_meta(reader, "tokenizer.ggml.padding_token_id", None),
+                     chat_template=_meta(reader, "tokenizer.chat_template", None),
+                     add_bos=bool(_meta(reader, "tokenizer.ggml.add_bos_token", False)))
+
+
+# ----------------------------------------------------------------------------- writing
+
+
+def _gguf_arch(cfg: ModelConfig) -> str:
+    """The GGUF architecture that computes what `cfg` computes; raises if there is none."""
+    by_hf = {f.hf_architecture: a for a, f in FAMILIES.items()}
+    if cfg.architecture not in by_hf:
+        raise ValueError(f"cannot write {cfg.architecture} as GGUF: nanotune writes {sorted(by_hf)}")
+    arch = by_hf[cfg.architecture]
+    fam = FAMILIES[arch]
+    wrong = {k: getattr(cfg, k) for k, v in fam.numerics.items() if getattr(cfg, k) != v}
+    wrong.update({k: getattr(cfg, k) for k in NOT_IN_FAMILIES if getattr(cfg, k) not in (None, False)})
+    if fam.embed_scale_sqrt != (cfg.embed_scale != 1.0):
+        wrong["embed_scale"] = cfg.embed_scale
+    if wrong:
+        raise ValueError(f"cannot write this model as GGUF architecture {arch!r}: llama.cpp's {arch} has no {wrong}")
+    return arch
+
+
+def export_tensors(model):
+    """(GGUF name, fp32 tensor as llama.cpp stores it) for every weight, LoRA merged in: W + s·B·A."""
+    cfg = model.config
+    fam = FAMILIES[_gguf_arch(cfg)]
+    yield "token_embd.weight", model.model.embed_tokens.weight.detach().float()
+    if cfg.rope_scaling is not None and cfg.rope_scaling["rope_type"] == "llama3":
+        unscaled = rope_inv_freq(replace(cfg, rope_scaling=None), "full", "cpu")
+        yield ROPE_FREQS, unscaled / rope_inv_freq(cfg, "full", "cpu")  # divisors, as convert_hf_to_gguf writes
+    for i, layer in enumerate(model.model.layers):
+        for key, name in LAYER_NAMES.items():
+            mod_name, _, pname = name.rpartition(".")
+            mod = layer.get_submodule(mod_name)
+            if pname == "bias" and mod.bias is None:
+                continue
+            if isinstance(mod, LoRALinear) and pname == "weight":
+                w = merged_weight(mod).float()  # W + s·B·A (an NF4 W dequantized)
+            else:
+                w = getattr(mod, pname).detach().float()
+            if name.endswith("norm.weight"):
+                w = w + cfg.norm_offset
+            elif fam.permuted_qk and mod_name == "self_attn.q_proj":
+                w = permute_rope(w, cfg.n_heads)
+            elif fam.permuted_qk and mod_name == "self_attn.k_proj":
+                w = permute_rope(w, cfg.n_kv_heads)
+            yield f"blk.{i}.{key}", w
+    yield "output_norm.weight", model.model.norm.weight.detach().float() + cfg.norm_offset
+    if not cfg.tie_embeddings:
+        yield "output.weight", model.lm_head.weight.detach().float()
+
+
+def _encode(t: torch.Tensor, qtype):
+    """(data, ggml type). 1-D tensors (norms, biases, rope_freqs) stay F32 as llama.cpp keeps them;
+    rows that do not fill whole quantization blocks fall back to F16, as llama.cpp's converter does."""
+    a = t.numpy()
+    if a.ndim == 1:
+        qtype = QType.F32
+    elif a.shape[-1] % gguf.GGML_QUANT_SIZES[qtype][0] != 0:
+        qtype = QType.F16
+    return gguf.quants.quantize(a, qtype), qtype
+
+
+def _pre_tokenizer_name(tok: _HFTokenizer) -> str:
+    """The `tokenizer.ggml.pre` name whose splits cut a probe text exactly as `tok` does."""
+    if tok.pre_tokenizer is None:
+        raise ValueError("the tokenizer has no pre-tokenizer; GGUF export needs a byte-level BPE tokenizer")
+    want = [w for w, _ in tok.pre_tokenizer.pre_tokenize_str(_PRE_TOKENIZER_PROBE)]
+    for name in PRE_TOKENIZER_SPLITS:
+        if name != "default" and [w for w, _ in _byte_level_pre_tokenizer(name).pre_tokenize_str(
+                _PRE_TOKENIZER_PROBE)] == want:
+            return name
+    raise ValueError(f"the tokenizer's pre-tokenizer splits text like none of {sorted(PRE_TOKENIZER_SPLITS)}; "
+                     "add its llama.cpp name and regexes to PRE_TOKENIZER_SPLITS")
+
+
+def _write_tokenizer(w, tokenizer: Tokenizer, vocab_size: int):
+    """Byte-level BPE as `tokenizer.ggml.*` metadata. Ids the tokenizer does not use, up to the
+    embedding's row count, become unused "[PAD{i}]" tokens, as convert_hf_to_gguf writes them.
+    A normalizer (Qwen2's NFC) is not stored: llama.cpp has none for byte-level BPE."""
+    spec = json.loads(tokenizer.tok.to_str())
+    if spec["model"]["type"] != "BPE" or (spec.get("decoder") or {}).get("type") != "ByteLevel":
+        raise ValueError(f"GGUF export writes byte-level BPE tokenizers (Llama 3, Qwen2, SmolLM2); this one is "
+                         f"{spec['model']['type']} with decoder {(spec.get('decoder') or {}).get('type')}")
+    if tokenizer.vocab_size > vocab_size:
+        raise ValueError(f"the tokenizer has {tokenizer.vocab_size} tokens but the model only {vocab_size} rows")
+    special = {a["id"]: a["special"] for a in spec["added_tokens"]}
+    tokens, types = [], []
+    for i in range(vocab_size):
+        text = tokenizer.id_to_token(i)
+        tokens.append(f"[PAD{i}]" if text is None else text)
+        types.append(gguf.TokenType.UNUSED if text is None else gguf.TokenType.CONTROL if special.get(i)
+                     else gguf.TokenType.USER_DEFINED if i in special else gguf.TokenType.NORMAL)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre(_pre_tokenizer_name(tokenizer.tok))
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    w.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in spec["model"]["merges"]])
+    for add, i in ((w.add_bos_token_id, tokenizer.bos_id), (w.add_eos_token_id, tokenizer.eos_id),
+                   (w.add_pad_token_id, tokenizer.pad_id)):
+        if i is not None:
+            add(i)
+    w.add_add_bos_token(tokenizer.add_bos)
+    if tokenizer.chat_template:
+        w.add_chat_template(tokenizer.chat_template)
+
+
+@torch.no_grad()
+def save_gguf(model, tokenizer: Tokenizer, path, ftype="f16"):
+    """Write `model` (any LoRA merged into its weights: W + scale * B @ A) and `tokenizer` as a
+    GGUF file that llama.cpp and `load_gguf` read. ftype: f32, f16, bf16 or q8_0 for 2-D weights."""
+    if ftype not in FILE_TYPES:
+        raise ValueError(f"ftype must be one of {sorted(FILE_TYPES)}, got {ftype!r}")
+    cfg = model.config
+    arch = _gguf_arch(cfg)
+    qtype, file_type = FILE_TYPES[ftype]
+    w = gguf.GGUFWriter(path, arch)
+    w.add_file_type(file_type)
+    w.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_block_count(cfg.n_layers)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.n_heads)
+    w.add_head_count_kv(cfg.n_kv_heads)
+    w.add_key_length(cfg.head_dim)
+    w.add_value_length(cfg.head_dim)
+    w.add_rope_dimension_count(cfg.head_dim)
+    w.add_layer_norm_rms_eps(cfg.rms_eps)
+    w.add_rope_freq_base(cfg.rope_theta)
+    w.add_vocab_size(cfg.vocab_size)
+    if cfg.rope_scaling is not None and cfg.rope_scaling["rope_type"] == "linear":
+        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        w.add_rope_scaling_factor(cfg.rope_scaling["factor"])
+    _write_tokenizer(w, tokenizer, cfg.vocab_size)
+    for name, t in export_tensors(model):
+        data, raw = _encode(t.cpu(), qtype)
+        w.add_tensor(name, data, raw_dtype=raw)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path

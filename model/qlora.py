@@ -1,0 +1,86 @@
+"""QLoRA (Dettmers et al. 2023): frozen projection weights stored in 4-bit NormalFloat.
+
+Each weight is cut into blocks of 64 values; a block stores one 4-bit NF4 code per value
+(the 16 levels are quantiles of a standard normal) and its absmax scale. With double
+quantization (compress_statistics=True) the absmax scales are themselves quantized to 8
+bits in blocks of 256, around their mean. Bits per weight value:
+
+    4 (code) + 8/64 (absmax) + 32/(64·256) (fp32 scale of the absmax) ≈ 4.127,
+
+0.258 of bf16's 16. bitsandbytes' `quantize_4bit` / `dequantize_4bit` do the work, on
+GPU and CPU.
+
+`NF4Weight` holds those tensors as buffers (so `.to(device)` moves them and byte counts
+see them) and replaces a LoRALinear's `weight`. `LoRALinear.base_weight()` dequantizes
+it; the fused LoRA Functions (model/lora.py) call that in forward and again in backward,
+and free the result right after each matmul, so a dequantized weight is never kept. (The
+unfused reference path, fused_lora=False, lets autograd save each dequantized weight for
+backward: correct, but with full-precision weight memory.)
+
+`load_model(..., quantize="nf4")` quantizes each projection weight as it is read from
+the checkpoint (`quantize_linear_`), so the full-precision model is never on the device
+at once. Embeddings, lm_head and norms stay in the model dtype, as in the QLoRA paper.
+"""
+from functools import lru_cache
+
+import torch
+import torch.nn as nn
+from bitsandbytes.functional import QuantState, create_dynamic_map, dequantize_4bit, quantize_4bit
+
+from model.lora import LoRALinear
+
+BLOCK = 64  # values per NF4 block (the QLoRA paper's choice)
+ABSMAX_BLOCK = 256  # absmax scales per 8-bit block under double quantization
+
+
+@lru_cache
+def absmax_code(device):
+    """The 256 levels of the absmax scales' 8-bit quantization: bitsandbytes' signed dynamic
+    map, the same for every weight, so it is kept once per device rather than per weight."""
+    return create_dynamic_map(signed=True).to(device)
+
+
+class NF4Weight(nn.Module):
+    """One weight [out, in] in NF4 with double-quantized absmax scales."""
+
+    def __init__(self, weight):
+        super().__init__()
+        assert weight.dtype in (torch.float32, torch.bfloat16, torch.float16), (
+            f"NF4 quantizes fp32/bf16/fp16 weights, got {weight.dtype}")
+        packed, state = quantize_4bit(weight.contiguous(), blocksize=BLOCK, compress_statistics=True,
+                                      quant_type="nf4")  # always name nf4: bitsandbytes defaults to fp4
+        assert state.state2.blocksize == ABSMAX_BLOCK and torch.equal(state.state2.code, absmax_code(weight.device))
+        self.shape, self.weight_dtype = weight.shape, weight.dtype  # what dequantize() gives back
+        # Not in state_dict(): the checkpoint's full-precision weight is the source of truth.
+        self.register_buffer("packed", packed, persistent=False)  # (numel/2, 1) uint8: two codes a byte
+        self.register_buffer("absmax", state.absmax, persistent=False)  # (numel/64,) uint8
+        self.register_buffer("absmax_offset", state.offset, persistent=False)  # () fp32, their mean
+        self.register_buffer("absmax_scale", state.state2.absmax, persistent=False)  # (numel/64/256,) fp32
+
+    def dequantize(self):
+        """The weight [out, in] in its original dtype: a new tensor."""
+        absmax_state = QuantState(absmax=self.absmax_scale, code=absmax_code(self.packed.device),
+                                  blocksize=ABSMAX_BLOCK, dtype=torch.float32)
+        state = QuantState(absmax=self.absmax, shape=self.shape, blocksize=BLOCK, quant_type="nf4",
+                           dtype=self.weight_dtype, offset=self.absmax_offset, state2=absmax_state)
+        return dequantize_4bit(self.packed, state)
+
+    def extra_repr(self):
+        return f"shape={tuple(self.shape)}, dtype={self.weight_dtype}"
+
+
+def quantize_linear_(linear: LoRALinear, weight):
+    """Store `weight` [out, in] in `linear` as NF4; its full-precision `weight` is dropped."""
+    if tuple(weight.shape) != (linear.out_features, linear.in_features):
+        raise ValueError(f"{linear.name}: weight of shape {tuple(weight.shape)}, expected "
+                         f"{(linear.out_features, linear.in_features)}")
+    linear.weight = None
+    linear.nf4 = NF4Weight(weight.detach())
+
+
+def quantize_model(model):
+    """Quantize every projection weight of a model already in memory to NF4, in place."""
+    for m in model.modules():
+        if isinstance(m, LoRALinear) and m.weight is not None:
+            quantize_linear_(m, m.weight)
+    return model

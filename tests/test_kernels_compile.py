@@ -1,0 +1,171 @@
+"""Compile every kernel ahead of time for sm_80 and sm_90, for every dtype and every
+constexpr flag, without a GPU: `triton.compile(ASTSource(...), target=GPUTarget(...))`
+runs the whole pipeline (TTIR, TTGIR, LLVM IR, PTX, ptxas to cubin).
+
+Why: Triton's interpreter runs kernels as Python, so it accepts code the compiler
+rejects, e.g. a variable that is bf16 before an `if` and fp32 inside it (the Unsloth
+bug). The CPU tests alone would miss it.
+
+Under TRITON_INTERPRET=1 (set by conftest.py without a GPU) `@triton.jit` builds
+interpreter objects that cannot be compiled, so the compilation runs once, in a
+subprocess without that variable: this file run as a script, which prints a JSON map
+from case id to error ("" when it compiled). The tests read that map.
+"""
+import importlib
+import json
+import os
+import subprocess
+import sys
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
+from itertools import product
+from pathlib import Path
+
+import pytest
+import triton
+import triton.language as tl
+
+REPO = Path(__file__).resolve().parents[1]
+ARCHS = (80, 90)
+DTYPES = ("fp32", "bf16", "fp16")
+
+
+@dataclass(frozen=True)
+class Case:
+    id: str
+    module: str
+    kernel: str
+    signature: dict  # argument name -> Triton type string ("*bf16", "i32", "fp32", "constexpr")
+    constexprs: dict
+    num_warps: int
+    arch: int
+
+
+def flags(*names):
+    """Every True/False combination of the named constexpr flags, as dicts."""
+    return [dict(zip(names, values)) for values in product((False, True), repeat=len(names))]
+
+
+def flag_id(d):
+    return "-".join(f"{k}={int(v)}" for k, v in d.items() if isinstance(v, bool)) or "base"
+
+
+def kernel_cases():
+    """The launch configurations of the largest realistic shapes, from the launchers themselves."""
+    ce, rn, rp, sw, gg = (importlib.import_module(f"kernels.{name}")
+                          for name in ("cross_entropy", "rms_norm", "rope", "swiglu", "geglu"))
+    specs = []  # (module, kernel, signature(dtype), base constexprs, flag combos, num_warps)
+
+    block, warps = ce.launch_config(262144)
+    specs.append(("kernels.cross_entropy", "_cross_entropy_kernel", lambda t: {
+        "logits_ptr": f"*{t}", "logits_row_stride": "i32", "dlogits_ptr": f"*{t}", "dlogits_row_stride": "i32",
+        "targets_ptr": "*i64", "losses_ptr": "*fp32", "V": "i32", "ignore_index": "i32", "scale": "fp32",
+        "softcap": "fp32"}, {"BLOCK": block}, flags("HAS_SCALE", "HAS_SOFTCAP", "COMPUTE_GRAD"), warps))
+
+    block, warps = rn.launch_config(8192)
+    specs.append(("kernels.rms_norm", "_rms_norm_forward_kernel", lambda t: {
+        "x_ptr": f"*{t}", "x_row_stride": "i32", "w_ptr": f"*{t}", "y_ptr": f"*{t}", "rstd_ptr": "*fp32",
+        "H": "i32", "eps": "fp32", "offset": "fp32"}, {"BLOCK": block}, flags("GEMMA_CAST"), warps))
+    specs.append(("kernels.rms_norm", "_rms_norm_backward_kernel", lambda t: {
+        "dy_ptr": f"*{t}", "dy_row_stride": "i32", "x_ptr": f"*{t}", "x_row_stride": "i32", "w_ptr": f"*{t}",
+        "rstd_ptr": "*fp32", "dx_ptr": f"*{t}", "dw_partial_ptr": "*fp32", "N": "i32", "H": "i32",
+        "offset": "fp32", "rows_per_program": "i32"}, {"BLOCK": block}, flags("GEMMA_CAST"), warps))
+
+    block_hq, block_hk, block_half, warps = rp.launch_config(32, 8, 256)
+    specs.append(("kernels.rope", "_rope_kernel", lambda t: {
+        "q_ptr": f"*{t}", "k_ptr": f"*{t}", "q_out_ptr": f"*{t}", "k_out_ptr": f"*{t}", "cos_ptr": f"*{t}",
+        "sin_ptr": f"*{t}", "cs_batch_stride": "i32", "cs_token_stride": "i32", "T": "i32", "HQ": "i32",
+        "HK": "i32", "HALF": "i32"}, {"BLOCK_HQ": block_hq, "BLOCK_HK": block_hk, "BLOCK_HALF": block_half},
+        flags("BACKWARD"), warps))
+
+    for mod, name, approx in ((sw, "swiglu", []), (gg, "geglu", flags("APPROX_TANH"))):
+        specs.append((mod.__name__, f"_{name}_forward_kernel", lambda t: {
+            "gate_ptr": f"*{t}", "up_ptr": f"*{t}", "h_ptr": f"*{t}", "n": "i32"},
+            {"BLOCK": mod.BLOCK}, approx or [{}], mod.NUM_WARPS))
+        specs.append((mod.__name__, f"_{name}_backward_kernel", lambda t: {
+            "dh_ptr": f"*{t}", "gate_ptr": f"*{t}", "up_ptr": f"*{t}", "dgate_ptr": f"*{t}", "dup_ptr": f"*{t}",
+            "n": "i32"}, {"BLOCK": mod.BLOCK}, approx or [{}], mod.NUM_WARPS))
+
+    cases = []
+    for module, kernel, signature, base, combos, warps in specs:
+        for dtype, combo, arch in product(DTYPES, combos, ARCHS):
+            constexprs = {**base, **combo}
+            sig = {**signature(dtype), **{k: "constexpr" for k in constexprs}}
+            cases.append(Case(f"{kernel}-{dtype}-{flag_id(combo)}-sm{arch}", module, kernel, sig, constexprs,
+                              warps, arch))
+    return cases
+
+
+# --------------------------------------------------------------------------- the Unsloth bug
+
+@triton.jit
+def _branch_dtype_bug_kernel(x_ptr, y_ptr, n):
+    x = tl.load(x_ptr)  # bf16
+    if n > 0:  # a runtime branch: both sides must leave x with one type
+        x = x.to(tl.float32) * 2.0  # fp32 on this side only
+    tl.store(y_ptr, x)
+
+
+def bug_cases():
+    sig = {"x_ptr": "*bf16", "y_ptr": "*bf16", "n": "i32"}
+    return [Case(f"branch_dtype_bug-sm{arch}", __name__, "_branch_dtype_bug_kernel", sig, {}, 4, arch)
+            for arch in ARCHS]
+
+
+# --------------------------------------------------------------------------- compiling (in the subprocess)
+
+def compile_case(case: Case) -> str:
+    """'' if the case compiles to a cubin, else the error's first lines."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    fn = getattr(importlib.import_module(case.module), case.kernel)
+    try:
+        triton.compile(ASTSource(fn=fn, signature=case.signature, constexprs=case.constexprs),
+                       target=GPUTarget("cuda", case.arch, 32), options={"num_warps": case.num_warps})
+        return ""
+    except Exception as e:  # report every failure, not just the first
+        return f"{type(e).__name__}: {e}"[:2000] or type(e).__name__
+
+
+def compile_all() -> dict:
+    cases = kernel_cases() + bug_cases()
+    with ProcessPoolExecutor(max_workers=os.cpu_count()) as pool:
+        return dict(zip((c.id for c in cases), pool.map(compile_case, cases)))
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(REPO))
+    print(json.dumps(compile_all()))
+    sys.exit(0)
+
+
+# --------------------------------------------------------------------------- tests (in pytest)
+
+@pytest.fixture(scope="module")
+def compiled():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, __file__], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=600)
+    if proc.returncode != 0:
+        pytest.fail(f"the compile subprocess failed:\n{proc.stderr[-4000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("case_id", [c.id for c in kernel_cases()])
+def test_kernel_compiles(compiled, case_id):
+    assert compiled[case_id] == "", f"{case_id} does not compile:\n{compiled[case_id]}"
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_compiler_rejects_dtype_changed_in_branch(compiled, arch):
+    error = compiled[f"branch_dtype_bug-sm{arch}"]
+    assert "CompilationError" in error and "bf16" in error and "fp32" in error, error
+
+
+@pytest.mark.skipif(not triton.knobs.runtime.interpret, reason="shows what the interpreter (CPU tests) accepts")
+def test_interpreter_accepts_dtype_changed_in_branch():
+    import torch
+    x = torch.tensor([1.5], dtype=torch.bfloat16)
+    y = torch.empty_like(x)
+    _branch_dtype_bug_kernel[(1,)](x, y, 1)
+    assert y.item() == 3.0

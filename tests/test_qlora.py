@@ -1,0 +1,124 @@
+"""QLoRA: NF4 storage, the fused Functions on NF4 weights against a dequantized-weight
+reference, quantize-on-load, and the memory it saves."""
+import pytest
+import torch
+import torch.nn as nn
+from bitsandbytes.functional import dequantize_4bit, quantize_4bit
+
+from model import LoRAConfig, load_model
+from model.lora import LoRALinear, lora_mlp, lora_parameters, lora_projections, make_glu
+from model.qlora import NF4Weight, quantize_linear_, quantize_model
+from tests.helpers import rel_err
+from tests.test_lora import H, I, attention_projs, compare, mlp_projs, randomize_lora, run, unfused_mlp
+from tests.tiny_models import save_tiny
+
+B, T = 2, 20
+
+
+def test_nf4_weight_round_trip():
+    w = torch.randn(96, 64, dtype=torch.bfloat16)
+    nf4 = NF4Weight(w)
+    packed, state = quantize_4bit(w, blocksize=64, compress_statistics=True, quant_type="nf4")
+    assert torch.equal(nf4.dequantize(), dequantize_4bit(packed, state))
+    assert nf4.dequantize().dtype == torch.bfloat16 and nf4.packed.dtype == torch.uint8
+    assert nf4.packed.numel() == w.numel() // 2 and nf4.absmax.numel() == w.numel() // 64
+    assert rel_err(nf4.dequantize(), w) < 0.12  # 16 levels: about 10% for Gaussian weights
+    assert not nf4.state_dict()  # never persisted: the checkpoint is the source of truth
+
+
+def nf4_pair(dtype, make):
+    """(NF4 modules, reference modules holding the dequantized weights in full precision);
+    both share base biases and LoRA weights."""
+    quant, ref = make(dtype), make(dtype)
+    for q, r in zip(quant, ref):
+        quantize_linear_(q, q.weight)
+        r.weight = nn.Parameter(q.nf4.dequantize(), requires_grad=False)
+        assert q.weight is None and r.weight.dtype == dtype
+    return quant, ref
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_fused_nf4_matches_dequantized_reference(dtype):
+    x = torch.randn(3, 7, H).to(dtype)
+    quant, ref = nf4_pair(dtype, mlp_projs)
+    glu = make_glu("silu", use_kernels=False)
+    expected = run(lambda t: unfused_mlp(t, ref, "silu"), x, ref)
+    compare(run(lambda t: lora_mlp(t, quant, glu), x, quant), expected, dtype, "NF4 fused MLP")
+    compare(run(lambda t: unfused_mlp(t, quant, "silu"), x, quant), expected, dtype, "NF4 unfused MLP")
+    quant, ref = nf4_pair(dtype, lambda d: attention_projs(d)[0])  # q, k, v
+    compare(run(lambda t: lora_projections(t, quant), x, quant), run(lambda t: tuple(p(t) for p in ref), x, ref),
+            dtype, "NF4 fused projections")
+
+
+def test_fused_nf4_saves_no_dequantized_weight():
+    quant, _ = nf4_pair(torch.float32, mlp_projs)
+    x = torch.randn(21, H, requires_grad=True)
+    shapes = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: shapes.append(tuple(t.shape)) or t, lambda t: t):
+        lora_mlp(x, quant, make_glu("silu", use_kernels=False))
+        lora_projections(x, quant[:2])  # gate and up: two projections of one input
+    assert not [s for s in shapes if s in ((I, H), (H, I))], f"a dequantized weight was saved: {shapes}"
+
+
+@pytest.fixture(scope="module")
+def llama_folder(tmp_path_factory):
+    folder = str(tmp_path_factory.mktemp("llama"))
+    save_tiny("llama", folder)
+    return folder
+
+
+def weight_bytes(model):
+    """Bytes of the projection weights: full precision, or NF4 with its block scales."""
+    total = 0
+    for m in model.modules():
+        if isinstance(m, LoRALinear):
+            tensors = [m.weight] if m.nf4 is None else list(m.nf4.buffers())
+            total += sum(t.numel() * t.element_size() for t in tensors)
+    return total
+
+
+def model_bytes(model):
+    return sum(t.numel() * t.element_size() for t in list(model.parameters()) + list(model.buffers()))
+
+
+def test_quantize_on_load_saves_three_quarters(llama_folder):
+    bf16, _ = load_model(llama_folder, dtype=torch.bfloat16)
+    nf4, _ = load_model(llama_folder, dtype=torch.bfloat16, quantize="nf4")
+    projections = [m for m in nf4.modules() if isinstance(m, LoRALinear)]
+    assert projections and all(m.weight is None and m.nf4 is not None for m in projections)
+    ratio = weight_bytes(nf4) / weight_bytes(bf16)
+    assert 0.25 < ratio < 0.27, f"NF4 projection weights take {ratio:.3f} of bf16's bytes, expected ~0.258"
+    saved = model_bytes(bf16) - model_bytes(nf4)
+    assert saved == weight_bytes(bf16) - weight_bytes(nf4), "only the projection weights change"
+
+
+def test_nf4_model_matches_dequantized_model(llama_folder):
+    """Logits and LoRA grads of the fused NF4 model equal those of a full-precision model
+    holding the dequantized weights (the same computation, without 4-bit storage)."""
+    lora = LoRAConfig(r=4, alpha=8.0, dropout=0.1)
+    ours, cfg = load_model(llama_folder, lora=lora, quantize="nf4")
+    ref, _ = load_model(llama_folder, lora=lora, fused_lora=False)
+    randomize_lora(ours)
+    randomize_lora(ref)
+    refs = dict(ref.named_modules())
+    for name, m in ours.named_modules():
+        if isinstance(m, LoRALinear):
+            refs[name].weight.data = m.nf4.dequantize()
+    ids = torch.randint(0, cfg.vocab_size, (B, T))
+    for model in (ours, ref):
+        model.train()
+        torch.manual_seed(0)
+        model(ids, targets=ids).backward()
+    assert rel_err(ours.eval()(ids), ref.eval()(ids)) < 1e-5
+    ref_grads = dict(lora_parameters(ref))
+    for n, p in lora_parameters(ours):
+        assert rel_err(p.grad, ref_grads[n].grad) < 1e-4, n
+
+
+def test_quantize_model_in_memory_equals_quantize_on_load(llama_folder):
+    model, cfg = load_model(llama_folder)
+    quantize_model(model)
+    assert not any(n.endswith("proj.weight") for n, _ in model.named_parameters())
+    on_load, _ = load_model(llama_folder, quantize="nf4")
+    ids = torch.randint(0, cfg.vocab_size, (B, T))
+    assert torch.equal(model(ids), on_load(ids))
