@@ -4,8 +4,10 @@
     python train.py --model ./my-model --data chats.jsonl --max-steps 500
     torchrun --nproc_per_node=2 train.py --model tinyllama  # data-parallel on 2 GPUs
 
-The loop, top to bottom: set the lr -> evaluate / checkpoint -> micro-steps (forward,
-backward) -> unscale, clip, step, zero_grad -> log.
+The loop, top to bottom: set the lr -> checkpoint / evaluate -> micro-steps (forward,
+backward) -> unscale, clip, step, zero_grad -> log. Ctrl-C finishes the step, checkpoints
+and exits; `--resume auto` then continues exactly (weights, optimizer, loss scale, data
+position, RNG). Bad input fails before the weights load, with one line that says the fix.
 
 Loss normalization: the loss of an optimizer step is Σ token losses over all its
 micro-batches (and all ranks) / Σ target tokens over all of them. The count is taken
@@ -547,7 +549,8 @@ def main(cfg: TrainConfig):
                 tok_s = tokens_since / max(dt, 1e-9)
                 mem = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else 0.0
                 rec = {"step": step, "loss": loss_val, "lr": lr, "grad_norm": grad_norm.item(), "tokens_per_s": tok_s,
-                       "peak_mem_gib": mem, "loss_scale": state["scale"], "target_tokens": n_targets}
+                       "peak_mem_gib": mem, "loss_scale": state["scale"], "target_tokens": n_targets,
+                       "skipped": not finite}
                 scale = f" | scale {state['scale']:g}" if dtype == torch.float16 else ""
                 log(f"step {step}/{cfg.max_steps} | loss {loss_val:.4f} | lr {lr:.2e} | grad norm {grad_norm.item():.3f} | "
                     f"{tok_s / 1e3:.1f}k tok/s{scale} | peak mem {mem:.2f} GiB")

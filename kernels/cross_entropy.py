@@ -41,7 +41,7 @@ import triton.language as tl
 
 LOGITS_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 REDUCTIONS = ("mean", "sum", "none")
-MAX_BLOCK = 32768  # fp32 elements per chunk: 32 per thread at 32 warps, no spills on H100
+MAX_BLOCK = 32768  # logits per chunk: 32 fp32 values per thread at 32 warps
 
 
 @triton.jit
@@ -130,6 +130,7 @@ def cross_entropy_forward(logits, targets, *, ignore_index, softcap, scale, dlog
     `logits` itself (the fused linear cross-entropy overwrites its logits chunk)."""
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
+    targets = targets.contiguous()
     N, V = logits.shape
     losses = torch.empty(N, dtype=torch.float32, device=logits.device)
     if N == 0:

@@ -41,7 +41,8 @@ that activation checkpointing repeats in backward, nor flash attention's own
 recomputation: MFU counts useful work only, so checkpointing lowers it.
 
 Cases. `nanotune`: `load_model(..., use_kernels=True)`, checkpointing off / on /
-on+offload (layer inputs kept in pinned CPU memory). `hf`: transformers + PEFT with SDPA
+on+offload (layer inputs kept in pinned CPU memory). `nanotune-unfused` (not run unless
+named in --cases): the same with `fused_lora=False`, LoRA in plain autograd. `hf`: transformers + PEFT with SDPA
 attention; for models with an attention softcap (Gemma 2) also eager attention: the
 transformers versions that accept SDPA for Gemma 2 silently drop the softcap (that row then
 trains a different model), newer ones refuse it (that row is then skipped). `liger`: the
@@ -72,6 +73,7 @@ from dataclasses import dataclass
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LORA_R, LORA_ALPHA, LR = 16, 16, 2e-4  # LoRA as in train.py's defaults
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+CASES = ["nanotune", "hf", "liger", "nanotune-unfused"]
 CKPT_MODES = ("on", "off", "on+offload")  # on first: it is what train.py uses by default
 
 
@@ -197,12 +199,13 @@ class Skip(Exception):
 def build(case, folder, attn, ckpt, device):
     """(model, trainable params, loss function of (ids, targets)) for one case."""
     import torch
-    if case == "nanotune":
+    if case in ("nanotune", "nanotune-unfused"):
         sys.path.insert(0, REPO)
         from model import LoRAConfig, load_model
         # Triton needs a GPU; on CPU (--smoke) the model runs its pure-torch references.
+        unfused = {"fused_lora": False} if case == "nanotune-unfused" else {}  # the plain-autograd LoRA reference
         model, _ = load_model(folder, dtype=torch.bfloat16, device=device, lora=LoRAConfig(r=LORA_R, alpha=LORA_ALPHA),
-                              use_kernels=device.type == "cuda")
+                              use_kernels=device.type == "cuda", **unfused)
         model.gradient_checkpointing = ckpt != "off"
         model.offload_activations = ckpt == "on+offload"
         loss_fn = lambda ids, targets: model(ids, targets=targets)
@@ -246,7 +249,7 @@ def run_case(args) -> dict:
         t0 = time.perf_counter()
         model, params, loss_fn = build(args.case, folder, args.attn, args.ckpt, device)
         res["load_s"] = time.perf_counter() - t0
-        if args.case == "nanotune":
+        if args.case.startswith("nanotune"):
             res["use_kernels"] = cuda
         res["trainable_params"] = sum(p.numel() for p in params)
         res["weights_mem_bytes"] = torch.cuda.memory_allocated() if cuda else None
@@ -344,11 +347,10 @@ class Run:
         return self.deadline - time.time()
 
     def save(self):
-        if self.args.out:
-            tmp = self.args.out + ".tmp"
-            with open(tmp, "w") as f:
-                json.dump(self.doc, f, indent=2)
-            os.replace(tmp, self.args.out)
+        tmp = self.args.out + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(self.doc, f, indent=2)
+        os.replace(tmp, self.args.out)
 
     def ceiling(self):
         n = SMOKE["matmul"] if self.args.smoke else 8192
@@ -390,8 +392,8 @@ class Run:
             for case in self.args.cases:
                 if ckpt == "on+offload" and case != "nanotune":
                     continue  # transformers has no activation offload to compare with
-                attns = {"nanotune": ["-"], "hf": ["sdpa", "eager"] if softcap else ["sdpa"],
-                         "liger": ["eager"] if softcap else ["sdpa"]}[case]
+                attns = {"hf": ["sdpa", "eager"] if softcap else ["sdpa"],
+                         "liger": ["eager"] if softcap else ["sdpa"]}.get(case, ["-"])
                 rows += [(case, attn, ckpt) for attn in attns]
         return rows
 
@@ -427,6 +429,8 @@ class Run:
                     row.update(spawn(self.case_argv(shape, case, attn, ckpt, a.batch, a.seqlen, a.warmup, a.steps),
                                      self.left()))
                     row["wall_s"] = time.time() - t0  # the whole child: imports, load, compile, steps
+                if row["status"] == "ok" and attn == "sdpa" and hf.get("attn_logit_softcapping") is not None:
+                    row["softcap_dropped"] = True
                 if row.get("median_step_s"):
                     row["tokens_per_s"] = a.batch * a.seqlen / row["median_step_s"]
                     row["model_flops_per_s"] = flops / row["median_step_s"]
@@ -441,10 +445,10 @@ class Run:
             print(table_row(row))
         print(f"\nMFU against {ceiling / 1e12:.1f} TFLOP/s ({self.doc['meta']['ceiling']['device_name']}); "
               "peak GiB includes the weights.", flush=True)
-        if any(r["case"] != "nanotune" and r["attn"] == "sdpa" and r["status"] == "ok" and r["shape"] == "gemma-2-2b"
-               for r in self.doc["results"]):
-            print("gemma-2-2b with sdpa: this transformers drops the attention softcap there, so that row trains "
-                  "a different (cheaper) model than nanotune and eager do.", flush=True)
+        dropped = sorted({r["shape"] for r in self.doc["results"] if r.get("softcap_dropped")})
+        if dropped:
+            print(f"{', '.join(dropped)} with sdpa: this transformers drops the attention softcap, so those rows "
+                  "train a different (cheaper) model than nanotune and eager do.", flush=True)
 
     def probe(self):
         """Longest sequence (batch 1, checkpointing on) that trains without OOM, per implementation."""
@@ -474,6 +478,9 @@ class Run:
                 return {"ok": True, "oom": False, "error": False, "crashed": False}.get(r["status"])
 
             res = longest_fitting(fits, a.seqlen, cap, step)
+            failed = [p for p in probes if p["seqlen"] == res["first_fail"]]
+            res["first_fail_status"] = failed[-1]["status"] if failed else None  # "oom", or an error to read
+            res["first_fail_reason"] = failed[-1]["reason"] if failed else None
             res["probes"] = probes
             out["results"][case] = res
             self.save()
@@ -511,6 +518,8 @@ def probe_line(case, r):
     if r["stopped"] == "cap":
         return f"{case}: fits {r['max_fit']} tokens (the cap; longer not tried)"
     bound = f"fails at {r['first_fail']}" if r["first_fail"] else "no failure seen"
+    if r["first_fail"] and r["first_fail_status"] != "oom":
+        bound += f" with {r['first_fail_status']}, not OOM: {r['first_fail_reason']}"
     note = " (stopped by the time budget: a bracket, not the exact limit)" if r["stopped"] == "time budget" else ""
     return f"{case}: longest that fits {r['max_fit']} tokens, {bound}{note}"
 
@@ -552,8 +561,9 @@ def csv(choices):
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shapes", type=csv(list(SHAPES)), default=list(SHAPES), help="comma-separated, run in this order")
-    p.add_argument("--cases", type=csv(["nanotune", "hf", "liger"]), default=["nanotune", "hf", "liger"],
-                   help="implementations, run in this order within a shape and checkpointing mode")
+    p.add_argument("--cases", type=csv(CASES), default=["nanotune", "hf", "liger"],
+                   help="implementations, run in this order within a shape and checkpointing mode "
+                        "(nanotune-unfused: load_model(fused_lora=False), LoRA in plain autograd)")
     p.add_argument("--ckpt", type=csv(list(CKPT_MODES)), default=list(CKPT_MODES),
                    help="activation checkpointing modes (on+offload: nanotune only)")
     p.add_argument("--steps", type=int, help="timed steps; the median is reported (default 10; --smoke: 2)")
@@ -568,11 +578,12 @@ def parse_args(argv=None):
     p.add_argument("--time-budget", type=float, default=480, help="seconds; cases not started by then are "
                    "reported as skipped, a running one is killed (the default fits a 10-minute limit)")
     p.add_argument("--smoke", action="store_true", help="tiny shapes, 2 steps (CPU is fine): checks every case runs")
-    p.add_argument("--out", default="bench.json", help="JSON results, rewritten after every case ('' for none)")
+    p.add_argument("--out", help="JSON results, rewritten after every case (default: <cache-dir>/bench.json, "
+                   "or probe.json with --max-seqlen-probe)")
     p.add_argument("--cache-dir", default=os.path.join(tempfile.gettempdir(), "nanotune-bench"),
                    help="random-init checkpoints, built once per shape")
     # internal: one child process
-    p.add_argument("--case", choices=["nanotune", "hf", "liger"], help=argparse.SUPPRESS)
+    p.add_argument("--case", choices=CASES, help=argparse.SUPPRESS)
     p.add_argument("--shape", choices=list(SHAPES), help=argparse.SUPPRESS)
     p.add_argument("--attn", default="-", help=argparse.SUPPRESS)
     p.add_argument("--make-checkpoint", choices=list(SHAPES), help=argparse.SUPPRESS)
@@ -608,13 +619,14 @@ def main():
             json.dump(res, f)
         return
     os.makedirs(args.cache_dir, exist_ok=True)
+    if args.out is None:
+        args.out = os.path.join(args.cache_dir, "probe.json" if args.max_seqlen_probe else "bench.json")
     run = Run(args)
     if args.max_seqlen_probe:
         run.probe()
     else:
         run.bench()
-    if args.out:
-        log(f"wrote {args.out}")
+    log(f"wrote {args.out}")
 
 
 if __name__ == "__main__":

@@ -134,26 +134,18 @@ def test_fp16_padded_is_finite_and_scaler_recovers(run_model, tmp_path, monkeypa
     """fp16, padding (the path that gave NaN grad norms elsewhere), TinyLlama-shaped: every applied step has
     a finite grad norm; an absurd initial loss scale overflows, is skipped, backs off and recovers (bug 5)."""
     monkeypatch.setattr(train, "choose_dtype", lambda cfg, device: (torch.float16, "test: fp16 on CPU"))
-    cfg = cfg_for(run_model, tmp_path / "fp16", packing=False, max_steps=20, loss_scale=2.0 ** 40, lr=1e-3,
+    cfg = cfg_for(run_model, tmp_path / "fp16", packing=False, max_steps=20, loss_scale=2.0 ** 24, lr=1e-3,
                   batch_size=3)
     train.main(cfg)
     m = [r for r in metrics(cfg.out_dir) if "loss" in r]
     assert len(m) == 20
     scales = [r["loss_scale"] for r in m]
-    assert scales[0] < 2.0 ** 40, "the overflowing first step must be skipped and the scale halved"
-    applied = [r for r in m if r["loss_scale"] == scales[-1]]
-    assert len(applied) >= 5, scales  # it recovered: the scale settled and steps are applied
+    assert scales[0] < 2.0 ** 24, "the overflowing first step must be skipped and the scale halved"
+    assert m[0]["skipped"]
+    applied = [r for r in m if not r["skipped"]]
+    assert len(applied) >= 5 and not m[-1]["skipped"], scales  # it recovered: steps are applied again
     for r in applied:
         assert torch.isfinite(torch.tensor(r["grad_norm"])) and torch.isfinite(torch.tensor(r["loss"])), r
-
-
-def test_zero_target_step_is_skipped_not_nan(run_model, tmp_path):
-    """A dataset with no trained token (chats without an assistant turn) fails early and clearly."""
-    path = tmp_path / "d.jsonl"
-    path.write_text("\n".join(json.dumps({"messages": [{"role": "user", "content": f"say {i}"}]}) for i in range(10)))
-    cfg = cfg_for(run_model, tmp_path / "z", data=str(path))
-    with pytest.raises(train.UserError, match="no example has any target token"):
-        train.main(cfg)
 
 
 def test_cli_end_to_end(run_model, tmp_path):
