@@ -120,14 +120,13 @@ _flex_attention = torch.compile(flex_attention, dynamic=False)
 def attend(q, k, v, mask, scale, softcap):
     """Softmax attention. q (B, Hq, T, D); k, v (B, Hk, T, D).
 
-    mask: None (plain causal), a bool (B, 1, T, T) tensor (CPU), or a FlexAttention BlockMask (GPU).
+    mask: None (plain causal), a bool (B, 1, T, T) tensor, or a FlexAttention BlockMask (GPU).
     SDPA is used wherever it is exact. Softcapping (Gemma 2) is a non-linearity on the scores
-    that SDPA cannot express (transformers' sdpa path silently drops it; this one never does):
-    on GPU it is FlexAttention's score_mod, on CPU the scores are computed explicitly.
+    that SDPA cannot express (transformers' sdpa path silently drops it; this one never does),
+    so those scores are computed explicitly.
     """
     if isinstance(mask, BlockMask):
-        score_mod = None if softcap is None else (lambda s, b, h, qi, ki: softcap * torch.tanh(s / softcap))
-        return _flex_attention(q, k, v, score_mod=score_mod, block_mask=mask, scale=scale, enable_gqa=True)
+        return _flex_attention(q, k, v, block_mask=mask, scale=scale, enable_gqa=True)
     if softcap is None:
         if mask is None:
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
@@ -264,7 +263,10 @@ class Transformer(nn.Module):
             window = cfg.sliding_window if t == "sliding" and cfg.sliding_window is not None else None
             window = window if window is not None and window < T else None
             docs = doc_ids if doc_ids is not None else torch.zeros_like(input_ids)
-            if x.is_cuda and (doc_ids is not None or window is not None or cfg.attn_softcap is not None):
+            # FlexAttention for document/window masks on GPU. Not with a softcap: a softcap score_mod
+            # inside gradient checkpointing fails to trace in torch 2.11 ("FX to symbolically trace a
+            # dynamo-optimized function"); those layers take the explicit path below. Retry with a newer torch.
+            if x.is_cuda and cfg.attn_softcap is None and (doc_ids is not None or window is not None):
                 masks[t] = flex_block_mask(docs, window)
             elif doc_ids is None and window is None:
                 masks[t] = None  # plain causal: SDPA's fast (flash) path

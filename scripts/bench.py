@@ -247,7 +247,8 @@ def run_case(args) -> dict:
     try:
         folder = os.path.join(args.cache_dir, cache_name(args.shape, args.smoke))
         t0 = time.perf_counter()
-        model, params, loss_fn = build(args.case, folder, args.attn, args.ckpt, device)
+        (ckpt,) = args.ckpt  # a child runs one mode; --ckpt parses to a list
+        model, params, loss_fn = build(args.case, folder, args.attn, ckpt, device)
         res["load_s"] = time.perf_counter() - t0
         if args.case.startswith("nanotune"):
             res["use_kernels"] = cuda

@@ -123,7 +123,7 @@ def run(fn, x, projs, seed=0):
     outs = fn(x)
     outs = outs if isinstance(outs, tuple) else (outs,)
     gen = torch.Generator().manual_seed(seed + 1)
-    dys = [torch.randn(o.shape, generator=gen).to(o.dtype) for o in outs]
+    dys = [torch.randn(o.shape, generator=gen).to(o.device, o.dtype) for o in outs]
     torch.autograd.backward(outs, dys)
     return outs, x.grad, [p.grad for p in params]
 
@@ -335,3 +335,19 @@ def test_checkpointing_keeps_dropout_masks(llama_folder):
         model.zero_grad()
     for a, b in zip(*grads):
         assert_close(a, b, atol=1e-6, rtol=1e-5, name="grad with checkpointing")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("act", ["silu", "gelu_tanh"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_cuda_fused_lora_matches_unfused(dtype, act):
+    """On CUDA in bf16 and fp16, with the Triton kernels inside: fused MLP and q/k/v/o vs the unfused path."""
+    projs = [m.cuda() for m in mlp_projs(dtype)]
+    x = torch.randn(4, 33, H, device="cuda").to(dtype)
+    compare(run(lambda t: lora_mlp(t, projs, make_glu(act, use_kernels=True)), x, projs),
+            run(lambda t: unfused_mlp(t, projs, act), x, projs), dtype, f"cuda {act} MLP")
+    qkv, o = attention_projs(dtype)
+    qkv, o = tuple(m.cuda() for m in qkv), o.cuda()
+    compare(run(lambda t: lora_projections(t, qkv), x, qkv), run(lambda t: tuple(p(t) for p in qkv), x, qkv),
+            dtype, "cuda q/k/v")
