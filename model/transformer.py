@@ -266,7 +266,10 @@ class Transformer(nn.Module):
             # FlexAttention for document/window masks on GPU. Not with a softcap: a softcap score_mod
             # inside gradient checkpointing fails to trace in torch 2.11 ("FX to symbolically trace a
             # dynamo-optimized function"); those layers take the explicit path below. Retry with a newer torch.
-            if x.is_cuda and cfg.attn_softcap is None and (doc_ids is not None or window is not None):
+            # FlexAttention's compiled kernel works in blocks of 128 tokens: other lengths (padded
+            # batches) take SDPA with a dense mask, O(T^2) bools but no O(T^2) scores.
+            if (x.is_cuda and cfg.attn_softcap is None and T % 128 == 0
+                    and (doc_ids is not None or window is not None)):
                 masks[t] = flex_block_mask(docs, window)
             elif doc_ids is None and window is None:
                 masks[t] = None  # plain causal: SDPA's fast (flash) path

@@ -32,14 +32,19 @@ def _packed_batch(vocab, B=2, lens=((13, 11, 8), (20, 12))):
     return ids, pos, doc, targets
 
 
+# T = 128 rows take FlexAttention (block masks); T = 32 rows (e.g. padded batches) take SDPA with a dense mask.
+LENGTHS = {"flex": ((60, 40, 28), (100, 20)), "dense": ((13, 11, 8), (20, 7))}
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("use_kernels", [False, True])
-def test_cuda_packed_matches_cpu_reference(family, use_kernels, tmp_path):
-    """Packed rows (FlexAttention with a document mask, softcap and sliding window on GPU) give the CPU
+@pytest.mark.parametrize("path", ["flex", "dense"])
+def test_cuda_packed_matches_cpu_reference(family, use_kernels, path, tmp_path):
+    """Packed and padded rows (document masks, softcap and sliding window on GPU) give the CPU
     reference's loss and LoRA gradients in fp32."""
     save_tiny(family, str(tmp_path))
     lora = LoRAConfig(r=4, alpha=8)
-    ids, pos, doc, targets = _packed_batch(256)
+    ids, pos, doc, targets = _packed_batch(256, lens=LENGTHS[path])
     out = {}
     for dev, kern in (("cpu", False), ("cuda", use_kernels)):
         model, _ = load_model(str(tmp_path), device=dev, lora=lora, use_kernels=kern, lora_seed=1)
