@@ -39,18 +39,11 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from kernels.tanh import tanh
+
 LOGITS_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 REDUCTIONS = ("mean", "sum", "none")
 MAX_BLOCK = 32768  # logits per chunk: 32 fp32 values per thread at 32 warps
-
-
-@triton.jit
-def _tanh(x):
-    # libdevice.tanh does not run in Triton's interpreter. exp(-2|x|) <= 1 never overflows
-    # (2 * sigmoid(2x) - 1 does, harmlessly but noisily, for |x| > 44).
-    e = tl.exp(-2.0 * tl.abs(x))
-    t = (1.0 - e) / (1.0 + e)
-    return tl.where(x >= 0, t, -t)
 
 
 @triton.jit
@@ -58,7 +51,7 @@ def _effective_logits(x, scale, softcap, HAS_SCALE: tl.constexpr, HAS_SOFTCAP: t
     if HAS_SCALE:
         x = x * scale
     if HAS_SOFTCAP:
-        x = softcap * _tanh(x / softcap)
+        x = softcap * tanh(x / softcap)
     return x
 
 

@@ -22,19 +22,13 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from kernels.swiglu import glu_grad_buffers
+from kernels.tanh import tanh
+
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 APPROXIMATIONS = ("tanh", "none")
 BLOCK = 1024
 NUM_WARPS = 4
-
-
-@triton.jit
-def _tanh(x):
-    # libdevice.tanh does not run in Triton's interpreter. exp(-2|x|) <= 1 never overflows
-    # (2 * sigmoid(2x) - 1 does, harmlessly but noisily, for |x| > 44).
-    e = tl.exp(-2.0 * tl.abs(x))
-    t = (1.0 - e) / (1.0 + e)
-    return tl.where(x >= 0, t, -t)
 
 
 @triton.jit
@@ -43,7 +37,7 @@ def _gelu_and_grad(g, APPROX_TANH: tl.constexpr):
     if APPROX_TANH:
         k = 0.7978845608028654  # sqrt(2 / pi)
         c = 0.044715
-        t = _tanh(k * (g + c * g * g * g))
+        t = tanh(k * (g + c * g * g * g))
         gelu = 0.5 * g * (1.0 + t)
         dgelu = 0.5 * (1.0 + t) + 0.5 * g * (1.0 - t * t) * k * (1.0 + 3.0 * c * g * g)
     else:
@@ -103,14 +97,7 @@ def geglu_backward(dh, gate, up, approximate="tanh", inplace=False):
     """(dgate, dup). inplace=True writes them into gate and up (which must be contiguous) and
     returns those tensors; use it only when the caller owns gate and up and is done with them."""
     _check(approximate, dh, gate, up)
-    dh = dh.contiguous()
-    if inplace:
-        if not (gate.is_contiguous() and up.is_contiguous()):
-            raise ValueError("geglu_backward(inplace=True) needs contiguous gate and up to overwrite")
-        dgate, dup = gate, up
-    else:
-        gate, up = gate.contiguous(), up.contiguous()
-        dgate, dup = torch.empty_like(gate), torch.empty_like(up)
+    dh, gate, up, dgate, dup = glu_grad_buffers(dh, gate, up, inplace, "geglu_backward")
     n = dh.numel()
     if n > 0:
         _geglu_backward_kernel[(triton.cdiv(n, BLOCK),)](dh, gate, up, dgate, dup, n,

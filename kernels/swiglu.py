@@ -70,18 +70,23 @@ def swiglu_forward(gate, up):
     return h
 
 
+
+def glu_grad_buffers(dh, gate, up, inplace, who):
+    """(dh, gate, up, dgate, dup) for a GLU backward launch: contiguous inputs, and outputs that
+    are new tensors, or gate and up themselves when inplace (the caller is done with them)."""
+    dh = dh.contiguous()
+    if inplace:
+        if not (gate.is_contiguous() and up.is_contiguous()):
+            raise ValueError(f"{who}(inplace=True) needs contiguous gate and up to overwrite")
+        return dh, gate, up, gate, up
+    gate, up = gate.contiguous(), up.contiguous()
+    return dh, gate, up, torch.empty_like(gate), torch.empty_like(up)
+
 def swiglu_backward(dh, gate, up, inplace=False):
     """(dgate, dup). inplace=True writes them into gate and up (which must be contiguous) and
     returns those tensors; use it only when the caller owns gate and up and is done with them."""
     _check(dh, gate, up)
-    dh = dh.contiguous()
-    if inplace:
-        if not (gate.is_contiguous() and up.is_contiguous()):
-            raise ValueError("swiglu_backward(inplace=True) needs contiguous gate and up to overwrite")
-        dgate, dup = gate, up
-    else:
-        gate, up = gate.contiguous(), up.contiguous()
-        dgate, dup = torch.empty_like(gate), torch.empty_like(up)
+    dh, gate, up, dgate, dup = glu_grad_buffers(dh, gate, up, inplace, "swiglu_backward")
     n = dh.numel()
     if n > 0:
         _swiglu_backward_kernel[(triton.cdiv(n, BLOCK),)](dh, gate, up, dgate, dup, n, BLOCK=BLOCK,
