@@ -49,7 +49,7 @@ from tokenizers import Tokenizer as _HFTokenizer
 
 from model.adapters import merged_weight
 from model.config import ModelConfig
-from model.load import CheckpointError, _set_tensor, finish_model
+from model.load import CheckpointError, check_complete, expected_tensors, finish_model, place_tensor
 from model.lora import LoRAConfig, LoRALinear
 from model.tokenizer import Tokenizer
 from model.transformer import Transformer, rope_inv_freq
@@ -285,13 +285,7 @@ def load_gguf(path, dtype=torch.float32, device="cpu", lora: LoRAConfig | None =
     fam = FAMILIES[_meta(reader, "general.architecture")]
     with torch.device("meta"):
         model = Transformer(cfg, lora=lora, use_kernels=use_kernels, fused_lora=fused_lora)
-    expected = {n: p.shape for n, p in model.named_parameters(remove_duplicate=False) if ".lora_" not in n}
-    if cfg.tie_embeddings:
-        expected.pop("lm_head.weight")
-    nf4_keys = set()
-    if quantize == "nf4":
-        from model.qlora import quantize_linear_  # imports bitsandbytes: only when asked
-        nf4_keys = {n + ".weight" for n, m in model.named_modules() if isinstance(m, LoRALinear)}
+    expected, nf4_keys = expected_tensors(model, cfg, quantize)
     seen = set()
     for t in reader.tensors:
         if t.name == ROPE_FREQS:  # already in cfg.rope_scaling
@@ -310,16 +304,9 @@ def load_gguf(path, dtype=torch.float32, device="cpu", lora: LoRAConfig | None =
         if tuple(w.shape) != tuple(expected[name]):
             raise CheckpointError(f"tensor {t.name!r} has shape {tuple(w.shape)}, expected {tuple(expected[name])} "
                                   "from the file's metadata")
-        w = w.to(device=device, dtype=dtype)
-        if name in nf4_keys:
-            quantize_linear_(model.get_submodule(name.removesuffix(".weight")), w)
-        else:
-            _set_tensor(model, name, w)
+        place_tensor(model, name, w, device, dtype, nf4_keys)
         seen.add(name)
-    missing = sorted(set(expected) - seen)
-    if missing:
-        more = f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""
-        raise CheckpointError(f"{path!r} is missing tensor(s) {missing[:5]}{more}")
+    check_complete(expected, seen, repr(path))
     finish_model(model, cfg, device, lora_seed)
     return model, cfg
 

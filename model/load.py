@@ -111,13 +111,7 @@ def load_model(name_or_path: str, dtype=torch.float32, device="cpu", lora: LoRAC
     with torch.device("meta"):
         model = Transformer(cfg, lora=lora, use_kernels=use_kernels, fused_lora=fused_lora)
     model.hf_config = hf_config
-    expected = {n: p.shape for n, p in model.named_parameters(remove_duplicate=False)
-                if ".lora_" not in n}
-    if cfg.tie_embeddings:
-        expected.pop("lm_head.weight")
-    if quantize == "nf4":
-        from model.qlora import quantize_linear_
-        nf4_keys = {n + ".weight" for n, m in model.named_modules() if isinstance(m, LoRALinear)}
+    expected, nf4_keys = expected_tensors(model, cfg, quantize)
     seen = set()
     for path in files:
         try:
@@ -142,18 +136,39 @@ def load_model(name_or_path: str, dtype=torch.float32, device="cpu", lora: LoRAC
                 if tuple(t.shape) != tuple(expected[key]):
                     raise CheckpointError(f"tensor {key!r} has shape {tuple(t.shape)}, expected "
                                           f"{tuple(expected[key])} from config.json")
-                t = t.to(device=device, dtype=dtype)
-                if quantize == "nf4" and key in nf4_keys:
-                    quantize_linear_(model.get_submodule(key.removesuffix(".weight")), t)
-                else:
-                    _set_tensor(model, key, t)
+                place_tensor(model, key, t, device, dtype, nf4_keys)
                 seen.add(key)
+    check_complete(expected, seen, f"checkpoint {folder!r}")
+    finish_model(model, cfg, device, lora_seed)
+    return model, cfg
+
+
+def expected_tensors(model, cfg, quantize):
+    """(name -> shape of every base tensor a checkpoint must supply, names of the weights stored in NF4)."""
+    expected = {n: p.shape for n, p in model.named_parameters(remove_duplicate=False) if ".lora_" not in n}
+    if cfg.tie_embeddings:
+        expected.pop("lm_head.weight")
+    nf4_keys = set()
+    if quantize == "nf4":
+        nf4_keys = {n + ".weight" for n, m in model.named_modules() if isinstance(m, LoRALinear)}
+    return expected, nf4_keys
+
+
+def place_tensor(model, name, t, device, dtype, nf4_keys):
+    """Cast `t` and put it into the meta-built model; a weight named in nf4_keys is quantized as it arrives."""
+    t = t.to(device=device, dtype=dtype)
+    if name in nf4_keys:
+        from model.qlora import quantize_linear_  # imports bitsandbytes: only when asked
+        quantize_linear_(model.get_submodule(name.removesuffix(".weight")), t)
+    else:
+        _set_tensor(model, name, t)
+
+
+def check_complete(expected, seen, where):
     missing = sorted(set(expected) - seen)
     if missing:
         more = f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""
-        raise CheckpointError(f"checkpoint {folder!r} is missing tensor(s) {missing[:5]}{more}")
-    finish_model(model, cfg, device, lora_seed)
-    return model, cfg
+        raise CheckpointError(f"{where} is missing tensor(s) {missing[:5]}{more}")
 
 
 def finish_model(model, cfg, device, lora_seed):

@@ -1,4 +1,7 @@
 """Shared test helpers."""
+import json
+import os
+
 import torch
 
 
@@ -17,3 +20,9 @@ def rel_err(actual, expected):
     a, b = actual.detach().double(), expected.detach().double()
     den = b.norm()
     return ((a - b).norm() / den).item() if den > 0 else (a - b).norm().item()
+
+
+def read_metrics(out_dir):
+    """The records of a run's metrics.jsonl."""
+    with open(os.path.join(out_dir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]

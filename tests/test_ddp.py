@@ -34,12 +34,6 @@ def masked_next(self, _next=data.Batches.__next__):
 
 
 @pytest.fixture(scope="module")
-def run_model(tmp_path_factory):
-    from tests.tiny_models import make_run_folder
-    return make_run_folder(str(tmp_path_factory.mktemp("tinyllama")), family="tinyllama")
-
-
-@pytest.fixture(scope="module")
 def dataset(tmp_path_factory):
     path = tmp_path_factory.mktemp("data") / "small.jsonl"
     path.write_text("".join(json.dumps(e) + "\n" for e in data.builtin_dataset("train")[:80]))

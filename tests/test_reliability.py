@@ -19,14 +19,9 @@ import torch
 
 import data
 import train
-from tests.tiny_models import make_run_folder
+from tests.helpers import read_metrics
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-@pytest.fixture(scope="module")
-def run_model(tmp_path_factory):
-    return make_run_folder(str(tmp_path_factory.mktemp("tinyllama")), family="tinyllama")
 
 
 @pytest.fixture(scope="module")
@@ -52,10 +47,6 @@ def refused(argv, capsys, out, match):
     assert not os.path.exists(out), f"{out} was created"
     return err
 
-
-def metrics(out):
-    with open(os.path.join(out, "metrics.jsonl")) as f:
-        return [json.loads(line) for line in f]
 
 # ----------------------------------------------------------------------------- bad input
 
@@ -236,7 +227,7 @@ def test_nan_stops_naming_step_and_checkpoint(run_model, dataset, tmp_path, caps
     assert err.startswith("error: the loss or gradient is NaN/inf at step 2 "), err
     assert f"The last good checkpoint is {ckpt}: lower --lr (or check the data) and continue from it with " \
            f"--resume {ckpt}" in err
-    assert [r["step"] for r in metrics(out)] == [1]
+    assert [r["step"] for r in read_metrics(out)] == [1]
 
 
 def test_fp16_stops_after_too_many_skipped_steps(run_model, dataset, tmp_path, capsys, monkeypatch):
@@ -289,7 +280,7 @@ def test_killed_mid_checkpoint_keeps_the_previous_one(run_model, dataset, tmp_pa
     assert train.cli(args(run_model, dataset, out, "--save-every", "2", "--max-steps", "3", "--resume", "auto")) == 0
     assert f"resumed from {ckpts / 'step-0000002'} at step 2" in capsys.readouterr().out
     assert sorted(os.listdir(ckpts)) == ["step-0000002", "step-0000003"], "the stray *.tmp was not cleaned up"
-    assert [r["step"] for r in metrics(out)] == [1, 2, 3], "records past the checkpoint must be dropped on resume"
+    assert [r["step"] for r in read_metrics(out)] == [1, 2, 3], "records past the checkpoint must be dropped on resume"
 
 
 def test_ctrl_c_checkpoints_and_resume_is_exact(run_model, dataset, tmp_path, capsys):
@@ -314,4 +305,4 @@ def test_ctrl_c_checkpoints_and_resume_is_exact(run_model, dataset, tmp_path, ca
     assert train.cli(args(run_model, dataset, out, *opts, "--resume", "auto")) == 0
     assert train.cli(args(run_model, dataset, tmp_path / "ref", *opts)) == 0
     drop_timing = lambda rows: [{k: v for k, v in r.items() if k != "tokens_per_s"} for r in rows]  # noqa: E731
-    assert drop_timing(metrics(out)) == drop_timing(metrics(tmp_path / "ref"))
+    assert drop_timing(read_metrics(out)) == drop_timing(read_metrics(tmp_path / "ref"))

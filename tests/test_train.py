@@ -12,15 +12,9 @@ import data
 import train
 from model import LoRAConfig, load_model, load_tokenizer
 from model.lora import lora_parameters
-from tests.helpers import rel_err
-from tests.tiny_models import make_run_folder
+from tests.helpers import read_metrics, rel_err
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-@pytest.fixture(scope="module")
-def run_model(tmp_path_factory):
-    return make_run_folder(str(tmp_path_factory.mktemp("tinyllama")), family="tinyllama")
 
 
 def cfg_for(model_dir, out_dir, **kw):
@@ -28,11 +22,6 @@ def cfg_for(model_dir, out_dir, **kw):
                 eval_every=0, save_every=0, lr=1e-3, dtype="fp32", device="cpu", kernels=False, log_every=1)
     base.update(kw)
     return train.TrainConfig(**base)
-
-
-def metrics(out_dir):
-    with open(os.path.join(out_dir, "metrics.jsonl")) as f:
-        return [json.loads(line) for line in f]
 
 
 def adapter(out_dir):
@@ -92,7 +81,7 @@ def test_grad_accumulation_equals_big_batch(run_model, tmp_path, packing):
     b = cfg_for(run_model, tmp_path / "b", batch_size=1, grad_accum=4, max_steps=1, packing=packing, max_len=64)
     train.main(a)
     train.main(b)
-    ma, mb = metrics(a.out_dir)[0], metrics(b.out_dir)[0]
+    ma, mb = read_metrics(a.out_dir)[0], read_metrics(b.out_dir)[0]
     assert ma["target_tokens"] == mb["target_tokens"]
     assert abs(ma["loss"] - mb["loss"]) < 1e-5 * abs(ma["loss"])
     wa, wb = adapter(a.out_dir), adapter(b.out_dir)
@@ -105,7 +94,7 @@ def test_loss_falls_and_accuracy_rises(run_model, tmp_path):
     cfg = cfg_for(run_model, tmp_path / "conv", max_steps=30, lr=3e-3, batch_size=4, max_len=128, eval_every=15,
                   eval_batches=4, lora_r=8)
     train.main(cfg)
-    m = metrics(cfg.out_dir)
+    m = read_metrics(cfg.out_dir)
     losses = [r["loss"] for r in m if "loss" in r]
     evals = [r for r in m if "eval_loss" in r]
     assert sum(losses[-5:]) / 5 < 0.85 * sum(losses[:5]) / 5, losses
@@ -118,7 +107,7 @@ def test_resume_is_bit_exact(run_model, tmp_path):
     """A run resumed from its step-3 checkpoint continues with exactly the same losses."""
     full = cfg_for(run_model, tmp_path / "full", max_steps=6, save_every=3, lora_dropout=0.1)
     train.main(full)
-    ref = [r["loss"] for r in metrics(full.out_dir) if "loss" in r]
+    ref = [r["loss"] for r in read_metrics(full.out_dir) if "loss" in r]
     # Copy the run as it stood at step 3, then resume it.
     import shutil
     part = tmp_path / "part"
@@ -126,7 +115,7 @@ def test_resume_is_bit_exact(run_model, tmp_path):
     shutil.copytree(tmp_path / "full" / "checkpoints" / "step-0000003", part / "checkpoints" / "step-0000003")
     resumed = cfg_for(run_model, part, max_steps=6, save_every=3, lora_dropout=0.1, resume="auto")
     train.main(resumed)
-    got = [r["loss"] for r in metrics(resumed.out_dir) if "loss" in r]
+    got = [r["loss"] for r in read_metrics(resumed.out_dir) if "loss" in r]
     assert got == ref[3:], (got, ref)
 
 
@@ -137,7 +126,7 @@ def test_fp16_padded_is_finite_and_scaler_recovers(run_model, tmp_path, monkeypa
     cfg = cfg_for(run_model, tmp_path / "fp16", packing=False, max_steps=20, loss_scale=2.0 ** 24, lr=1e-3,
                   batch_size=3)
     train.main(cfg)
-    m = [r for r in metrics(cfg.out_dir) if "loss" in r]
+    m = [r for r in read_metrics(cfg.out_dir) if "loss" in r]
     assert len(m) == 20
     scales = [r["loss_scale"] for r in m]
     assert scales[0] < 2.0 ** 24, "the overflowing first step must be skipped and the scale halved"
@@ -159,7 +148,7 @@ def test_cli_end_to_end(run_model, tmp_path):
     assert (out / "adapter" / "adapter_config.json").exists()
     assert (out / "checkpoints" / "step-0000003" / "state.pt").exists()
     assert (out / "train_config.json").exists()
-    rows = metrics(str(out))
+    rows = read_metrics(str(out))
     assert any("eval_loss" in r for r in rows) and any("grad_norm" in r for r in rows)
     # The help explains every option.
     h = subprocess.run([sys.executable, "train.py", "--help"], cwd=ROOT, capture_output=True, text=True)
