@@ -21,9 +21,10 @@ Two execution paths, chosen by `Transformer(fused_lora=...)`:
   once, dX summed in one pass) and o in another; `lora_mlp` runs gate, up, the gated
   activation and down in one Function. For backward they save X, the dropped-out inputs
   X̃ (only when dropout is on), gate and up pre-activations G and U, the down-projection
-  dropout mask (bool), the small products X̃Aᵀ [N, r] and the LoRA weights. They never
-  save a dequantized or cast base weight (W is dequantized again in backward and freed
-  after each matmul), nor the activation H = act(G) ⊙ U (recomputed from G and U).
+  dropout mask (bool), the small products X̃Aᵀ [N, r] and the LoRA weights cast to the
+  compute dtype (cast once per forward). They never save a dequantized or cast base
+  weight (W is dequantized again in backward and freed after each matmul), nor the
+  activation H = act(G) ⊙ U (recomputed from G and U).
   Dropout > 0 and biases are supported on this path. Dropout masks are drawn with
   F.dropout, in the order PEFT draws them (q, k, v, o, gate, up, down), so the two paths
   agree mask for mask under one seed. The gated activation inside `lora_mlp` is the
@@ -256,31 +257,34 @@ def _check_grads(ctx, grads):
 
 
 def _project(p, x, x_lora, a, b, dtype):
-    """(Y, X̃ Aᵀ) of one projection in `dtype`. The dequantized / cast W is freed on return."""
+    """(Y, X̃ Aᵀ, A, B) of one projection in `dtype`, A and B cast to it (saved for backward, so that
+    it does not cast them again). The dequantized / cast W is freed on return."""
     y = F.linear(x, p.base_weight().to(dtype), None if p.bias is None else p.bias.to(dtype))  # (N, out)
     if a is None:
-        return y, None
-    xa = (x if x_lora is None else x_lora) @ a.to(dtype).t()  # (N, r)
-    return y.addmm_(xa, b.to(dtype).t(), alpha=p.scale), xa
+        return y, None, None, None
+    a, b = a.to(dtype), b.to(dtype)
+    xa = (x if x_lora is None else x_lora) @ a.t()  # (N, r)
+    return y.addmm_(xa, b.t(), alpha=p.scale), xa, a, b
 
 
-def _project_backward(p, dy, x, x_lora, xa, a, b, dx, need):
+def _project_backward(p, dy, x, x_lora, xa, a, b, dx, need, master_dtype):
     """Add dY W into dx (and s (dY B) A when the adapter reads X itself); return [dX̃, dA, dB].
+    a, b: the LoRA weights in dy's dtype; dA, dB come back in `master_dtype`.
     dx: an (N, in) buffer, or None when nothing needs dX. need: whether dX̃, dA, dB are wanted."""
     if dx is not None:
         dx.addmm_(dy, p.base_weight().to(dy.dtype))  # dequantized again, freed on return
     if a is None:
         return [None, None, None]
-    a_c = a.to(dy.dtype)
-    dyb = dy @ b.to(dy.dtype)  # (N, r)
-    db = torch.mm(dy.t(), xa).mul_(p.scale).to(b.dtype) if need[2] else None
-    da = torch.mm(dyb.t(), x if x_lora is None else x_lora).mul_(p.scale).to(a.dtype) if need[1] else None
+    _expect(a, dy.dtype, f"saved lora_A of {p.name}")
+    dyb = dy @ b  # (N, r)
+    db = torch.mm(dy.t(), xa).mul_(p.scale).to(master_dtype) if need[2] else None
+    da = torch.mm(dyb.t(), x if x_lora is None else x_lora).mul_(p.scale).to(master_dtype) if need[1] else None
     dx_lora = None
     if x_lora is None:
         if dx is not None:
-            dx.addmm_(dyb, a_c, alpha=p.scale)
+            dx.addmm_(dyb, a, alpha=p.scale)
     elif need[0]:
-        dx_lora = torch.mm(dyb, a_c).mul_(p.scale)  # in the compute dtype, like dx
+        dx_lora = torch.mm(dyb, a).mul_(p.scale)  # in the compute dtype, like dx
     return [dx_lora, da, db]
 
 
@@ -302,10 +306,10 @@ class _LoRAProjections(torch.autograd.Function):
             for i, p in enumerate(projs):
                 x_lora, a, b = lora[3 * i: 3 * i + 3]
                 x_lora = _to(x_lora, dtype)
-                y, xa = _project(p, xc, x_lora, a, b, dtype)
+                y, xa, a_c, b_c = _project(p, xc, x_lora, a, b, dtype)
                 _expect(y, dtype, f"output of {p.name}")
                 ys.append(y)
-                saved += [x_lora, xa, a, b]
+                saved += [x_lora, xa, a_c, b_c]
         ctx.save_for_backward(xc, *saved)
         ctx.projs = projs
         return tuple(ys)
@@ -321,7 +325,8 @@ class _LoRAProjections(torch.autograd.Function):
             for i, (p, dy) in enumerate(zip(ctx.projs, dys)):
                 _expect(dy, xc.dtype, f"gradient of the {p.name} output")
                 x_lora, xa, a, b = saved[4 * i: 4 * i + 4]
-                dx_lora, da, db = _project_backward(p, dy, xc, x_lora, xa, a, b, dx, need[1 + 3 * i: 4 + 3 * i])
+                master = ctx.dtypes[2 + 3 * i]  # lora_A's (lora_B's is asserted equal by _check_grads)
+                dx_lora, da, db = _project_backward(p, dy, xc, x_lora, xa, a, b, dx, need[1 + 3 * i: 4 + 3 * i], master)
                 grads += [_to(dx_lora, x_dtype), da, db]
         return (None, *_check_grads(ctx, [_to(dx, x_dtype)] + grads))
 
@@ -346,19 +351,19 @@ class _LoRAMLP(torch.autograd.Function):
         with torch.autocast(x.device.type, enabled=False):
             xc = x.to(dtype)
             x_gate, x_up = _to(x_gate, dtype), _to(x_up, dtype)
-            g, xa_g = _project(gate, xc, x_gate, a_g, b_g, dtype)  # (N, I)
-            u, xa_u = _project(up, xc, x_up, a_u, b_u, dtype)  # (N, I)
+            g, xa_g, a_g, b_g = _project(gate, xc, x_gate, a_g, b_g, dtype)  # (N, I)
+            u, xa_u, a_u, b_u = _project(up, xc, x_up, a_u, b_u, dtype)  # (N, I)
             h = glu.forward(g, u)  # (N, I)
             keep, h_lora = None, None
             if p_drop > 0:
                 mask = F.dropout(torch.ones_like(h), p_drop)  # 0 or 1/(1-p), drawn as F.dropout(h) draws
                 keep, h_lora = mask != 0, h * mask
                 del mask
-            y, xa_d = _project(down, h, h_lora, a_d, b_d, dtype)  # (N, H)
+            y, xa_d, a_d, b_d = _project(down, h, h_lora, a_d, b_d, dtype)  # (N, H)
             del h, h_lora
         for t, name in ((g, "gate"), (u, "up"), (y, "output")):
             _expect(t, dtype, f"MLP {name}")
-        ctx.save_for_backward(xc, x_gate, x_up, g, u, keep, xa_g, xa_u, xa_d, *ab)
+        ctx.save_for_backward(xc, x_gate, x_up, g, u, keep, xa_g, xa_u, xa_d, a_g, b_g, a_u, b_u, a_d, b_d)
         ctx.projs, ctx.glu, ctx.p_drop = projs, glu, p_drop
         return y
 
@@ -381,15 +386,19 @@ class _LoRAMLP(torch.autograd.Function):
             mask = None if keep is None else keep.to(h.dtype).div_(1 - ctx.p_drop)  # as F.dropout scales
             h_lora = None if mask is None else h * mask
             dh = torch.zeros_like(h)
-            dh_lora, da_d, db_d = _project_backward(down, dy, h, h_lora, xa_d, a_d, b_d, dh, (True, *need[7:9]))
+            masters = ctx.dtypes[3::2]  # lora_A's dtype of gate, up, down
+            dh_lora, da_d, db_d = _project_backward(down, dy, h, h_lora, xa_d, a_d, b_d, dh, (True, *need[7:9]),
+                                                    masters[2])
             if dh_lora is not None:
                 dh.addcmul_(dh_lora, mask)
             del h, h_lora, dh_lora, mask
             dg, du = ctx.glu.backward(dh, g, u)  # with the kernels: written over g, u
             del dh
             dx = torch.zeros_like(xc) if need[0] else None
-            dx_gate, da_g, db_g = _project_backward(gate, dg, xc, x_gate, xa_g, a_g, b_g, dx, (need[1], *need[3:5]))
-            dx_up, da_u, db_u = _project_backward(up, du, xc, x_up, xa_u, a_u, b_u, dx, (need[2], *need[5:7]))
+            dx_gate, da_g, db_g = _project_backward(gate, dg, xc, x_gate, xa_g, a_g, b_g, dx, (need[1], *need[3:5]),
+                                                    masters[0])
+            dx_up, da_u, db_u = _project_backward(up, du, xc, x_up, xa_u, a_u, b_u, dx, (need[2], *need[5:7]),
+                                                  masters[1])
         x_dtype = ctx.dtypes[0]  # X's, and X̃_gate's and X̃_up's (asserted in forward)
         dxs = [_to(t, x_dtype) for t in (dx, dx_gate, dx_up)]
         return (None, None, *_check_grads(ctx, dxs + [da_g, db_g, da_u, db_u, da_d, db_d]))

@@ -16,10 +16,12 @@ Every token can see itself, so no softmax row is ever fully masked: padding is g
 document id of its own and never produces NaN.
 """
 import math
+from contextlib import nullcontext
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 from torch.utils.checkpoint import checkpoint
 
@@ -116,6 +118,13 @@ def flex_block_mask(doc_ids, window):
 # FlexAttention is fast only when compiled: one fused kernel for any mask and score_mod.
 _flex_attention = torch.compile(flex_attention, dynamic=False)
 
+# SDPA backends in the order tried (the first that supports the inputs runs). torch 2.11 picks
+# cuDNN first on H100, whose every call costs about 2.7 ms of CPU time (measured, docs/perf-notes.md):
+# more than the GPU work of a short sequence. Flash takes plain causal attention, memory-efficient
+# attention a dense mask.
+SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION,
+                 SDPBackend.MATH]
+
 
 def attend(q, k, v, mask, scale, softcap):
     """Softmax attention. q (B, Hq, T, D); k, v (B, Hk, T, D).
@@ -127,12 +136,14 @@ def attend(q, k, v, mask, scale, softcap):
     """
     if isinstance(mask, BlockMask):
         return _flex_attention(q, k, v, block_mask=mask, scale=scale, enable_gqa=True)
-    if softcap is None:
-        if mask is None:
+    if softcap is None and mask is None:
+        with sdpa_kernel(SDPA_BACKENDS, set_priority=True):
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
-    rep = q.shape[1] // k.shape[1]
+    rep = q.shape[1] // k.shape[1]  # the kernels that take a mask do not take grouped kv heads
     k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    if softcap is None:
+        with sdpa_kernel(SDPA_BACKENDS, set_priority=True):
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
     s = (q @ k.transpose(-1, -2)) * scale  # (B, Hq, T, T)
     s = softcap * torch.tanh(s / softcap)
     if mask is None:
@@ -275,15 +286,19 @@ class Transformer(nn.Module):
                 masks[t] = None  # plain causal: SDPA's fast (flash) path
             else:
                 masks[t] = attention_mask(docs, window)
+        recompute = self.gradient_checkpointing and torch.is_grad_enabled()
+        if recompute and not x.requires_grad:
+            # The reentrant checkpoint builds a graph only for a layer whose input requires grad.
+            x.requires_grad_()
         for layer in self.model.layers:
             cos, sin = tables[layer.layer_type]
             args = (x, cos, sin, masks[layer.layer_type])
-            if self.gradient_checkpointing and torch.is_grad_enabled():
-                if self.offload_activations:
-                    with torch.autograd.graph.save_on_cpu(pin_memory=x.is_cuda):
-                        x = checkpoint(layer, *args, use_reentrant=False)
-                else:
-                    x = checkpoint(layer, *args, use_reentrant=False)
+            if recompute:
+                # Reentrant: it saves a layer's inputs once. The non-reentrant checkpoint puts every
+                # tensor saved inside the layer (about 40) through Python hooks, which cost ~35 ms of
+                # CPU per TinyLlama step (docs/perf-notes.md): this loop is CPU-bound at batch 4.
+                with torch.autograd.graph.save_on_cpu(pin_memory=x.is_cuda) if self.offload_activations else nullcontext():
+                    x = checkpoint(layer, *args, use_reentrant=True)
             else:
                 x = layer(*args)
         return self.model.norm(x)
