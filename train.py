@@ -259,12 +259,13 @@ def load_data(cfg, tokenizer):
 # ----------------------------------------------------------------------------- checkpoints
 
 
-def latest_checkpoint(out_dir):
+def checkpoints(out_dir):
+    """The complete checkpoints of a run folder, oldest first."""
     root = os.path.join(out_dir, "checkpoints")
     if not os.path.isdir(root):
-        return None
+        return []
     steps = sorted(d for d in os.listdir(root) if d.startswith("step-") and not d.endswith(".tmp"))  # .tmp: incomplete
-    return os.path.join(root, steps[-1]) if steps else None
+    return [os.path.join(root, d) for d in steps]
 
 
 def save_checkpoint(cfg, model, optimizer, state, batches, step, rank, world):
@@ -308,10 +309,25 @@ def save_checkpoint(cfg, model, optimizer, state, batches, step, rank, world):
 
 def find_checkpoint(cfg, world):
     """The checkpoint that --resume names, read and checked against this run before any long work."""
-    path = latest_checkpoint(cfg.out_dir) if cfg.resume == "auto" else cfg.resume
-    if path is None or not os.path.isfile(os.path.join(path, "state.pt")):
-        fail(f"--resume {cfg.resume}: no checkpoint found (looked for {path or cfg.out_dir + '/checkpoints/step-*'}/state.pt)")
-    ck = torch.load(os.path.join(path, "state.pt"), map_location="cpu", weights_only=False)
+    candidates = checkpoints(cfg.out_dir)[::-1] if cfg.resume == "auto" else [cfg.resume]
+    candidates = [p for p in candidates if os.path.isfile(os.path.join(p, "state.pt"))]
+    if not candidates:
+        where = cfg.out_dir + "/checkpoints/step-*" if cfg.resume == "auto" else cfg.resume
+        fail(f"--resume {cfg.resume}: no checkpoint found (looked for {where}/state.pt)")
+    damaged = []
+    for path in candidates:  # newest first: a damaged checkpoint falls back to the one before it
+        try:
+            ck = torch.load(os.path.join(path, "state.pt"), map_location="cpu", weights_only=False)
+            if not {"step", "config", "world_size", "lora", "optimizer", "state", "data", "rng"} <= ck.keys():
+                raise KeyError("not a nanotune checkpoint: keys missing")
+            break
+        except Exception as e:  # a truncated or overwritten file: any unpickling error
+            damaged.append(f"{path} ({type(e).__name__}: {str(e)[:120]})")
+            print(f"warning: cannot read checkpoint {damaged[-1]}", file=sys.stderr)
+    else:
+        fail(f"--resume {cfg.resume}: no readable checkpoint: {'; '.join(damaged)}. Checkpoints are written "
+             "atomically, so something changed these files afterwards. Delete them and resume from an earlier "
+             "one (--resume PATH), or start again in a new --out-dir")
     old = ck["config"]
     for key in ("model", "quantize", "lora_r", "lora_alpha", "lora_targets", "rslora"):
         if old[key] != getattr(cfg, key):

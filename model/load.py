@@ -43,15 +43,23 @@ def resolve(name_or_path: str) -> str:
         known = ", ".join(sorted(NAMED_MODELS))
         raise ValueError(f"unknown model {name_or_path!r}: not a local folder, a known short name or a hub "
                          f"repo id (user/name). Known short names: {known}")
-    from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import LocalEntryNotFoundError
+    import huggingface_hub
+    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError, RepositoryNotFoundError
+    local = "or pass a local folder with config.json and *.safetensors: --model /path/to/folder"
     try:
-        return snapshot_download(repo, allow_patterns=HUB_PATTERNS)
+        return huggingface_hub.snapshot_download(repo, allow_patterns=HUB_PATTERNS)
     except LocalEntryNotFoundError as e:
         raise ValueError(
             f"cannot download {repo!r}: the hub is unreachable (offline, or HF_HUB_OFFLINE=1) and it is not in "
-            f"the local hub cache. Download it where there is network (`hf download {repo}`), or pass a local "
-            f"folder with config.json and *.safetensors: --model /path/to/folder") from e
+            f"the local hub cache. Download it where there is network (`hf download {repo}`), {local}") from e
+    except RepositoryNotFoundError as e:  # also gated and private repositories
+        raise ValueError(
+            f"cannot download {repo!r}: the hub has no such repository, or it is private or gated and this "
+            f"machine is not logged in. Check the id on huggingface.co; for a gated model accept its licence "
+            f"there, then `hf auth login` (or set HF_TOKEN); {local}") from e
+    except HfHubHTTPError as e:
+        raise ValueError(f"cannot download {repo!r}: the hub answered with an error ({e}). Try again later, "
+                         f"{local}") from e
 
 
 def read_hf_config(folder: str) -> dict:

@@ -173,3 +173,21 @@ def test_offline_hub_id_says_how_to_use_a_folder(monkeypatch, tmp_path):
     monkeypatch.setattr(c, "HF_HUB_CACHE", str(tmp_path))
     with pytest.raises(ValueError, match="pass a local folder"):
         load_model("someone/not-cached-model")
+
+
+@pytest.mark.parametrize("error, says", [("RepositoryNotFoundError", "no such repository"),
+                                         ("HfHubHTTPError", "answered with an error")])
+def test_hub_errors_say_what_to_do(monkeypatch, error, says):
+    import huggingface_hub
+    import huggingface_hub.errors
+    cls = getattr(huggingface_hub.errors, error)
+
+    def refuse(repo, **kw):
+        e = cls.__new__(cls)  # these errors want an HTTP response to be built; the message is what matters
+        Exception.__init__(e, f"404 Client Error for url https://huggingface.co/api/models/{repo}")
+        raise e
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", refuse)
+    with pytest.raises(ValueError, match=says) as info:
+        load_model("someone/no-such-model")
+    assert "'someone/no-such-model'" in str(info.value) and "--model /path/to/folder" in str(info.value)

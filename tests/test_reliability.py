@@ -215,6 +215,28 @@ def test_resume_mismatch(run_model, dataset, tmp_path, capsys):
     refused(args(run_model, dataset, tmp_path / "new", "--resume", "auto"), capsys, tmp_path / "new",
             r"--resume auto: no checkpoint found \(looked for .*new/checkpoints/step-\*/state\.pt\)")
 
+def test_damaged_checkpoint_falls_back_to_the_one_before(run_model, dataset, tmp_path, capsys):
+    out = tmp_path / "out"
+    assert train.cli(args(run_model, dataset, out, "--save-every", "1", "--max-steps", "2")) == 0
+    ckpts = out / "checkpoints"
+    newest = ckpts / "step-0000002" / "state.pt"
+    newest.write_bytes(newest.read_bytes()[:1000])  # truncated after it was written
+    capsys.readouterr()
+    assert train.cli(args(run_model, dataset, out, "--save-every", "1", "--max-steps", "3", "--resume", "auto")) == 0
+    captured = capsys.readouterr()
+    assert f"warning: cannot read checkpoint {ckpts / 'step-0000002'}" in captured.err
+    assert f"resumed from {ckpts / 'step-0000001'} at step 1" in captured.out
+    assert [r["step"] for r in read_metrics(out)] == [1, 2, 3]
+
+    assert sorted(os.listdir(ckpts)) == ["step-0000002", "step-0000003"]  # --keep-checkpoints 2
+    (ckpts / "step-0000003" / "state.pt").write_bytes(b"not a checkpoint")
+    torch.save({"weights": torch.zeros(1)}, ckpts / "step-0000002" / "state.pt")  # readable, but not ours
+    assert train.cli(args(run_model, dataset, out, "--max-steps", "4", "--resume", "auto")) == 2
+    err = capsys.readouterr().err.splitlines()[-1]
+    assert err.startswith("error: --resume auto: no readable checkpoint: ") and "step-0000002 (KeyError" in err
+    assert "Delete them and resume from an earlier one (--resume PATH), or start again in a new --out-dir" in err
+
+
 # ----------------------------------------------------------------------------- NaN / inf
 
 
@@ -275,7 +297,7 @@ def test_killed_mid_checkpoint_keeps_the_previous_one(run_model, dataset, tmp_pa
     assert sorted(os.listdir(ckpts)) == ["step-0000002", "step-0000004.tmp"]
     assert (ckpts / "step-0000004.tmp" / "state.pt").exists()
     assert (ckpts / "step-0000002" / "adapter" / "adapter_model.safetensors").exists()
-    assert train.latest_checkpoint(str(out)) == str(ckpts / "step-0000002")
+    assert train.checkpoints(str(out))[-1] == str(ckpts / "step-0000002")
 
     assert train.cli(args(run_model, dataset, out, "--save-every", "2", "--max-steps", "3", "--resume", "auto")) == 0
     assert f"resumed from {ckpts / 'step-0000002'} at step 2" in capsys.readouterr().out
