@@ -122,7 +122,7 @@ _flex_attention = torch.compile(flex_attention, dynamic=False)
 # cuDNN first on H100, whose every call with a mask costs about 2.7 ms of CPU time (measured,
 # docs/perf-notes.md): padded batches ran 2x slower with it. Flash takes plain causal attention,
 # memory-efficient attention a dense mask. (On full 2048-token causal rows flash and cuDNN measured
-# within about 10% of each other, either way depending on the model: docs/benchmarks.md, section 7.)
+# within 20% of each other, either way depending on model and run: docs/benchmarks.md, section 7.)
 SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION,
                  SDPBackend.MATH]
 
