@@ -286,18 +286,26 @@ def save_checkpoint(cfg, model, optimizer, state, batches, step, rank, world):
         if d.endswith(".tmp"):  # left by a save that was killed: incomplete, never read
             shutil.rmtree(os.path.join(root, d))
     tmp = final + ".tmp"
-    os.makedirs(tmp)  # the folder name says it is incomplete until the rename below
-    torch.save({
-        "step": step,
-        "config": dataclasses.asdict(cfg),
-        "world_size": world,
-        "lora": {n: p.detach().cpu() for n, p in lora_parameters(model)},
-        "optimizer": optimizer.state_dict(),
-        "state": state,  # loss scale, good-step counter
-        "data": batches.state_dict(),  # the same on every rank: they step together
-        "rng": rngs,  # one per rank
-    }, os.path.join(tmp, "state.pt"))
-    save_adapter(model, os.path.join(tmp, "adapter"), base_model=cfg.model)
+    try:
+        os.makedirs(tmp)  # the folder name says it is incomplete until the rename below
+        torch.save({
+            "step": step,
+            "config": dataclasses.asdict(cfg),
+            "world_size": world,
+            "lora": {n: p.detach().cpu() for n, p in lora_parameters(model)},
+            "optimizer": optimizer.state_dict(),
+            "state": state,  # loss scale, good-step counter
+            "data": batches.state_dict(),  # the same on every rank: they step together
+            "rng": rngs,  # one per rank
+        }, os.path.join(tmp, "state.pt"))
+        save_adapter(model, os.path.join(tmp, "adapter"), base_model=cfg.model)
+    except (OSError, RuntimeError) as e:  # disk full, quota, permissions (torch.save raises RuntimeError)
+        shutil.rmtree(tmp, ignore_errors=True)
+        earlier = checkpoints(cfg.out_dir)
+        keep = (f"the last good checkpoint is {earlier[-1]}: continue from it with --resume auto once there is "
+                "room" if earlier else "no earlier checkpoint exists")
+        fail(f"cannot write checkpoint {final} ({e}). Free disk space in {cfg.out_dir} (or check its quota and "
+             f"permissions); {keep}")
     if os.path.isdir(final):  # the same step saved again (a run resumed from an older checkpoint): replace it
         shutil.rmtree(final)
     os.replace(tmp, final)

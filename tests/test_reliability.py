@@ -5,6 +5,7 @@ Most cases call `train.cli` in-process: it is what `python train.py` runs, and a
 escapes it is a traceback. Subprocesses are kept to what needs a process: hub offline mode (read at
 import), and signals.
 """
+import errno
 import json
 import os
 import re
@@ -235,6 +236,30 @@ def test_damaged_checkpoint_falls_back_to_the_one_before(run_model, dataset, tmp
     err = capsys.readouterr().err.splitlines()[-1]
     assert err.startswith("error: --resume auto: no readable checkpoint: ") and "step-0000002 (KeyError" in err
     assert "Delete them and resume from an earlier one (--resume PATH), or start again in a new --out-dir" in err
+
+
+def test_disk_full_while_saving_keeps_the_previous_checkpoint(run_model, dataset, tmp_path, capsys, monkeypatch):
+    out = tmp_path / "out"
+    real_save, calls = torch.save, []
+
+    def save(obj, f, *a, **k):
+        calls.append(f)
+        if len(calls) == 2:  # the second checkpoint: the disk fills up half way
+            open(f, "wb").write(b"partial")
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_save(obj, f, *a, **k)
+
+    monkeypatch.setattr(torch, "save", save)
+    assert train.cli(args(run_model, dataset, out, "--save-every", "1", "--max-steps", "3")) == 2
+    err = capsys.readouterr().err.splitlines()[-1]
+    ckpts = out / "checkpoints"
+    assert err.startswith(f"error: cannot write checkpoint {ckpts / 'step-0000002'} ([Errno 28] No space left on "
+                          f"device). Free disk space in {out}"), err
+    assert f"the last good checkpoint is {ckpts / 'step-0000001'}: continue from it with --resume auto" in err
+    assert sorted(os.listdir(ckpts)) == ["step-0000001"], "the partial save must be removed, the first kept"
+    monkeypatch.setattr(torch, "save", real_save)
+    assert train.cli(args(run_model, dataset, out, "--save-every", "1", "--max-steps", "3", "--resume", "auto")) == 0
+    assert f"resumed from {ckpts / 'step-0000001'} at step 1" in capsys.readouterr().out
 
 
 # ----------------------------------------------------------------------------- NaN / inf
