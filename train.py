@@ -309,9 +309,8 @@ def save_checkpoint(cfg, model, optimizer, state, batches, step, rank, world):
     if os.path.isdir(final):  # the same step saved again (a run resumed from an older checkpoint): replace it
         shutil.rmtree(final)
     os.replace(tmp, final)
-    old = sorted(d for d in os.listdir(root) if d.startswith("step-") and not d.endswith(".tmp"))
-    for d in old[:-cfg.keep_checkpoints]:
-        shutil.rmtree(os.path.join(root, d), ignore_errors=True)
+    for path in checkpoints(cfg.out_dir)[:-cfg.keep_checkpoints]:
+        shutil.rmtree(path, ignore_errors=True)
     return final
 
 
