@@ -11,22 +11,33 @@ Forward, for row i with logits x (length V) and target t:
     lse    = log sum_j exp(z_j)
     loss_i = lse - z_t                                (0 where t == ignore_index)
 
-A row longer than one block is read in chunks of BLOCK, keeping a running max m and a
-running sum d of exp(z - m) (online logsumexp):
+A row is read in chunks of BLOCK. Every lane l of the block keeps a running max m_l and
+a running sum d_l of exp(z - m_l) over the elements it sees (online logsumexp), and the
+lanes are combined once, after the last chunk:
 
-    m_k = max(m_{k-1}, max(z in chunk k))
-    d_k = d_{k-1} * exp(m_{k-1} - m_k) + sum_{chunk k} exp(z - m_k)
-    lse = m_K + log d_K
+    m_l <- max(m_l, z),   d_l <- d_l * exp(m_l(old) - m_l) + exp(z - m_l)
+    M   = max_l m_l,      lse = M + log sum_l d_l * exp(m_l - M)
+
+Per-lane state keeps cross-warp reductions out of the loop, so the loads of one chunk do
+not wait on the reductions of the one before (measured 13-25% faster than reducing per
+chunk, docs/perf-notes.md).
 
 Gradient:
 
     dloss_i/dz_j = softmax(z)_j - [j == t]
-    dz/dx        = scale * (1 - tanh^2) = scale * (1 - (z / softcap)^2)
+    dz/dx        = scale * (1 - tanh(scale * x / softcap)^2)
 
-The kernel writes this per-row gradient in the forward pass (a second read of the row),
-so the backward pass only scales it by grad_output / num_targets ("mean") or grad_output
-("sum"/"none"). The scale is applied in fp32 and rounded once: no underflow of small
-probabilities before the loss scale is applied. Ignored rows get loss 0 and gradient 0.
+The forward kernel reads each row once and keeps lse [N]. The backward kernel reads the
+row again and writes g_i * dloss_i/dx, with g_i = grad_output / num_targets ("mean") or
+grad_output ("sum"; per row for "none") read from a device tensor (no host sync). g is
+applied in fp32 before the one rounding to the logits' dtype, so an fp16 loss scale does
+not meet underflowed probabilities. Ignored rows get loss 0 and gradient 0. Memory and
+traffic are those of autograd on the reference: the row is read twice, the gradient
+written once.
+
+The fused linear cross-entropy (kernels/fused_linear_cross_entropy.py) discards each
+chunk's logits, so it asks the forward kernel for the unreduced gradient (g = 1) in the
+same launch (COMPUTE_GRAD), written over the logits it has just read.
 
 "mean" divides by num_targets: a caller-given count (the tokens of a whole optimizer
 step) or, by default, the non-ignored targets of this call, counted on the device.
@@ -43,24 +54,54 @@ from kernels.tanh import tanh
 
 LOGITS_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 REDUCTIONS = ("mean", "sum", "none")
-MAX_BLOCK = 32768  # logits per chunk: 32 fp32 values per thread at 32 warps
+# Logits per chunk, measured on an H100 (docs/perf-notes.md): the forward keeps two fp32
+# values per lane (m, d), the backward none.
+FORWARD_MAX_BLOCK = 8192
+BACKWARD_MAX_BLOCK = 32768
 
 
 @triton.jit
-def _effective_logits(x, scale, softcap, HAS_SCALE: tl.constexpr, HAS_SOFTCAP: tl.constexpr):
+def _effective_logits(x, scale, inv_softcap, softcap, HAS_SCALE: tl.constexpr, HAS_SOFTCAP: tl.constexpr):
+    """(z, dz/dx). The cap multiplies by 1/softcap and reuses tanh for the derivative: a
+    soft-capped row is bound by special-function throughput (exp, reciprocal), not memory."""
+    dzdx = 1.0
     if HAS_SCALE:
         x = x * scale
+        dzdx = scale
     if HAS_SOFTCAP:
-        x = softcap * tanh(x / softcap)
-    return x
+        t = tanh(x * inv_softcap)
+        x = softcap * t
+        dzdx = dzdx * (1.0 - t * t)
+    return x, dzdx
 
 
 @triton.jit
-def _cross_entropy_kernel(
+def _write_gradient(logits_ptr, dlogits_ptr, target, lse, g, V, scale, inv_softcap, softcap,
+                    HAS_SCALE: tl.constexpr, HAS_SOFTCAP: tl.constexpr, BLOCK: tl.constexpr):
+    """dlogits = g * (softmax(z) - onehot(target)) * dz/dx over one row, g in fp32."""
+    for start in range(0, V, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        mask = cols < V
+        x = tl.load(logits_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        z, dzdx = _effective_logits(x, scale, inv_softcap, softcap, HAS_SCALE, HAS_SOFTCAP)
+        p = tl.exp(z - lse)
+        dx = tl.where(cols == target, p - 1.0, p) * (g * dzdx)
+        tl.store(dlogits_ptr + cols, dx.to(dlogits_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _zero_row(dlogits_ptr, V, BLOCK: tl.constexpr):
+    for start in range(0, V, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        tl.store(dlogits_ptr + cols, tl.zeros([BLOCK], dlogits_ptr.dtype.element_ty), mask=cols < V)
+
+
+@triton.jit
+def _cross_entropy_forward_kernel(
     logits_ptr, logits_row_stride,
     dlogits_ptr, dlogits_row_stride,  # may be logits_ptr itself: every element is read before it is written
-    targets_ptr, losses_ptr,
-    V, ignore_index, scale, softcap,
+    targets_ptr, losses_ptr, lse_ptr,
+    V, ignore_index, scale, inv_softcap, softcap,
     HAS_SCALE: tl.constexpr, HAS_SOFTCAP: tl.constexpr, COMPUTE_GRAD: tl.constexpr, BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
@@ -70,76 +111,111 @@ def _cross_entropy_kernel(
 
     if target == ignore_index:
         tl.store(losses_ptr + row, 0.0)
+        tl.store(lse_ptr + row, 0.0)
         if COMPUTE_GRAD:
-            for start in range(0, V, BLOCK):
-                cols = start + tl.arange(0, BLOCK)
-                tl.store(dlogits_ptr + cols, tl.zeros([BLOCK], dlogits_ptr.dtype.element_ty), mask=cols < V)
+            _zero_row(dlogits_ptr, V, BLOCK)
         return
 
-    # pass 1: online logsumexp over chunks
-    m = -float("inf")
-    d = 0.0
+    # online logsumexp, per lane. m starts finite, so exp(m - m_new) is never exp(-inf + inf).
+    m = tl.full([BLOCK], -3.0e38, tl.float32)
+    d = tl.zeros([BLOCK], tl.float32)
     for start in range(0, V, BLOCK):
         cols = start + tl.arange(0, BLOCK)
         mask = cols < V
         x = tl.load(logits_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-        z = _effective_logits(x, scale, softcap, HAS_SCALE, HAS_SOFTCAP)
+        z, _ = _effective_logits(x, scale, inv_softcap, softcap, HAS_SCALE, HAS_SOFTCAP)
         z = tl.where(mask, z, -float("inf"))  # after the cap: softcap(-inf) is -softcap, not -inf
-        m_new = tl.maximum(m, tl.max(z, 0))
-        d = d * tl.exp(m - m_new) + tl.sum(tl.exp(z - m_new), 0)
+        m_new = tl.maximum(m, z)
+        d = d * tl.exp(m - m_new) + tl.exp(z - m_new)
         m = m_new
-    lse = m + tl.log(d)
+    m_row = tl.max(m, 0)
+    lse = m_row + tl.log(tl.sum(d * tl.exp(m - m_row), 0))
 
     x_target = tl.load(logits_ptr + target).to(tl.float32)
-    z_target = _effective_logits(x_target, scale, softcap, HAS_SCALE, HAS_SOFTCAP)
+    z_target, _ = _effective_logits(x_target, scale, inv_softcap, softcap, HAS_SCALE, HAS_SOFTCAP)
     tl.store(losses_ptr + row, lse - z_target)
-
-    # pass 2: dloss/dx = (softmax(z) - onehot(t)) * dz/dx
+    tl.store(lse_ptr + row, lse)
     if COMPUTE_GRAD:
-        for start in range(0, V, BLOCK):
-            cols = start + tl.arange(0, BLOCK)
-            mask = cols < V
-            x = tl.load(logits_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-            z = _effective_logits(x, scale, softcap, HAS_SCALE, HAS_SOFTCAP)
-            p = tl.exp(z - lse)
-            dx = tl.where(cols == target, p - 1.0, p)
-            if HAS_SOFTCAP:
-                dx = dx * (1.0 - (z / softcap) * (z / softcap))
-            if HAS_SCALE:
-                dx = dx * scale
-            tl.store(dlogits_ptr + cols, dx.to(dlogits_ptr.dtype.element_ty), mask=mask)
+        _write_gradient(logits_ptr, dlogits_ptr, target, lse, 1.0, V, scale, inv_softcap, softcap, HAS_SCALE,
+                        HAS_SOFTCAP, BLOCK)
 
 
-def launch_config(V: int) -> tuple[int, int]:
-    """(BLOCK, num_warps) for a row of V logits: the whole row in one chunk up to MAX_BLOCK."""
-    block = min(triton.next_power_of_2(V), MAX_BLOCK)
+@triton.jit
+def _cross_entropy_backward_kernel(
+    logits_ptr, logits_row_stride, dlogits_ptr,  # dlogits: [N, V] contiguous
+    targets_ptr, lse_ptr, g_ptr, g_stride,  # g: fp32, one value (stride 0) or one per row
+    V, ignore_index, scale, inv_softcap, softcap,
+    HAS_SCALE: tl.constexpr, HAS_SOFTCAP: tl.constexpr, BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    target = tl.load(targets_ptr + row)
+    logits_ptr += row * logits_row_stride
+    dlogits_ptr += row * V
+    if target == ignore_index:
+        _zero_row(dlogits_ptr, V, BLOCK)
+    else:
+        g = tl.load(g_ptr + row * g_stride)
+        lse = tl.load(lse_ptr + row)
+        _write_gradient(logits_ptr, dlogits_ptr, target, lse, g, V, scale, inv_softcap, softcap, HAS_SCALE,
+                        HAS_SOFTCAP, BLOCK)
+
+
+def launch_config(V: int, max_block: int) -> tuple[int, int]:
+    """(BLOCK, num_warps) for a row of V logits: the whole row in one chunk up to max_block."""
+    block = min(triton.next_power_of_2(V), max_block)
     num_warps = 32 if block >= 32768 else 16 if block >= 8192 else 8 if block >= 2048 else 4
     return block, num_warps
 
 
+def _numerics(scale, softcap):
+    """The kernels' scale, inv_softcap, softcap arguments and flags."""
+    return (1.0 if scale is None else scale, 1.0 if softcap is None else 1.0 / softcap,
+            1.0 if softcap is None else softcap), dict(HAS_SCALE=scale is not None, HAS_SOFTCAP=softcap is not None)
+
+
 def cross_entropy_forward(logits, targets, *, ignore_index, softcap, scale, dlogits=None):
-    """Per-row losses [N] in fp32. If dlogits is given ([N, V], logits' dtype, last dim
-    contiguous), the unreduced gradient dloss_i/dlogits_i is written into it; it may be
-    `logits` itself (the fused linear cross-entropy overwrites its logits chunk)."""
+    """(per-row losses [N] fp32, lse [N] fp32). If dlogits is given ([N, V], logits' dtype,
+    last dim contiguous), the unreduced gradient dloss_i/dlogits_i is written into it in the
+    same pass; it may be `logits` itself (the fused linear cross-entropy overwrites its
+    logits chunk)."""
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
     targets = targets.contiguous()
     N, V = logits.shape
     losses = torch.empty(N, dtype=torch.float32, device=logits.device)
+    lse = torch.empty(N, dtype=torch.float32, device=logits.device)
     if N == 0:
-        return losses
+        return losses, lse
     if dlogits is not None:
         assert dlogits.shape == logits.shape and dlogits.stride(-1) == 1, "dlogits must be [N, V], last dim contiguous"
-    block, num_warps = launch_config(V)
-    _cross_entropy_kernel[(N,)](
+    block, num_warps = launch_config(V, FORWARD_MAX_BLOCK)
+    values, flags = _numerics(scale, softcap)
+    _cross_entropy_forward_kernel[(N,)](
         logits, logits.stride(0),
         logits if dlogits is None else dlogits, 0 if dlogits is None else dlogits.stride(0),
-        targets, losses,
-        V, ignore_index, 1.0 if scale is None else scale, 1.0 if softcap is None else softcap,
-        HAS_SCALE=scale is not None, HAS_SOFTCAP=softcap is not None, COMPUTE_GRAD=dlogits is not None,
-        BLOCK=block, num_warps=num_warps,
+        targets, losses, lse, V, ignore_index, *values, **flags, COMPUTE_GRAD=dlogits is not None, BLOCK=block, num_warps=num_warps,
     )
-    return losses
+    return losses, lse
+
+
+def cross_entropy_backward(logits, targets, lse, g, *, ignore_index, softcap, scale):
+    """dlogits [N, V] in logits' dtype: g * dloss_i/dlogits_i, with g an fp32 tensor of one
+    value or of one value per row."""
+    if logits.stride(-1) != 1:
+        logits = logits.contiguous()
+    N, V = logits.shape
+    dlogits = torch.empty((N, V), dtype=logits.dtype, device=logits.device)
+    if N == 0:
+        return dlogits
+    g = g.reshape(-1).contiguous()
+    assert g.dtype == torch.float32 and g.numel() in (1, N), f"g must be fp32 with 1 or N values, got {g.dtype}, {g.numel()}"
+    block, num_warps = launch_config(V, BACKWARD_MAX_BLOCK)
+    values, flags = _numerics(scale, softcap)
+    _cross_entropy_backward_kernel[(N,)](
+        logits, logits.stride(0), dlogits,
+        targets.contiguous(), lse, g, 0 if g.numel() == 1 else 1, V, ignore_index, *values, **flags, BLOCK=block, num_warps=num_warps,
+    )
+    return dlogits
 
 
 @dataclass(frozen=True)
@@ -190,23 +266,23 @@ def grad_scale(grad_loss, denominator, reduction):
 class _CrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, targets, num_targets, opts: LossOptions):
-        compute_grad = ctx.needs_input_grad[0]
-        dlogits = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device) if compute_grad else None
-        losses = cross_entropy_forward(logits, targets, ignore_index=opts.ignore_index, softcap=opts.softcap,
-                                       scale=opts.scale, dlogits=dlogits)
+        losses, lse = cross_entropy_forward(logits, targets, ignore_index=opts.ignore_index, softcap=opts.softcap,
+                                            scale=opts.scale)
         denominator = mean_denominator(targets, num_targets, opts.ignore_index) if opts.reduction == "mean" else 1.0
         loss = reduce_losses(losses, denominator, opts.reduction)
         assert loss.dtype == torch.float32, f"loss must be float32, got {loss.dtype}"
-        ctx.save_for_backward(dlogits)
-        ctx.denominator, ctx.reduction = denominator, opts.reduction
+        ctx.save_for_backward(logits, targets, lse)
+        ctx.denominator, ctx.opts = denominator, opts
         return loss
 
     @staticmethod
     def backward(ctx, grad_loss):
-        (dlogits,) = ctx.saved_tensors
-        # In place: the gradient buffer is ours, and a second backward is stopped by autograd's
-        # version check on saved tensors. mul_ computes in fp32 and rounds once.
-        dlogits.mul_(grad_scale(grad_loss, ctx.denominator, ctx.reduction))
+        logits, targets, lse = ctx.saved_tensors
+        opts = ctx.opts
+        g = grad_scale(grad_loss, ctx.denominator, opts.reduction)  # fp32: 0-dim, or (N, 1) for "none"
+        dlogits = cross_entropy_backward(logits, targets, lse, g, ignore_index=opts.ignore_index,
+                                         softcap=opts.softcap, scale=opts.scale)
+        assert dlogits.dtype == logits.dtype, f"dlogits must be {logits.dtype}, got {dlogits.dtype}"
         return dlogits, None, None, None
 
 
@@ -220,8 +296,8 @@ def cross_entropy(logits, targets, *, ignore_index=-100, softcap=None, scale=Non
     check_loss_args(logits, targets, opts, "logits")
     if torch.is_grad_enabled() and logits.requires_grad:
         return _CrossEntropy.apply(logits, targets, num_targets, opts)
-    # no graph will be built (needs_input_grad does not see no_grad()): skip the gradient pass
-    losses = cross_entropy_forward(logits, targets, ignore_index=ignore_index, softcap=softcap, scale=scale)
+    # no graph will be built (needs_input_grad does not see no_grad()): save nothing for backward
+    losses, _ = cross_entropy_forward(logits, targets, ignore_index=ignore_index, softcap=softcap, scale=scale)
     denominator = mean_denominator(targets, num_targets, ignore_index) if reduction == "mean" else 1.0
     return reduce_losses(losses, denominator, reduction)
 

@@ -56,11 +56,17 @@ def kernel_cases():
                           for name in ("cross_entropy", "rms_norm", "rope", "swiglu", "geglu"))
     specs = []  # (module, kernel, signature(dtype), base constexprs, flag combos, num_warps)
 
-    block, warps = ce.launch_config(262144)
-    specs.append(("kernels.cross_entropy", "_cross_entropy_kernel", lambda t: {
+    block, warps = ce.launch_config(262144, ce.FORWARD_MAX_BLOCK)
+    specs.append(("kernels.cross_entropy", "_cross_entropy_forward_kernel", lambda t: {
         "logits_ptr": f"*{t}", "logits_row_stride": "i32", "dlogits_ptr": f"*{t}", "dlogits_row_stride": "i32",
-        "targets_ptr": "*i64", "losses_ptr": "*fp32", "V": "i32", "ignore_index": "i32", "scale": "fp32",
-        "softcap": "fp32"}, {"BLOCK": block}, flags("HAS_SCALE", "HAS_SOFTCAP", "COMPUTE_GRAD"), warps))
+        "targets_ptr": "*i64", "losses_ptr": "*fp32", "lse_ptr": "*fp32", "V": "i32", "ignore_index": "i32",
+        "scale": "fp32", "inv_softcap": "fp32", "softcap": "fp32"}, {"BLOCK": block}, flags("HAS_SCALE", "HAS_SOFTCAP", "COMPUTE_GRAD"),
+        warps))
+    block, warps = ce.launch_config(262144, ce.BACKWARD_MAX_BLOCK)
+    specs.append(("kernels.cross_entropy", "_cross_entropy_backward_kernel", lambda t: {
+        "logits_ptr": f"*{t}", "logits_row_stride": "i32", "dlogits_ptr": f"*{t}", "targets_ptr": "*i64",
+        "lse_ptr": "*fp32", "g_ptr": "*fp32", "g_stride": "i32", "V": "i32", "ignore_index": "i32",
+        "scale": "fp32", "inv_softcap": "fp32", "softcap": "fp32"}, {"BLOCK": block}, flags("HAS_SCALE", "HAS_SOFTCAP"), warps))
 
     block, warps = rn.launch_config(8192)
     specs.append(("kernels.rms_norm", "_rms_norm_forward_kernel", lambda t: {
@@ -69,7 +75,7 @@ def kernel_cases():
     specs.append(("kernels.rms_norm", "_rms_norm_backward_kernel", lambda t: {
         "dy_ptr": f"*{t}", "dy_row_stride": "i32", "x_ptr": f"*{t}", "x_row_stride": "i32", "w_ptr": f"*{t}",
         "rstd_ptr": "*fp32", "dx_ptr": f"*{t}", "dw_partial_ptr": "*fp32", "N": "i32", "H": "i32",
-        "offset": "fp32", "rows_per_program": "i32"}, {"BLOCK": block}, flags("GEMMA_CAST"), warps))
+        "offset": "fp32", "rows_per_program": "i32"}, {"BLOCK": block}, flags("GEMMA_CAST", "COMPUTE_DW"), warps))
 
     block_hq, block_hk, block_half, warps = rp.launch_config(32, 8, 256)
     specs.append(("kernels.rope", "_rope_kernel", lambda t: {
