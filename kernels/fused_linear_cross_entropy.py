@@ -22,11 +22,11 @@ the sum that forms dW or db, so reduction="none" with a trainable W or b is refu
 
 G is unreduced (|G| <= 1, elementwise) so that fp16 does not underflow before the loss
 scale arrives. Its products over tokens can then exceed fp16's range: dH = G @ W cannot
-(|dH| <= 2 max|W|), but dW can, so under fp16 the dW product is taken in fp32.
+(|dH| <= 2 max|W|), but dW can, so both products are written by the matmul in fp32.
 
 Memory beyond the inputs: one chunk of logits, dH in fp32 (N*H*4 bytes) and, only when
-W is trainable, dW in fp32 (V*H*4 bytes) plus one [V, H] product per chunk (and, under
-fp16, an fp32 copy of the chunk's G). With a frozen lm_head (LoRA) only the first two.
+W is trainable, dW in fp32 (V*H*4 bytes), with chunks of up to 1 GiB of logits. With a
+frozen lm_head (LoRA) only the first two.
 """
 import torch
 import torch.nn.functional as F
@@ -35,10 +35,29 @@ from kernels.cross_entropy import (LossOptions, check_loss_args, cross_entropy_f
                                    grad_scale, mean_denominator, reduce_losses)
 
 MAX_CHUNK_BYTES = 256 * 2**20  # the chunk logits: 512 tokens at V=256k in bf16, small next to the model
+# With a trainable W, every chunk adds a [V, H] product into dW (fp32, V*H*4 bytes: 2.2 GiB at
+# Gemma 2's V=256k, H=2304): fewer, larger chunks cut that traffic, at 1 GiB of chunk logits.
+MAX_CHUNK_BYTES_TRAINABLE_W = 2**30
 
 
-def chunk_rows(N: int, V: int, itemsize: int) -> int:
-    return max(1, min(N, MAX_CHUNK_BYTES // (V * itemsize)))
+def chunk_rows(N: int, V: int, itemsize: int, need_dw: bool) -> int:
+    max_bytes = MAX_CHUNK_BYTES_TRAINABLE_W if need_dw else MAX_CHUNK_BYTES
+    return max(1, min(N, max_bytes // (V * itemsize)))
+
+
+def _matmul_into_fp32(a, b, out, accumulate):
+    """out (fp32) = a @ b, or out += a @ b. On CUDA the matmul writes (and adds in) fp32 itself:
+    no product is rounded to bf16/fp16, none overflows fp16, and no [V, H] temporary is made.
+    On CPU (the tests) the operands are upcast: fp32 math."""
+    if out.is_cuda:
+        if accumulate:
+            torch.addmm(out, a, b, out_dtype=torch.float32, out=out)
+        else:
+            torch.mm(a, b, out_dtype=torch.float32, out=out)
+    elif accumulate:
+        out.addmm_(a.float(), b.float())
+    else:
+        torch.mm(a.float(), b.float(), out=out)
 
 
 def _forward_chunks(hidden, weight, bias, targets, opts: LossOptions, need_dh, need_dw, need_db):
@@ -51,22 +70,19 @@ def _forward_chunks(hidden, weight, bias, targets, opts: LossOptions, need_dh, n
     db = torch.zeros(V, **f32) if need_db else None
     losses = torch.empty(N, **f32)
     need_grad = need_dh or need_dw or need_db
-    rows = chunk_rows(N, V, hidden.element_size())
+    rows = chunk_rows(N, V, hidden.element_size(), need_dw)
     for start in range(0, N, rows):
         h = hidden[start:start + rows]  # (C, H)
         logits = F.linear(h, weight, bias)  # (C, V)
-        losses[start:start + rows] = cross_entropy_forward(
+        losses[start:start + rows], _ = cross_entropy_forward(
             logits, targets[start:start + rows], ignore_index=opts.ignore_index, softcap=opts.softcap,
             scale=opts.scale, dlogits=logits if need_grad else None)
         # logits now holds G = dloss/dlogits (unreduced)
         if need_dh:
-            dh[start:start + rows] = logits @ weight  # (C, H)
+            _matmul_into_fp32(logits, weight, dh[start:start + rows], accumulate=False)  # (C, H)
         if need_dw:
-            if logits.dtype == torch.float16:
-                # sums over the chunk's tokens are not yet divided by num_targets: past 65504 in fp16
-                dw += logits.t().float() @ h.float()  # (V, H)
-            else:
-                dw += logits.t() @ h  # (V, H)
+            # summed over tokens and not yet divided by num_targets: past 65504 if it were fp16
+            _matmul_into_fp32(logits.t(), h, dw, accumulate=True)  # (V, H)
         if need_db:
             db += logits.sum(0, dtype=torch.float32)  # (V,)
     return losses, dh, dw, db

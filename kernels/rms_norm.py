@@ -19,7 +19,7 @@ autograd sees it) and g = dy * (offset + w):
     dw = sum over rows of dy * xhat
 
 dw is accumulated in fp32: each program sums its rows into one partial row, and the
-partials are summed in torch and cast to w's dtype.
+partials are summed in torch and cast to w's dtype. A frozen w (LoRA) skips dw.
 """
 import torch
 import triton
@@ -56,7 +56,7 @@ def _rms_norm_backward_kernel(
     dy_ptr, dy_row_stride, x_ptr, x_row_stride, w_ptr, rstd_ptr,
     dx_ptr, dw_partial_ptr,  # dx: [N, H] contiguous; dw_partial: [programs, H] fp32
     N, H, offset, rows_per_program,
-    GEMMA_CAST: tl.constexpr, BLOCK: tl.constexpr,
+    GEMMA_CAST: tl.constexpr, COMPUTE_DW: tl.constexpr, BLOCK: tl.constexpr,
 ):
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
@@ -81,14 +81,16 @@ def _rms_norm_backward_kernel(
         g = dy * w_eff
         dx = rstd * (g - xhat * (tl.sum(g * xhat, 0) / H))
         tl.store(dx_ptr + cols, dx.to(dx_ptr.dtype.element_ty), mask=mask)
-        if GEMMA_CAST:
-            dw += dy * xhat
-        else:
-            dw += dy * xhat.to(x_ptr.dtype.element_ty).to(tl.float32)
+        if COMPUTE_DW:
+            if GEMMA_CAST:
+                dw += dy * xhat
+            else:
+                dw += dy * xhat.to(x_ptr.dtype.element_ty).to(tl.float32)
         dy_ptr += dy_row_stride
         x_ptr += x_row_stride
         dx_ptr += H
-    tl.store(dw_partial_ptr + pid * H + cols, dw, mask=mask)
+    if COMPUTE_DW:
+        tl.store(dw_partial_ptr + pid * H + cols, dw, mask=mask)
 
 
 def launch_config(H: int) -> tuple[int, int]:
@@ -105,9 +107,10 @@ def _rows(t, H):
 
 
 def _backward_programs(device, N):
-    # one program per SM keeps the dW partials small; the interpreter runs programs one by one,
-    # so any count works on CPU: 4 exercises the partial sum.
-    programs = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+    # Each program walks its rows one after another, so one program per SM leaves the loads of
+    # one row waiting on the last: 8 per SM keep more rows in flight, for 8 partial dW rows per SM.
+    # The interpreter runs programs one by one, so any count works on CPU: 4 exercises the partial sum.
+    programs = 8 * torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
     return max(1, min(N, programs))
 
 
@@ -126,21 +129,24 @@ def rms_norm_forward(x, weight, eps, offset, cast):
     return y.view(*x.shape[:-1], H), rstd
 
 
-def rms_norm_backward(dy, x, weight, rstd, offset, cast):
-    """(dx in x's dtype and shape, dw in w's dtype)."""
+def rms_norm_backward(dy, x, weight, rstd, offset, cast, compute_dw=True):
+    """(dx in x's dtype and shape, dw in w's dtype, or None without compute_dw)."""
     H = x.shape[-1]
     x2, dy2 = _rows(x, H), _rows(dy, H)
     N = x2.shape[0]
     dx = torch.empty((N, H), dtype=x.dtype, device=x.device)
     programs = _backward_programs(x.device, N)
-    dw_partial = torch.zeros((programs, H), dtype=torch.float32, device=x.device)
+    # every program writes its partial row (zeros when it has no rows), so empty is enough
+    dw_partial = torch.empty((programs, H), dtype=torch.float32, device=x.device) if compute_dw else None
     if N > 0:
         block, num_warps = launch_config(H)
         _rms_norm_backward_kernel[(programs,)](
-            dy2, dy2.stride(0), x2, x2.stride(0), weight, rstd, dx, dw_partial,
+            dy2, dy2.stride(0), x2, x2.stride(0), weight, rstd, dx, dx if dw_partial is None else dw_partial,
             N, H, offset, triton.cdiv(N, programs),
-            GEMMA_CAST=cast == "gemma", BLOCK=block, num_warps=num_warps)
-    return dx.view(x.shape), dw_partial.sum(0).to(weight.dtype)
+            GEMMA_CAST=cast == "gemma", COMPUTE_DW=compute_dw, BLOCK=block, num_warps=num_warps)
+    elif compute_dw:
+        dw_partial.zero_()
+    return dx.view(x.shape), dw_partial.sum(0).to(weight.dtype) if compute_dw else None
 
 
 class _RMSNorm(torch.autograd.Function):
@@ -158,10 +164,10 @@ class _RMSNorm(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         x, weight, rstd = ctx.saved_tensors
-        dx, dw = rms_norm_backward(dy, x, weight, rstd, ctx.offset, ctx.cast)
+        dx, dw = rms_norm_backward(dy, x, weight, rstd, ctx.offset, ctx.cast, compute_dw=ctx.needs_input_grad[1])
         assert dx.dtype == x.dtype, f"rms_norm: dx must be {x.dtype}, got {dx.dtype}"
-        assert dw.dtype == weight.dtype, f"rms_norm: dweight must be {weight.dtype}, got {dw.dtype}"
-        return dx, (dw if ctx.needs_input_grad[1] else None), None, None, None
+        assert dw is None or dw.dtype == weight.dtype, f"rms_norm: dweight must be {weight.dtype}, got {dw.dtype}"
+        return dx, dw, None, None, None
 
 
 def _check(x, weight, cast):
