@@ -1,7 +1,9 @@
 """Benchmark every Triton kernel against torch eager and torch.compile of its reference.
 
-Measures forward + backward time (triton.testing.do_bench, median) and the peak memory
-the step allocates (torch.cuda.max_memory_allocated above what was allocated before).
+Measures forward + backward time (triton.testing.do_bench, median), the GPU kernel time
+of one step (the sum of its CUDA kernels in torch.profiler: where it is well below the
+do_bench time, the step is bound by the CPU that launches it), and the peak memory the
+step allocates (torch.cuda.max_memory_allocated above what was allocated before).
 Prints a markdown table; --out writes the rows as JSON. A failing case (compile error,
 OOM, ...) is reported in its row and the run goes on.
 
@@ -101,8 +103,17 @@ def cases():
     ]
 
 
+def kernel_ms(step):
+    """The summed CUDA kernel time of one call of step, in ms."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    return sum(e.self_device_time_total for e in prof.key_averages()) / 1e3
+
+
 def measure(fn, args, leaves, kwargs):
-    """(median ms of forward + backward, peak MiB allocated by one step above the inputs)."""
+    """(median ms of forward + backward, its GPU kernel ms, peak MiB allocated by one step above
+    the inputs)."""
     out = fn(*args, **kwargs)
     outs = out if isinstance(out, tuple) else (out,)
     grads = [torch.randn_like(o) for o in outs]  # one fixed upstream gradient
@@ -116,6 +127,9 @@ def measure(fn, args, leaves, kwargs):
     ms = do_bench(step, grad_to_none=leaves, return_mode="median")
     for t in leaves:
         t.grad = None
+    gpu_ms = kernel_ms(step)
+    for t in leaves:
+        t.grad = None
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     before = torch.cuda.memory_allocated()
@@ -124,7 +138,7 @@ def measure(fn, args, leaves, kwargs):
     peak = (torch.cuda.max_memory_allocated() - before) / MiB
     for t in leaves:
         t.grad = None
-    return ms, peak
+    return ms, gpu_ms, peak
 
 
 def run(case: Case):
@@ -135,7 +149,7 @@ def run(case: Case):
         row = {"kernel": case.kernel, "shape": case.shape, "impl": impl}
         try:
             args, leaves, kwargs = case.make()
-            row["ms"], row["peak_mib"] = measure(fn, args, leaves, kwargs)
+            row["ms"], row["gpu_ms"], row["peak_mib"] = measure(fn, args, leaves, kwargs)
         except Exception as e:  # a broken or out-of-memory case is reported, not fatal
             row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
             traceback.print_exc(file=sys.stderr)
@@ -151,12 +165,13 @@ def run(case: Case):
 
 
 def markdown(rows):
-    lines = ["| kernel | shape | impl | fwd+bwd ms | speedup vs eager | peak MiB |", "|---|---|---|---:|---:|---:|"]
+    lines = ["| kernel | shape | impl | fwd+bwd ms | GPU kernel ms | speedup vs eager | peak MiB |",
+             "|---|---|---|---:|---:|---:|---:|"]
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['kernel']} | {r['shape']} | {r['impl']} | error: {r['error']} | | |")
+            lines.append(f"| {r['kernel']} | {r['shape']} | {r['impl']} | error: {r['error']} | | | |")
         else:
-            lines.append(f"| {r['kernel']} | {r['shape']} | {r['impl']} | {r['ms']:.3f} | "
+            lines.append(f"| {r['kernel']} | {r['shape']} | {r['impl']} | {r['ms']:.3f} | {r['gpu_ms']:.3f} | "
                          f"{r.get('speedup_vs_eager', float('nan')):.2f}x | {r['peak_mib']:.0f} |")
     return "\n".join(lines)
 
