@@ -1,6 +1,7 @@
 """Shared test helpers."""
 import json
 import os
+import zlib
 
 import torch
 
@@ -26,3 +27,14 @@ def read_metrics(out_dir):
     """The records of a run's metrics.jsonl."""
     with open(os.path.join(out_dir, "metrics.jsonl")) as f:
         return [json.loads(line) for line in f]
+
+
+def randomize_lora_b(model, std=0.05):
+    """Random non-zero lora_B (initialized to 0, it would hide every gradient that flows
+    through B), the same values for the same parameter name on any device."""
+    from model.lora import lora_parameters
+    with torch.no_grad():
+        for n, p in lora_parameters(model):
+            if n.endswith("lora_B"):
+                gen = torch.Generator().manual_seed(zlib.crc32(n.encode()))
+                p.copy_(torch.randn(p.shape, generator=gen) * std)

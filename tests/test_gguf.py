@@ -25,7 +25,7 @@ from model.transformer import rope_inv_freq
 from scripts.export_gguf import export
 from scripts.fetch_smollm2 import fetch_smollm2
 from scripts.generate import KVCache, forward_cached, generate, sample
-from tests.helpers import assert_close, rel_err
+from tests.helpers import assert_close, randomize_lora_b, rel_err
 from tests.tiny_models import FAMILIES, make_run_folder, save_tiny
 
 CACHE = os.environ.get("NANOTUNE_CACHE", os.path.expanduser("~/.cache/nanotune"))
@@ -199,11 +199,9 @@ def tiny_lora(tmp_path_factory):
         if family not in made:
             folder = make_run_folder(str(tmp_path_factory.mktemp(family)), family=family)
             model, _ = load_model(folder, lora=LoRAConfig(r=4, alpha=8))
+            randomize_lora_b(model)
             gen = torch.Generator().manual_seed(0)
             with torch.no_grad():
-                for n, p in lora_parameters(model):
-                    if n.endswith("lora_B"):
-                        p.normal_(0, 0.05, generator=gen)
                 for n, p in model.named_parameters():
                     if "norm" in n or n.endswith("bias"):  # random init leaves norms at 1 (Gemma: 0)
                         p.add_(torch.randn(p.shape, generator=gen) * 0.1)

@@ -7,7 +7,7 @@ import torch
 
 from model import LoRAConfig, load_model
 from model.lora import lora_parameters
-from tests.helpers import rel_err
+from tests.helpers import randomize_lora_b, rel_err
 from tests.tiny_models import FAMILIES, save_tiny
 
 pytestmark = [pytest.mark.gpu,
@@ -48,10 +48,7 @@ def test_cuda_packed_matches_cpu_reference(family, use_kernels, path, tmp_path):
     out = {}
     for dev, kern in (("cpu", False), ("cuda", use_kernels)):
         model, _ = load_model(str(tmp_path), device=dev, lora=lora, use_kernels=kern, lora_seed=1)
-        with torch.no_grad():
-            for n, p in lora_parameters(model):
-                if n.endswith("lora_B"):
-                    p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(len(n))) * 0.05)
+        randomize_lora_b(model)
         loss = model(ids.to(dev), pos.to(dev), doc.to(dev), targets=targets.to(dev))
         loss.backward()
         out[dev] = (loss.detach().cpu(), {n: p.grad.cpu() for n, p in lora_parameters(model)})
@@ -83,10 +80,7 @@ def test_cuda_checkpointing_matches_no_checkpointing(family, path, tmp_path):
     ids, pos, doc, targets = (t.cuda() for t in _packed_batch(256, lens=LENGTHS[path]))
     model, _ = load_model(str(tmp_path), device="cuda", lora=LoRAConfig(r=4, alpha=8), use_kernels=True,
                           lora_seed=1)
-    with torch.no_grad():
-        for n, p in lora_parameters(model):
-            if n.endswith("lora_B"):
-                p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(len(n))) * 0.05)
+    randomize_lora_b(model)
     out = {}
     for mode in ("off", "on", "on+offload"):
         model.gradient_checkpointing = mode != "off"
