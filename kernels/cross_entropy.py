@@ -193,7 +193,8 @@ def cross_entropy_forward(logits, targets, *, ignore_index, softcap, scale, dlog
     _cross_entropy_forward_kernel[(N,)](
         logits, logits.stride(0),
         logits if dlogits is None else dlogits, 0 if dlogits is None else dlogits.stride(0),
-        targets, losses, lse, V, ignore_index, *values, **flags, COMPUTE_GRAD=dlogits is not None, BLOCK=block, num_warps=num_warps,
+        targets, losses, lse, V, ignore_index, *values,
+        **flags, COMPUTE_GRAD=dlogits is not None, BLOCK=block, num_warps=num_warps,
     )
     return losses, lse
 
@@ -208,12 +209,14 @@ def cross_entropy_backward(logits, targets, lse, g, *, ignore_index, softcap, sc
     if N == 0:
         return dlogits
     g = g.reshape(-1).contiguous()
-    assert g.dtype == torch.float32 and g.numel() in (1, N), f"g must be fp32 with 1 or N values, got {g.dtype}, {g.numel()}"
+    assert g.dtype == torch.float32 and g.numel() in (1, N), \
+        f"g must be fp32 with 1 or N values, got {g.dtype}, {g.numel()}"
     block, num_warps = launch_config(V, BACKWARD_MAX_BLOCK)
     values, flags = _numerics(scale, softcap)
     _cross_entropy_backward_kernel[(N,)](
         logits, logits.stride(0), dlogits,
-        targets.contiguous(), lse, g, 0 if g.numel() == 1 else 1, V, ignore_index, *values, **flags, BLOCK=block, num_warps=num_warps,
+        targets.contiguous(), lse, g, 0 if g.numel() == 1 else 1, V, ignore_index, *values,
+        **flags, BLOCK=block, num_warps=num_warps,
     )
     return dlogits
 

@@ -60,13 +60,14 @@ def kernel_cases():
     specs.append(("kernels.cross_entropy", "_cross_entropy_forward_kernel", lambda t: {
         "logits_ptr": f"*{t}", "logits_row_stride": "i32", "dlogits_ptr": f"*{t}", "dlogits_row_stride": "i32",
         "targets_ptr": "*i64", "losses_ptr": "*fp32", "lse_ptr": "*fp32", "V": "i32", "ignore_index": "i32",
-        "scale": "fp32", "inv_softcap": "fp32", "softcap": "fp32"}, {"BLOCK": block}, flags("HAS_SCALE", "HAS_SOFTCAP", "COMPUTE_GRAD"),
-        warps))
+        "scale": "fp32", "inv_softcap": "fp32", "softcap": "fp32"}, {"BLOCK": block},
+        flags("HAS_SCALE", "HAS_SOFTCAP", "COMPUTE_GRAD"), warps))
     block, warps = ce.launch_config(262144, ce.BACKWARD_MAX_BLOCK)
     specs.append(("kernels.cross_entropy", "_cross_entropy_backward_kernel", lambda t: {
         "logits_ptr": f"*{t}", "logits_row_stride": "i32", "dlogits_ptr": f"*{t}", "targets_ptr": "*i64",
         "lse_ptr": "*fp32", "g_ptr": "*fp32", "g_stride": "i32", "V": "i32", "ignore_index": "i32",
-        "scale": "fp32", "inv_softcap": "fp32", "softcap": "fp32"}, {"BLOCK": block}, flags("HAS_SCALE", "HAS_SOFTCAP"), warps))
+        "scale": "fp32", "inv_softcap": "fp32", "softcap": "fp32"}, {"BLOCK": block},
+        flags("HAS_SCALE", "HAS_SOFTCAP"), warps))
 
     block, warps = rn.launch_config(8192)
     specs.append(("kernels.rms_norm", "_rms_norm_forward_kernel", lambda t: {
