@@ -68,7 +68,9 @@ def _rope_kernel(
 def launch_config(Hq: int, Hk: int, D: int) -> tuple[int, int, int, int]:
     """(BLOCK_HQ, BLOCK_HK, BLOCK_HALF, num_warps): every head of a token in one program."""
     block_hq, block_hk, block_half = triton.next_power_of_2(Hq), triton.next_power_of_2(Hk), triton.next_power_of_2(D // 2)
-    num_warps = 8 if block_hq * block_half >= 4096 else 4
+    # 512 elements of q per warp: 2 warps at TinyLlama's and Gemma 2's shapes, 11-12% faster there than 4
+    # (H100 sweep, docs/perf-notes.md)
+    num_warps = max(1, min(8, block_hq * block_half // 512))
     return block_hq, block_hk, block_half, num_warps
 
 
