@@ -259,6 +259,10 @@ def load_data(cfg, tokenizer):
 # ----------------------------------------------------------------------------- checkpoints
 
 
+# What a checkpoint's state.pt holds: save_checkpoint writes these keys, find_checkpoint checks for them.
+CHECKPOINT_KEYS = frozenset({"step", "config", "world_size", "lora", "optimizer", "state", "data", "rng"})
+
+
 def checkpoints(out_dir):
     """The complete checkpoints of a run folder, oldest first."""
     root = os.path.join(out_dir, "checkpoints")
@@ -288,7 +292,7 @@ def save_checkpoint(cfg, model, optimizer, state, batches, step, rank, world):
     tmp = final + ".tmp"
     try:
         os.makedirs(tmp)  # the folder name says it is incomplete until the rename below
-        torch.save({
+        ck = {
             "step": step,
             "config": dataclasses.asdict(cfg),
             "world_size": world,
@@ -297,7 +301,9 @@ def save_checkpoint(cfg, model, optimizer, state, batches, step, rank, world):
             "state": state,  # loss scale, good-step counter
             "data": batches.state_dict(),  # the same on every rank: they step together
             "rng": rngs,  # one per rank
-        }, os.path.join(tmp, "state.pt"))
+        }
+        assert ck.keys() == CHECKPOINT_KEYS, "CHECKPOINT_KEYS must name what a checkpoint holds"
+        torch.save(ck, os.path.join(tmp, "state.pt"))
         save_adapter(model, os.path.join(tmp, "adapter"), base_model=cfg.model)
     except (OSError, RuntimeError) as e:  # disk full, quota, permissions (torch.save raises RuntimeError)
         shutil.rmtree(tmp, ignore_errors=True)
@@ -325,7 +331,7 @@ def find_checkpoint(cfg, world):
     for path in candidates:  # newest first: a damaged checkpoint falls back to the one before it
         try:
             ck = torch.load(os.path.join(path, "state.pt"), map_location="cpu", weights_only=False)
-            if not {"step", "config", "world_size", "lora", "optimizer", "state", "data", "rng"} <= ck.keys():
+            if not CHECKPOINT_KEYS <= ck.keys():
                 raise KeyError("not a nanotune checkpoint: keys missing")
             break
         except Exception as e:  # a truncated or overwritten file: any unpickling error
