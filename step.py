@@ -1,0 +1,135 @@
+"""One training micro-step: forward and backward of one micro-batch, eager or replayed from a CUDA graph.
+
+    step = make_step(forward, params, mode="auto", max_len=2048)   # EagerStep or GraphStep
+    loss = step(batch, num_targets, loss_mult)   # adds d(loss * loss_mult)/dp into every p.grad
+
+`loss` is Σ token losses of the micro-batch / num_targets (a 0-dim fp32 device tensor);
+the gradients are those of loss * loss_mult (loss_mult: the fp16 loss scale times the world size).
+
+Why a graph: a step of a small model, or of a short batch, is bound by the CPU time it takes
+Python and PyTorch to issue its ~1-3k kernels, not by the GPU. A CUDA graph records those
+kernels once and replays them with one call (PyTorch's "whole-network capture"). The graph
+reads fixed addresses, so everything that changes between steps lives in static device
+buffers that are refilled before each replay: the batch tensors, the target-token count
+(the loss denominator) and the loss multiplier. Nothing step-dependent is a Python number
+inside the graph. Gradients accumulate into the LoRA weights' `.grad` tensors, which
+therefore exist before the capture and are zeroed in place between optimizer steps
+(`optimizer.zero_grad(set_to_none=False)`). Dropout inside the graph draws fresh random
+numbers at every replay (PyTorch's CUDA generator advances its offset per replay).
+
+Shapes: a graph holds one batch shape. Packed rows always have [B, max_len]; a padded batch
+is padded further to its length bucket (a multiple of BUCKET tokens, at most max_len), so a
+run captures at most max_len / BUCKET graphs, lazily, all in one memory pool. The extra
+padding is one more stretch of the row's padding document: no target, no attention from
+real tokens, so the loss and gradients are those of the unpadded batch (to rounding).
+
+Capture needs a warm-up on a side stream first (lazy initialisation, Triton and
+torch.compile builds, cuBLAS workspaces must not happen inside a capture). The warm-up
+runs the real step on the real batch, so the gradients it adds are removed again before
+the first replay.
+"""
+import torch
+
+import data
+
+BUCKET = 64  # padded batches are padded to a multiple of this many tokens (one graph per multiple)
+WARMUP = 2  # eager runs on a side stream before a capture
+
+
+class EagerStep:
+    """The reference: forward and backward issued from Python every time. `batch` may be on the CPU."""
+
+    graphed = False
+
+    def __init__(self, forward, device):
+        self.forward, self.device = forward, device
+
+    def __call__(self, batch, num_targets, loss_mult):
+        batch = {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
+        loss = self.forward(batch["input_ids"], batch["position_ids"], batch["doc_ids"], targets=batch["targets"],
+                            num_targets=num_targets)
+        assert loss.dtype == torch.float32, f"loss must be float32, got {loss.dtype}"
+        (loss * loss_mult).backward()
+        return loss.detach()
+
+
+class _Graph:
+    """One captured micro-step for one batch shape, with its static input and output buffers."""
+
+    def __init__(self, batch, dev):
+        self.batch = {k: torch.empty_like(v, device=dev) for k, v in batch.items()}
+        self.num_targets = torch.zeros((), dtype=torch.float32, device=dev)
+        self.loss_mult = torch.ones((), dtype=torch.float32, device=dev)
+        self.graph = torch.cuda.CUDAGraph()
+        self.loss = None  # the static output, written by every replay
+
+    def load(self, batch, num_targets, loss_mult):
+        for k, v in batch.items():
+            self.batch[k].copy_(v, non_blocking=True)
+        self.num_targets.fill_(num_targets)
+        self.loss_mult.fill_(loss_mult)
+
+
+class GraphStep:
+    """The micro-step replayed from a CUDA graph per batch shape (captured on first use)."""
+
+    graphed = True
+
+    def __init__(self, forward, device, params, max_len):
+        self.eager = EagerStep(forward, device)
+        self.device = device
+        self.params = list(params)
+        self.max_len = max_len
+        self.graphs = {}  # (B, T) -> _Graph
+        self.pool = None  # one memory pool for every graph: they never run at the same time
+
+    def __call__(self, batch, num_targets, loss_mult):
+        batch = pad_to_bucket(batch, self.max_len)
+        shape = tuple(batch["input_ids"].shape)
+        g = self.graphs.get(shape)
+        if g is None:
+            g = self.graphs[shape] = self._capture(batch, num_targets, loss_mult)
+        g.load(batch, num_targets, loss_mult)
+        g.graph.replay()
+        return g.loss
+
+    def _capture(self, batch, num_targets, loss_mult):
+        g = _Graph(batch, self.device)
+        g.load(batch, num_targets, loss_mult)
+        for p in self.params:  # accumulate into fixed buffers: .grad must exist before the capture
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        saved = [p.grad.clone() for p in self.params]
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(WARMUP):
+                self.eager(g.batch, g.num_targets, g.loss_mult)
+        torch.cuda.current_stream().wait_stream(side)
+        with torch.no_grad():  # the warm-up's gradients are not this step's: put the old ones back
+            for p, s in zip(self.params, saved):
+                p.grad.copy_(s)
+        del saved
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
+        with torch.cuda.graph(g.graph, pool=self.pool):
+            g.loss = self.eager(g.batch, g.num_targets, g.loss_mult)
+        return g
+
+
+def pad_to_bucket(batch, max_len):
+    """`batch` with T raised to the next multiple of BUCKET (at most max_len): the new columns
+    continue each row's last document, which is padding whenever the row is shorter than T
+    (a padded batch's rows end in a padding document of their own; see data.py)."""
+    B, T = batch["input_ids"].shape
+    T_new = min(-(-T // BUCKET) * BUCKET, max(max_len, T))
+    if T_new == T:
+        return batch
+    extra = T_new - T
+    last_pos = batch["position_ids"][:, -1:]
+    return {
+        "input_ids": torch.cat([batch["input_ids"], batch["input_ids"][:, -1:].expand(B, extra)], 1),
+        "targets": torch.cat([batch["targets"], batch["targets"].new_full((B, extra), data.IGNORE_INDEX)], 1),
+        "position_ids": torch.cat([batch["position_ids"], last_pos + torch.arange(1, extra + 1)], 1),
+        "doc_ids": torch.cat([batch["doc_ids"], batch["doc_ids"][:, -1:].expand(B, extra)], 1),
+    }

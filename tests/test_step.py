@@ -1,0 +1,167 @@
+"""The training micro-step (step.py): eager on CPU, and the CUDA-graph replay against eager on GPU.
+
+The eager step is the reference. On CPU: bucket padding leaves the loss and gradients unchanged.
+On GPU (`pytest -m gpu`): a replayed step gives the eager step's loss, gradients and updated LoRA
+weights, for packed and padded batches, with and without checkpointing, in fp32, bf16 and fp16
+(with a loss scale), with dropout, and across a change of length bucket.
+"""
+import pytest
+import torch
+
+import data
+import step
+from model import LoRAConfig, load_model
+from model.lora import lora_parameters
+from tests.helpers import randomize_lora_b, rel_err
+from tests.tiny_models import save_tiny
+
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def _model(folder, device, dtype=torch.float32, dropout=0.0, ckpt=False, kernels=False):
+    model, _ = load_model(folder, dtype=dtype, device=device, use_kernels=kernels,
+                          lora=LoRAConfig(r=4, alpha=8, dropout=dropout))
+    randomize_lora_b(model)
+    model.gradient_checkpointing = ckpt
+    model.train()
+    return model, [p for _, p in lora_parameters(model)]
+
+
+def _packed(vocab, B=2, T=128, seed=0):
+    """Rows of exactly T tokens holding several documents each, like data.pack makes."""
+    g = torch.Generator().manual_seed(seed)
+    docs = [[(int(torch.randint(5, 40, (1,), generator=g)),) for _ in range(6)] for _ in range(B)]
+    encoded = [(torch.randint(3, vocab, (n,), generator=g).tolist(), [True] * n)
+               for row in docs for (n,) in row]
+    rows, _ = data.pack(encoded, T, pad_id=0)
+    return {k: v[:B] for k, v in rows.items()}
+
+
+def _padded(vocab, lengths, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    encoded = [(torch.randint(3, vocab, (n,), generator=g).tolist(), [i % 3 != 0 for i in range(n)])
+               for n in lengths]
+    return data.pad_batch(encoded, pad_id=0)
+
+
+def _grads(params):
+    return [p.grad.detach().clone() for p in params]
+
+
+def _zero(params):
+    for p in params:
+        if p.grad is not None:
+            p.grad.zero_()
+
+
+def _run(run_step, params, batch, loss_mult=1.0):
+    _zero(params)
+    loss = run_step(batch, data.num_targets(batch), loss_mult)
+    return float(loss), _grads(params)
+
+
+def test_bucket_padding_keeps_loss_and_gradients(run_model):
+    """Padding a batch to its length bucket adds tokens that nothing attends to and nothing predicts."""
+    model, params = _model(run_model, "cpu")
+    batch = _padded(model.config.vocab_size, [37, 50, 21])
+    padded = step.pad_to_bucket(batch, max_len=2048)
+    assert padded["input_ids"].shape == (3, step.BUCKET)
+    eager = step.EagerStep(model, torch.device("cpu"))
+    loss, grads = _run(eager, params, batch)
+    loss_p, grads_p = _run(eager, params, padded)
+    assert data.num_targets(padded) == data.num_targets(batch)
+    assert abs(loss - loss_p) < 1e-6
+    for g, gp in zip(grads, grads_p):
+        assert rel_err(gp, g) < 1e-5
+
+
+def test_bucket_never_exceeds_max_len():
+    batch = data.pad_batch([([5] * 70, [True] * 70)], pad_id=0)
+    assert step.pad_to_bucket(batch, max_len=100)["input_ids"].shape[1] == 100
+    assert step.pad_to_bucket(batch, max_len=70)["input_ids"].shape[1] == 70
+
+
+def test_eager_step_accumulates_into_grads(run_model):
+    """Two micro-steps add their gradients, as the optimizer step's grad accumulation needs."""
+    model, params = _model(run_model, "cpu")
+    batch = _packed(model.config.vocab_size)
+    eager = step.EagerStep(model, torch.device("cpu"))
+    _, once = _run(eager, params, batch)
+    eager(batch, data.num_targets(batch), 1.0)
+    for g, p in zip(once, params):
+        assert rel_err(p.grad, 2 * g) < 1e-6
+
+
+TOL = {torch.float32: 1e-5, torch.bfloat16: 3e-2, torch.float16: 1e-2}
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("layout", ["packed", "padded"])
+@pytest.mark.parametrize("ckpt", [False, True], ids=["ckpt_off", "ckpt_on"])
+def test_graph_step_matches_eager(run_model, dtype, layout, ckpt):
+    """A replayed step gives the eager step's loss, gradients and AdamW update."""
+    dev = torch.device("cuda")
+    model, params = _model(run_model, dev, dtype=dtype, ckpt=ckpt, kernels=True)
+    V = model.config.vocab_size
+    batch = _packed(V) if layout == "packed" else _padded(V, [37, 50, 21])
+    if layout == "padded" and dtype != torch.float32:
+        batch = step.pad_to_bucket(batch, 2048)  # the same shape in both: the same kernels, so the same rounding
+    mult = 1024.0 if dtype == torch.float16 else 1.0
+    eager = step.EagerStep(model, dev)
+    graph = step.GraphStep(model, dev, params, max_len=2048)
+    loss_e, grads_e = _run(eager, params, batch, mult)
+    loss_g, grads_g = _run(graph, params, batch, mult)
+    loss_r, grads_r = _run(graph, params, batch, mult)  # a replay of the captured graph
+    tol = TOL[dtype]
+    assert abs(loss_g - loss_e) <= tol * abs(loss_e) and loss_r == loss_g
+    for ge, gg, gr in zip(grads_e, grads_g, grads_r):
+        assert rel_err(gg, ge) < tol and torch.equal(gg, gr)
+    # the optimizer update from the replayed gradients equals the eager one
+    start = [p.detach().clone() for p in params]
+    for grads in (grads_e, grads_r):
+        with torch.no_grad():
+            for p, s, g in zip(params, start, grads):
+                p.copy_(s)
+                p.grad.copy_(g)
+        opt = torch.optim.AdamW(params, lr=1e-3, fused=True)
+        opt.step()
+        if grads is grads_e:
+            updated_e = [p.detach().clone() for p in params]
+    for p, u in zip(params, updated_e):
+        assert rel_err(p, u) < tol
+
+
+@pytest.mark.gpu
+@gpu
+def test_graph_step_across_bucket_changes(run_model):
+    """Batches of other lengths capture one graph per bucket; going back replays the first graph."""
+    dev = torch.device("cuda")
+    model, params = _model(run_model, dev, kernels=True)
+    V = model.config.vocab_size
+    eager = step.EagerStep(model, dev)
+    graph = step.GraphStep(model, dev, params, max_len=2048)
+    for lengths in ([37, 50], [100, 90], [20, 60], [130, 5]):
+        batch = _padded(V, lengths, seed=len(graph.graphs))
+        loss_e, grads_e = _run(eager, params, batch)
+        loss_g, grads_g = _run(graph, params, batch)
+        assert abs(loss_g - loss_e) < 1e-5 * abs(loss_e)
+        for ge, gg in zip(grads_e, grads_g):
+            assert rel_err(gg, ge) < 1e-5
+    assert sorted(graph.graphs) == [(2, 64), (2, 128), (2, 192)]
+
+
+@pytest.mark.gpu
+@gpu
+def test_graph_step_dropout_draws_new_masks(run_model):
+    """With LoRA dropout, every replay draws new masks (never the captured ones again)."""
+    dev = torch.device("cuda")
+    model, params = _model(run_model, dev, dropout=0.3, kernels=True)
+    batch = _packed(model.config.vocab_size)
+    graph = step.GraphStep(model, dev, params, max_len=2048)
+    losses = [_run(graph, params, batch)[0] for _ in range(3)]
+    assert len(set(losses)) == 3 and all(torch.isfinite(torch.tensor(losses)))
+    model.eval()  # dropout off: the eager loss without dropout is near the dropout losses
+    no_drop, _ = _run(step.EagerStep(model, dev), params, batch)
+    assert all(abs(l - no_drop) < 0.2 * no_drop for l in losses)
