@@ -1,18 +1,14 @@
-"""Triton kernels for nanotune, one file per kernel. Each file holds the @triton.jit
-kernel, its launcher, a torch.autograd.Function, the public function, and a pure-torch
-`*_reference` that the tests compare against and the model uses when kernels are off."""
-from kernels.cross_entropy import cross_entropy, cross_entropy_reference
-from kernels.fused_linear_cross_entropy import fused_linear_cross_entropy, fused_linear_cross_entropy_reference
-from kernels.geglu import geglu, geglu_backward, geglu_forward, geglu_reference
-from kernels.rms_norm import rms_norm, rms_norm_reference
-from kernels.rope import apply_rope, rope_cos_sin, rope_reference
-from kernels.swiglu import swiglu, swiglu_backward, swiglu_forward, swiglu_reference
+"""Triton kernels for nanotune, one file per kernel: its math in the docstring, the @triton.jit
+kernel, the launcher, the torch.autograd.Function and the public function. Import them from
+their modules (`from kernels.rms_norm import rms_norm`).
 
-__all__ = [
-    "cross_entropy", "cross_entropy_reference",
-    "fused_linear_cross_entropy", "fused_linear_cross_entropy_reference",
-    "geglu", "geglu_forward", "geglu_backward", "geglu_reference",
-    "rms_norm", "rms_norm_reference",
-    "apply_rope", "rope_cos_sin", "rope_reference",
-    "swiglu", "swiglu_forward", "swiglu_backward", "swiglu_reference",
-]
+    cross_entropy.py               cross-entropy over a large vocabulary, soft-capping, scaling
+    fused_linear_cross_entropy.py  lm_head matmul + cross-entropy without the [N, V] logits
+    rms_norm.py                    RMSNorm, Llama and Gemma rounding
+    rope.py                        rotary position embedding of q and k
+    swiglu.py, geglu.py            the gated MLP activations
+    glu.py                         the launchers SwiGLU and GeGLU share
+    tanh.py                        tanh for kernels (softcapping, tanh-approximate gelu)
+    references.py                  the pure-torch reference of every kernel (torch only, no Triton):
+                                   what the tests compare against and the model runs with kernels off
+"""

@@ -19,8 +19,8 @@ lanes are combined once, after the last chunk:
     M   = max_l m_l,      lse = M + log sum_l d_l * exp(m_l - M)
 
 Per-lane state keeps cross-warp reductions out of the loop, so the loads of one chunk do
-not wait on the reductions of the one before (measured 13-25% faster than reducing per
-chunk, docs/perf-notes.md).
+not wait on the reductions of the one before (the comparison with reducing per chunk is in
+docs/perf-notes.md).
 
 Gradient:
 
@@ -42,20 +42,18 @@ same launch (COMPUTE_GRAD), written over the logits it has just read.
 "mean" divides by num_targets: a caller-given count (the tokens of a whole optimizer
 step) or, by default, the non-ignored targets of this call, counted on the device.
 Either is clamped to at least 1, so a call without targets gives loss 0, not NaN.
-"""
-from dataclasses import dataclass
 
+Reference: kernels.references.cross_entropy_reference.
+"""
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from kernels.references import LossOptions, check_loss_args, reduce_losses
 from kernels.tanh import tanh
 
-LOGITS_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-REDUCTIONS = ("mean", "sum", "none")
-# Logits per chunk, measured on an H100 (docs/perf-notes.md): the forward keeps two fp32
-# values per lane (m, d), the backward none.
+# Logits per chunk (the block-size sweep is in docs/perf-notes.md): the forward keeps two fp32
+# values per lane (m, d), so its chunks are smaller than the backward's, which keeps none.
 FORWARD_MAX_BLOCK = 8192
 BACKWARD_MAX_BLOCK = 32768
 
@@ -221,43 +219,6 @@ def cross_entropy_backward(logits, targets, lse, g, *, ignore_index, softcap, sc
     return dlogits
 
 
-@dataclass(frozen=True)
-class LossOptions:
-    """The numerics shared by cross_entropy and fused_linear_cross_entropy."""
-    ignore_index: int
-    softcap: float | None
-    scale: float | None
-    reduction: str
-
-
-def check_loss_args(logits_or_hidden, targets, opts: LossOptions, name: str):
-    if opts.reduction not in REDUCTIONS:
-        raise ValueError(f"reduction={opts.reduction!r}; expected one of {REDUCTIONS}")
-    if opts.softcap is not None and not opts.softcap > 0:
-        raise ValueError(f"softcap={opts.softcap}; expected a positive number, or None for no cap")
-    if logits_or_hidden.dim() != 2 or targets.dim() != 1 or targets.shape[0] != logits_or_hidden.shape[0]:
-        raise ValueError(f"{name} must be [N, *] and targets [N]; got {tuple(logits_or_hidden.shape)} and "
-                         f"{tuple(targets.shape)}. Flatten batch and time first: x.reshape(-1, x.shape[-1]).")
-    assert logits_or_hidden.dtype in LOGITS_DTYPES, f"{name} must be fp32/bf16/fp16, got {logits_or_hidden.dtype}"
-    assert targets.dtype == torch.int64, f"targets must be int64, got {targets.dtype}"
-
-
-def mean_denominator(targets, num_targets, ignore_index):
-    """max(num_targets, 1), a python float or an fp32 0-dim device tensor: never a host sync."""
-    if num_targets is None:
-        num_targets = (targets != ignore_index).sum()
-    if isinstance(num_targets, torch.Tensor):
-        return num_targets.to(device=targets.device, dtype=torch.float32).clamp(min=1.0)
-    return float(max(num_targets, 1))
-
-
-def reduce_losses(losses, denominator, reduction):
-    if reduction == "none":
-        return losses
-    total = losses.sum()
-    return total / denominator if reduction == "mean" else total
-
-
 def grad_scale(grad_loss, denominator, reduction):
     """The fp32 factor that turns unreduced per-row gradients into d(total loss)."""
     if reduction == "none":
@@ -271,8 +232,7 @@ class _CrossEntropy(torch.autograd.Function):
     def forward(ctx, logits, targets, num_targets, opts: LossOptions):
         losses, lse = cross_entropy_forward(logits, targets, ignore_index=opts.ignore_index, softcap=opts.softcap,
                                             scale=opts.scale)
-        denominator = mean_denominator(targets, num_targets, opts.ignore_index) if opts.reduction == "mean" else 1.0
-        loss = reduce_losses(losses, denominator, opts.reduction)
+        loss, denominator = reduce_losses(losses, targets, num_targets, opts)
         assert loss.dtype == torch.float32, f"loss must be float32, got {loss.dtype}"
         ctx.save_for_backward(logits, targets, lse)
         ctx.denominator, ctx.opts = denominator, opts
@@ -301,20 +261,4 @@ def cross_entropy(logits, targets, *, ignore_index=-100, softcap=None, scale=Non
         return _CrossEntropy.apply(logits, targets, num_targets, opts)
     # no graph will be built (needs_input_grad does not see no_grad()): save nothing for backward
     losses, _ = cross_entropy_forward(logits, targets, ignore_index=ignore_index, softcap=softcap, scale=scale)
-    denominator = mean_denominator(targets, num_targets, ignore_index) if reduction == "mean" else 1.0
-    return reduce_losses(losses, denominator, reduction)
-
-
-def cross_entropy_reference(logits, targets, *, ignore_index=-100, softcap=None, scale=None, reduction="mean",
-                            num_targets=None):
-    """Pure torch, fp32 math: the definition the kernel is tested against."""
-    opts = LossOptions(ignore_index, softcap, scale, reduction)
-    check_loss_args(logits, targets, opts, "logits")
-    z = logits.float()
-    if scale is not None:
-        z = z * scale
-    if softcap is not None:
-        z = softcap * torch.tanh(z / softcap)
-    losses = F.cross_entropy(z, targets, ignore_index=ignore_index, reduction="none")  # (N,)
-    denominator = mean_denominator(targets, num_targets, ignore_index) if reduction == "mean" else 1.0
-    return reduce_losses(losses, denominator, reduction)
+    return reduce_losses(losses, targets, num_targets, opts)[0]

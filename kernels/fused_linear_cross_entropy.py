@@ -27,12 +27,14 @@ scale arrives. Its products over tokens can then exceed fp16's range: dH = G @ W
 Memory beyond the inputs: one chunk of logits, dH in fp32 (N*H*4 bytes) and, only when
 W is trainable, dW in fp32 (V*H*4 bytes), with chunks of up to 1 GiB of logits. With a
 frozen lm_head (LoRA) only the first two.
+
+Reference: kernels.references.fused_linear_cross_entropy_reference.
 """
 import torch
 import torch.nn.functional as F
 
-from kernels.cross_entropy import (LossOptions, check_loss_args, cross_entropy_forward, cross_entropy_reference,
-                                   grad_scale, mean_denominator, reduce_losses)
+from kernels.cross_entropy import cross_entropy_forward, grad_scale
+from kernels.references import LossOptions, check_linear_loss_args, reduce_losses
 
 MAX_CHUNK_BYTES = 256 * 2**20  # the chunk logits: 512 tokens at V=256k in bf16, small next to the model
 # With a trainable W, every chunk adds a [V, H] product into dW (fp32, V*H*4 bytes: 2.2 GiB at
@@ -97,8 +99,7 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
                              "weight or bias (a per-row grad_output would have to enter the sum over rows). "
                              "Freeze them (requires_grad_(False)) or use reduction='sum'/'mean'.")
         losses, dh, dw, db = _forward_chunks(hidden, weight, bias, targets, opts, need_dh, need_dw, need_db)
-        denominator = mean_denominator(targets, num_targets, opts.ignore_index) if opts.reduction == "mean" else 1.0
-        loss = reduce_losses(losses, denominator, opts.reduction)
+        loss, denominator = reduce_losses(losses, targets, num_targets, opts)
         assert loss.dtype == torch.float32, f"loss must be float32, got {loss.dtype}"
         ctx.save_for_backward(dh, dw, db)
         ctx.denominator, ctx.reduction = denominator, opts.reduction
@@ -120,16 +121,6 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
         return dh, dw, db, None, None, None
 
 
-def _check(hidden, weight, bias, targets, opts):
-    check_loss_args(hidden, targets, opts, "hidden")
-    if weight.dim() != 2 or weight.shape[1] != hidden.shape[1]:
-        raise ValueError(f"weight must be [V, H] with H = hidden.shape[1] = {hidden.shape[1]}; got {tuple(weight.shape)}")
-    assert weight.dtype == hidden.dtype, f"weight must have hidden's dtype {hidden.dtype}, got {weight.dtype}"
-    if bias is not None:
-        assert bias.shape == (weight.shape[0],), f"bias must be [V], got {tuple(bias.shape)}"
-        assert bias.dtype == hidden.dtype, f"bias must have hidden's dtype {hidden.dtype}, got {bias.dtype}"
-
-
 def fused_linear_cross_entropy(hidden, weight, targets, *, bias=None, ignore_index=-100, softcap=None, scale=None,
                                reduction="mean", num_targets=None):
     """cross_entropy(hidden @ weight.T + bias, targets, ...) without materializing the logits.
@@ -137,21 +128,10 @@ def fused_linear_cross_entropy(hidden, weight, targets, *, bias=None, ignore_ind
     hidden [N, H], weight [V, H] and bias [V] share one dtype (fp32/bf16/fp16); targets [N] int64.
     Returns an fp32 loss, as cross_entropy does (see kernels/cross_entropy.py)."""
     opts = LossOptions(ignore_index, softcap, scale, reduction)
-    _check(hidden, weight, bias, targets, opts)
+    check_linear_loss_args(hidden, weight, bias, targets, opts)
     params = (hidden, weight) if bias is None else (hidden, weight, bias)
     if torch.is_grad_enabled() and any(t.requires_grad for t in params):
         return _FusedLinearCrossEntropy.apply(hidden, weight, bias, targets, num_targets, opts)
     # no graph will be built (needs_input_grad does not see no_grad()): skip every gradient
     losses, *_ = _forward_chunks(hidden, weight, bias, targets, opts, False, False, False)
-    denominator = mean_denominator(targets, num_targets, ignore_index) if reduction == "mean" else 1.0
-    return reduce_losses(losses, denominator, reduction)
-
-
-def fused_linear_cross_entropy_reference(hidden, weight, targets, *, bias=None, ignore_index=-100, softcap=None,
-                                         scale=None, reduction="mean", num_targets=None):
-    """Pure torch: full logits in the compute dtype, then the fp32 cross-entropy reference."""
-    opts = LossOptions(ignore_index, softcap, scale, reduction)
-    _check(hidden, weight, bias, targets, opts)
-    logits = F.linear(hidden, weight, bias)  # (N, V)
-    return cross_entropy_reference(logits, targets, ignore_index=ignore_index, softcap=softcap, scale=scale,
-                                   reduction=reduction, num_targets=num_targets)
+    return reduce_losses(losses, targets, num_targets, opts)[0]

@@ -15,20 +15,17 @@ then
 tanh(x) is computed from exp(-2|x|) (libdevice.tanh does not run in the
 interpreter). All math in fp32; one rounding at the store, whereas HF rounds gelu(g)
 and the product separately (about one ulp apart). `geglu_forward` / `geglu_backward`
-are the plain functions for fused callers; see kernels/swiglu.py for `inplace`.
+are the plain functions for fused callers; the launchers and `inplace` are kernels/glu.py's.
+
+Reference: kernels.references.geglu_reference.
 """
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from kernels.swiglu import glu_grad_buffers
+from kernels.glu import glu_backward, glu_forward
+from kernels.references import check_glu_args
 from kernels.tanh import tanh
-
-DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-APPROXIMATIONS = ("tanh", "none")
-BLOCK = 1024
-NUM_WARPS = 4
 
 
 @triton.jit
@@ -70,40 +67,18 @@ def _geglu_backward_kernel(dh_ptr, gate_ptr, up_ptr, dgate_ptr, dup_ptr, n,
     tl.store(dup_ptr + offs, (dh * gelu).to(dup_ptr.dtype.element_ty), mask=mask)
 
 
-def _check(approximate, *tensors):
-    if approximate not in APPROXIMATIONS:
-        raise ValueError(f"geglu: approximate={approximate!r}; expected one of {APPROXIMATIONS}")
-    shape, dtype = tensors[0].shape, tensors[0].dtype
-    assert dtype in DTYPES, f"geglu: inputs must be fp32/bf16/fp16, got {dtype}"
-    for t in tensors[1:]:
-        if t.shape != shape or t.dtype != dtype:
-            raise ValueError(f"geglu: gate, up (and dh) must share shape and dtype; got {tuple(shape)} {dtype} "
-                             f"and {tuple(t.shape)} {t.dtype}")
-
-
 def geglu_forward(gate, up, approximate="tanh"):
     """h = gelu(gate) * up, a new contiguous tensor of gate's shape and dtype."""
-    _check(approximate, gate, up)
-    gate, up = gate.contiguous(), up.contiguous()
-    h = torch.empty_like(gate)
-    n = h.numel()
-    if n > 0:
-        _geglu_forward_kernel[(triton.cdiv(n, BLOCK),)](gate, up, h, n, APPROX_TANH=approximate == "tanh",
-                                                         BLOCK=BLOCK, num_warps=NUM_WARPS)
-    return h
+    check_glu_args("geglu", gate, up, approximate=approximate)
+    return glu_forward(_geglu_forward_kernel, gate, up, APPROX_TANH=approximate == "tanh")
 
 
 def geglu_backward(dh, gate, up, approximate="tanh", inplace=False):
     """(dgate, dup). inplace=True writes them into gate and up (which must be contiguous) and
     returns those tensors; use it only when the caller owns gate and up and is done with them."""
-    _check(approximate, dh, gate, up)
-    dh, gate, up, dgate, dup = glu_grad_buffers(dh, gate, up, inplace, "geglu_backward")
-    n = dh.numel()
-    if n > 0:
-        _geglu_backward_kernel[(triton.cdiv(n, BLOCK),)](dh, gate, up, dgate, dup, n,
-                                                          APPROX_TANH=approximate == "tanh", BLOCK=BLOCK,
-                                                          num_warps=NUM_WARPS)
-    return dgate, dup
+    check_glu_args("geglu", dh, gate, up, approximate=approximate)
+    return glu_backward(_geglu_backward_kernel, dh, gate, up, inplace, "geglu_backward",
+                        APPROX_TANH=approximate == "tanh")
 
 
 class _GeGLU(torch.autograd.Function):
@@ -125,11 +100,5 @@ class _GeGLU(torch.autograd.Function):
 
 def geglu(gate, up, approximate="tanh"):
     """gelu(gate) * up for gate, up of one shape and dtype; approximate in {"tanh", "none"}."""
-    _check(approximate, gate, up)
+    check_glu_args("geglu", gate, up, approximate=approximate)
     return _GeGLU.apply(gate, up, approximate)
-
-
-def geglu_reference(gate, up, approximate="tanh"):
-    """Pure torch, as HF GemmaMLP (in the inputs' dtype)."""
-    _check(approximate, gate, up)
-    return F.gelu(gate, approximate=approximate) * up

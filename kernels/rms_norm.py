@@ -20,13 +20,14 @@ autograd sees it) and g = dy * (offset + w):
 
 dw is accumulated in fp32: each program sums its rows into one partial row, and the
 partials are summed in torch and cast to w's dtype. A frozen w (LoRA) skips dw.
+
+Reference: kernels.references.rms_norm_reference.
 """
 import torch
 import triton
 import triton.language as tl
 
-DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-CASTS = ("llama", "gemma")
+from kernels.references import DTYPES, check_rms_norm_args
 
 
 @triton.jit
@@ -170,25 +171,7 @@ class _RMSNorm(torch.autograd.Function):
         return dx, dw, None, None, None
 
 
-def _check(x, weight, cast):
-    if cast not in CASTS:
-        raise ValueError(f"cast={cast!r}; expected one of {CASTS} (HF LlamaRMSNorm or GemmaRMSNorm rounding)")
-    if weight.shape != (x.shape[-1],):
-        raise ValueError(f"weight must be [{x.shape[-1]}] (x's last dim), got {tuple(weight.shape)}")
-
-
 def rms_norm(x, weight, eps=1e-6, offset=0.0, cast="llama"):
     """RMSNorm of x [..., H] with weight [H]; see the module docstring for offset and cast."""
-    _check(x, weight, cast)
+    check_rms_norm_args(x, weight, cast)
     return _RMSNorm.apply(x, weight, eps, offset, cast)
-
-
-def rms_norm_reference(x, weight, eps=1e-6, offset=0.0, cast="llama"):
-    """Pure torch, operation for operation as HF LlamaRMSNorm / GemmaRMSNorm."""
-    _check(x, weight, cast)
-    xf = x.float()
-    xhat = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    if cast == "gemma":
-        return (xhat * (offset + weight.float())).type_as(x)
-    w = weight if offset == 0.0 else offset + weight
-    return w * xhat.to(x.dtype)

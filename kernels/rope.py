@@ -17,12 +17,14 @@ R is linear with R^T = -R, so
 which is the forward map with (s1, s2) replaced by (-s2, -s1): the same kernel with
 BACKWARD=True. cos and sin are per-token tables [B, T, D] (batch may broadcast), so any
 position ids work, packed rows restarting at 0 included. They get no gradient.
+
+Reference: kernels.references.rope_reference.
 """
 import torch
 import triton
 import triton.language as tl
 
-DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+from kernels.references import DTYPES, check_rope_args
 
 
 @triton.jit
@@ -68,8 +70,8 @@ def _rope_kernel(
 def launch_config(Hq: int, Hk: int, D: int) -> tuple[int, int, int, int]:
     """(BLOCK_HQ, BLOCK_HK, BLOCK_HALF, num_warps): every head of a token in one program."""
     block_hq, block_hk, block_half = triton.next_power_of_2(Hq), triton.next_power_of_2(Hk), triton.next_power_of_2(D // 2)
-    # 512 elements of q per warp: 2 warps at TinyLlama's and Gemma 2's shapes, 11-12% faster there than 4
-    # (H100 sweep, docs/perf-notes.md)
+    # 512 elements of q per warp: 2 warps at TinyLlama's and Gemma 2's shapes (the warp sweep is in
+    # docs/perf-notes.md)
     num_warps = max(1, min(8, block_hq * block_half // 512))
     return block_hq, block_hk, block_half, num_warps
 
@@ -110,41 +112,7 @@ class _RoPE(torch.autograd.Function):
         return dq, dk, None, None
 
 
-def _check(q, k, cos, sin):
-    if q.dim() != 4 or k.dim() != 4 or q.shape[:2] != k.shape[:2] or q.shape[-1] != k.shape[-1]:
-        raise ValueError(f"q and k must be [B, T, H, D] with the same B, T, D; got {tuple(q.shape)}, {tuple(k.shape)}")
-    B, T, _, D = q.shape
-    if D % 2:
-        raise ValueError(f"head_dim must be even for rotate-half RoPE, got {D}")
-    for name, t in (("cos", cos), ("sin", sin)):
-        if t.dim() != 3 or t.shape[1:] != (T, D) or t.shape[0] not in (1, B):
-            raise ValueError(f"{name} must be [B or 1, T, D] = [{B}, {T}, {D}], got {tuple(t.shape)}")
-
-
 def apply_rope(q, k, cos, sin):
     """Rotate q [B, T, Hq, D] and k [B, T, Hk, D] by cos, sin [B, T, D] (HF layout)."""
-    _check(q, k, cos, sin)
+    check_rope_args(q, k, cos, sin)
     return _RoPE.apply(q, k, cos, sin)
-
-
-def rotate_half(x):
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
-def rope_reference(q, k, cos, sin):
-    """Pure torch, as HF: cos and sin cast to the input's dtype (HF's rotary module does it),
-    then x * cos + rotate_half(x) * sin."""
-    _check(q, k, cos, sin)
-    cos, sin = cos[:, :, None, :], sin[:, :, None, :]  # (B, T, 1, D): broadcast over heads
-    q_out = q * cos.to(q.dtype) + rotate_half(q) * sin.to(q.dtype)
-    k_out = k * cos.to(k.dtype) + rotate_half(k) * sin.to(k.dtype)
-    return q_out, k_out
-
-
-def rope_cos_sin(position_ids, inv_freq, attention_scaling=1.0, dtype=torch.float32):
-    """cos, sin [B, T, D] for position_ids [B, T] and inv_freq [D/2], computed in fp32 (HF layout:
-    the D/2 frequencies repeated twice), then scaled and cast to dtype."""
-    freqs = position_ids[:, :, None].float() * inv_freq.float()[None, None, :]  # (B, T, D/2)
-    emb = torch.cat((freqs, freqs), dim=-1)  # (B, T, D)
-    return (emb.cos() * attention_scaling).to(dtype), (emb.sin() * attention_scaling).to(dtype)

@@ -5,7 +5,7 @@
 libdevice.tanh does not run in Triton's interpreter (the CPU tests). exp(-2|x|) <= 1 never
 overflows, where 2 * sigmoid(2x) - 1 does, harmlessly but noisily, for |x| > 44.
 The division is the approximate one (2 ulp: one reciprocal and a multiply): the IEEE
-division's extra instructions made the soft-capped cross-entropy compute-bound.
+division's extra instructions make the soft-capped cross-entropy compute-bound.
 Reference: torch.tanh.
 """
 import triton

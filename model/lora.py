@@ -75,8 +75,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from kernels.geglu import geglu_backward, geglu_forward, geglu_reference
-from kernels.swiglu import swiglu_backward, swiglu_forward, swiglu_reference
+from kernels.geglu import geglu_backward, geglu_forward
+from kernels.references import geglu_reference, swiglu_reference
+from kernels.swiglu import swiglu_backward, swiglu_forward
 
 ALL_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 COMPUTE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)  # float64: gradcheck only

@@ -25,12 +25,13 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 from torch.utils.checkpoint import checkpoint
 
-from kernels.cross_entropy import cross_entropy_reference
-from kernels.fused_linear_cross_entropy import fused_linear_cross_entropy, fused_linear_cross_entropy_reference
-from kernels.geglu import geglu, geglu_reference
-from kernels.rms_norm import rms_norm, rms_norm_reference
-from kernels.rope import apply_rope, rope_reference
-from kernels.swiglu import swiglu, swiglu_reference
+from kernels.fused_linear_cross_entropy import fused_linear_cross_entropy
+from kernels.geglu import geglu
+from kernels.references import (fused_linear_cross_entropy_reference, geglu_reference, rms_norm_reference,
+                                rope_reference, swiglu_reference)
+from kernels.rms_norm import rms_norm
+from kernels.rope import apply_rope
+from kernels.swiglu import swiglu
 from model.config import ModelConfig
 from model.lora import LoRAConfig, fusable, lora_mlp, lora_projections, make_glu, make_linear
 

@@ -1,20 +1,26 @@
 """Every kernel against its pure-torch reference: outputs, and input/weight gradients from
 one random upstream gradient pushed through both. On CPU the kernels run in Triton's
 interpreter (tests/conftest.py); `pytest -m gpu` repeats the checks at realistic sizes."""
-import importlib
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import (apply_rope, cross_entropy, cross_entropy_reference, fused_linear_cross_entropy,
-                     fused_linear_cross_entropy_reference, geglu, geglu_backward, geglu_forward, geglu_reference,
-                     rms_norm, rms_norm_reference, rope_cos_sin, rope_reference, swiglu, swiglu_backward,
-                     swiglu_forward, swiglu_reference)
+import kernels.fused_linear_cross_entropy as flce_module
+from kernels.cross_entropy import cross_entropy
+from kernels.fused_linear_cross_entropy import fused_linear_cross_entropy
+from kernels.geglu import geglu, geglu_backward, geglu_forward
+from kernels.references import (cross_entropy_reference, fused_linear_cross_entropy_reference, geglu_reference,
+                                rms_norm_reference, rope_reference, swiglu_reference)
+from kernels.rms_norm import rms_norm
+from kernels.rope import apply_rope
+from kernels.swiglu import swiglu, swiglu_backward, swiglu_forward
+from model.transformer import rope_cos_sin
 from tests.helpers import assert_close
-
-# kernels/__init__.py re-exports the function of the same name, which hides the module attribute
-flce_module = importlib.import_module("kernels.fused_linear_cross_entropy")
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -354,7 +360,8 @@ def check_rope(device, dtype, B, T, Hq, Hk, D, cs_dtype=torch.float32, packed=Fa
     else:
         position_ids = torch.randint(0, 4096, (B, T), device=device)
     inv_freq = 1.0 / 10000 ** (torch.arange(0, D, 2, device=device).float() / D)
-    cos, sin = rope_cos_sin(position_ids, inv_freq, attention_scaling=1.1, dtype=cs_dtype)
+    cos, sin = rope_cos_sin(position_ids, inv_freq, torch.float32)
+    cos, sin = (cos * 1.1).to(cs_dtype), (sin * 1.1).to(cs_dtype)  # an attention scaling, as HF's rotary applies
     if random_tables:  # halves that differ: the kernel must pair each half of x with its own half of cos/sin
         cos, sin = torch.randn_like(cos), torch.randn_like(sin)
     if transposed:  # [B, H, T, D] storage seen as [B, T, H, D]
@@ -448,6 +455,51 @@ def test_activation_low_level_inplace(act):
     assert dgate.data_ptr() == gate.data_ptr() and dup.data_ptr() == up.data_ptr()
     close(dgate, g_ref.grad, torch.float32, "dgate")
     close(dup, u_ref.grad, torch.float32, "dup")
+
+
+# ----------------------------------------------------------------------------- no Triton needed
+
+# Prepended to the code of a fresh interpreter: `import triton` fails there, as on a machine
+# without Triton (macOS, CPU-only installs).
+HIDE_TRITON = """
+import importlib.abc, sys
+class HideTriton(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name == "triton" or name.startswith("triton."):
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+        return None
+sys.meta_path.insert(0, HideTriton())
+"""
+
+
+def run_without_triton(code):
+    """Run `code` in a new interpreter at the repository root in which Triton cannot be imported."""
+    proc = subprocess.run([sys.executable, "-c", HIDE_TRITON + textwrap.dedent(code)], capture_output=True,
+                          text=True, timeout=300, cwd=Path(__file__).resolve().parents[1])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+def test_references_need_no_triton():
+    run_without_triton("""
+        import torch
+        try:
+            import kernels.rms_norm
+        except ModuleNotFoundError:
+            pass
+        else:
+            raise SystemExit("the kernel module imported: Triton was not hidden")
+        from kernels.references import (cross_entropy_reference, fused_linear_cross_entropy_reference,
+                                        geglu_reference, rms_norm_reference, rope_reference, swiglu_reference)
+        x, w = torch.randn(2, 3, 8), torch.ones(8)
+        assert rms_norm_reference(x, w).shape == x.shape
+        q, cos = torch.randn(1, 3, 2, 8), torch.randn(1, 3, 8)
+        assert rope_reference(q, q, cos, cos)[0].shape == q.shape
+        assert swiglu_reference(x, x).shape == geglu_reference(x, x).shape == x.shape
+        targets = torch.tensor([1, 2, -100])
+        assert cross_entropy_reference(torch.randn(3, 5), targets).isfinite()
+        assert fused_linear_cross_entropy_reference(torch.randn(3, 8), torch.randn(5, 8), targets).isfinite()
+        assert not any(m == "triton" or m.startswith("triton.") for m in sys.modules), "triton was imported"
+    """)
 
 
 # ----------------------------------------------------------------------------- GPU, realistic sizes

@@ -52,8 +52,12 @@ def flag_id(d):
 
 def kernel_cases():
     """The launch configurations of the largest realistic shapes, from the launchers themselves."""
-    ce, rn, rp, sw, gg = (importlib.import_module(f"kernels.{name}")
-                          for name in ("cross_entropy", "rms_norm", "rope", "swiglu", "geglu"))
+    import kernels.cross_entropy as ce
+    import kernels.geglu as gg
+    import kernels.glu as glu
+    import kernels.rms_norm as rn
+    import kernels.rope as rp
+    import kernels.swiglu as sw
     specs = []  # (module, kernel, signature(dtype), base constexprs, flag combos, num_warps)
 
     block, warps = ce.launch_config(262144, ce.FORWARD_MAX_BLOCK)
@@ -88,10 +92,10 @@ def kernel_cases():
     for mod, name, approx in ((sw, "swiglu", []), (gg, "geglu", flags("APPROX_TANH"))):
         specs.append((mod.__name__, f"_{name}_forward_kernel", lambda t: {
             "gate_ptr": f"*{t}", "up_ptr": f"*{t}", "h_ptr": f"*{t}", "n": "i32"},
-            {"BLOCK": mod.BLOCK}, approx or [{}], mod.NUM_WARPS))
+            {"BLOCK": glu.BLOCK}, approx or [{}], glu.NUM_WARPS))
         specs.append((mod.__name__, f"_{name}_backward_kernel", lambda t: {
             "dh_ptr": f"*{t}", "gate_ptr": f"*{t}", "up_ptr": f"*{t}", "dgate_ptr": f"*{t}", "dup_ptr": f"*{t}",
-            "n": "i32"}, {"BLOCK": mod.BLOCK}, approx or [{}], mod.NUM_WARPS))
+            "n": "i32"}, {"BLOCK": glu.BLOCK}, approx or [{}], glu.NUM_WARPS))
 
     cases = []
     for module, kernel, signature, base, combos, warps in specs:

@@ -1,10 +1,10 @@
 """Benchmark one LoRA MLP block, forward + backward: nanotune's fused Function against its
 unfused path and against PEFT on transformers' LlamaMLP.
 
-    python scripts/bench_lora.py                          # TinyLlama MLP: hidden 2048, inter 5632,
-                                                          # 8192 tokens, bf16, r=16, on the GPU
-    python scripts/bench_lora.py --out bench_lora.json    # also write the results as JSON
-    python scripts/bench_lora.py --device cpu --hidden 64 --inter 96 --tokens 64   # smoke test
+    python scripts/bench/bench_lora.py                        # TinyLlama MLP: hidden 2048, inter 5632,
+                                                              # 8192 tokens, bf16, r=16, on the GPU
+    python scripts/bench/bench_lora.py --out bench_lora.json  # also write the results as JSON
+    python scripts/bench/bench_lora.py --device cpu --hidden 64 --inter 96 --tokens 64   # smoke test
 
 Every case gets the same input x (requires grad, as inside a model) and upstream gradient.
 Time is the median of triton.testing.do_bench on CUDA (wall-clock median on CPU). Peak
@@ -18,19 +18,15 @@ the others still run.
 """
 import argparse
 import json
-import os
-import statistics
 import sys
-import time
+from pathlib import Path
 
 import torch
 
-# Run as `python scripts/bench_lora.py` from the repository root: put the root on the path
-# so that `model` and `kernels` import, as they do for train.py.
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from kernels.swiglu import swiglu, swiglu_reference  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: `kernels`, `model`, `scripts`
+from kernels.references import swiglu_reference  # noqa: E402
 from model.lora import LoRAConfig, LoRALinear, lora_mlp, make_glu  # noqa: E402
+from scripts.bench.harness import median_ms, peak_bytes_above  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -58,7 +54,10 @@ def nanotune_case(args, fused, nf4=False, dropout=0.0):
         glu = make_glu("silu", use_kernels)
         fn = lambda x: lora_mlp(x, projs, glu)  # noqa: E731
     else:
-        act = swiglu if use_kernels else swiglu_reference
+        if use_kernels:
+            from kernels.swiglu import swiglu as act
+        else:
+            act = swiglu_reference
         fn = lambda x: down(act(gate(x), up(x)))  # noqa: E731
     return fn, [p for m in projs for p in (m.lora_A, m.lora_B)]
 
@@ -99,27 +98,12 @@ def measure(args, fn, params):
         fn(x).backward(dy)
 
     to_none = [x] + params
-    if args.device == "cuda":
-        import triton.testing
-        ms = triton.testing.do_bench(step, warmup=args.warmup, rep=args.rep, grad_to_none=to_none,
-                                     return_mode="median")
-        for t in to_none:
-            t.grad = None
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        before = torch.cuda.memory_allocated()
-        step()
-        torch.cuda.synchronize()
-        return ms, (torch.cuda.max_memory_allocated() - before) / 2 ** 20
-    step()  # warmup: first calls pay one-time costs
-    times = []
-    for _ in range(args.cpu_reps):
-        for t in to_none:
-            t.grad = None
-        start = time.perf_counter()
-        step()
-        times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times), None
+    ms = median_ms(step, args.device, grad_to_none=to_none, warmup_ms=args.warmup, rep_ms=args.rep,
+                   cpu_reps=args.cpu_reps)
+    for t in to_none:
+        t.grad = None
+    peak = peak_bytes_above(step, args.device)
+    return ms, None if peak is None else peak / 2 ** 20
 
 
 CASES = {

@@ -7,8 +7,8 @@ step allocates (torch.cuda.max_memory_allocated above what was allocated before)
 Prints a markdown table; --out writes the rows as JSON. A failing case (compile error,
 OOM, ...) is reported in its row and the run goes on.
 
-    python scripts/bench_kernels.py --out bench.json
-    python scripts/bench_kernels.py --only rms_norm rope
+    python scripts/bench/bench_kernels.py --out bench.json
+    python scripts/bench/bench_kernels.py --only rms_norm rope
 """
 import argparse
 import json
@@ -20,12 +20,18 @@ from typing import Callable
 
 import torch
 import triton
-from triton.testing import do_bench
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `import kernels` when run as a script
-from kernels import (apply_rope, cross_entropy, cross_entropy_reference, fused_linear_cross_entropy,  # noqa: E402
-                     fused_linear_cross_entropy_reference, geglu, geglu_reference, rms_norm, rms_norm_reference,
-                     rope_cos_sin, rope_reference, swiglu, swiglu_reference)
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: `kernels`, `model`, `scripts`
+from kernels.cross_entropy import cross_entropy  # noqa: E402
+from kernels.fused_linear_cross_entropy import fused_linear_cross_entropy  # noqa: E402
+from kernels.geglu import geglu  # noqa: E402
+from kernels.references import (cross_entropy_reference, fused_linear_cross_entropy_reference,  # noqa: E402
+                                geglu_reference, rms_norm_reference, rope_reference, swiglu_reference)
+from kernels.rms_norm import rms_norm  # noqa: E402
+from kernels.rope import apply_rope  # noqa: E402
+from kernels.swiglu import swiglu  # noqa: E402
+from model.transformer import rope_cos_sin  # noqa: E402
+from scripts.bench.harness import cuda_kernel_ms, median_ms, peak_bytes_above  # noqa: E402
 
 MiB = 2**20
 BF16 = torch.bfloat16
@@ -76,7 +82,7 @@ def rope_case(name, B, T, Hq, Hk, D):
         q = torch.randn(B, T, Hq, D, device="cuda", dtype=BF16, requires_grad=True)
         k = torch.randn(B, T, Hk, D, device="cuda", dtype=BF16, requires_grad=True)
         inv_freq = 1.0 / 10000 ** (torch.arange(0, D, 2, device="cuda").float() / D)
-        cos, sin = rope_cos_sin(torch.arange(T, device="cuda").expand(B, T), inv_freq, dtype=BF16)
+        cos, sin = rope_cos_sin(torch.arange(T, device="cuda").expand(B, T), inv_freq, BF16)
         return (q, k, cos, sin), [q, k], {}
     return Case("rope", f"{name} q({B},{T},{Hq},{D}) k({Hk})", make, apply_rope, rope_reference)
 
@@ -103,14 +109,6 @@ def cases():
     ]
 
 
-def kernel_ms(step):
-    """The summed CUDA kernel time of one call of step, in ms."""
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        step()
-        torch.cuda.synchronize()
-    return sum(e.self_device_time_total for e in prof.key_averages()) / 1e3
-
-
 def measure(fn, args, leaves, kwargs):
     """(median ms of forward + backward, its GPU kernel ms, peak MiB allocated by one step above
     the inputs)."""
@@ -121,23 +119,18 @@ def measure(fn, args, leaves, kwargs):
     def step():
         torch.autograd.backward(fn(*args, **kwargs), grads)
 
+    def clear():
+        for t in leaves:
+            t.grad = None
+
     del out, outs
-    for t in leaves:
-        t.grad = None
-    ms = do_bench(step, grad_to_none=leaves, return_mode="median")
-    for t in leaves:
-        t.grad = None
-    gpu_ms = kernel_ms(step)
-    for t in leaves:
-        t.grad = None
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    before = torch.cuda.memory_allocated()
-    step()
-    torch.cuda.synchronize()
-    peak = (torch.cuda.max_memory_allocated() - before) / MiB
-    for t in leaves:
-        t.grad = None
+    clear()
+    ms = median_ms(step, "cuda", grad_to_none=leaves)
+    clear()
+    gpu_ms = cuda_kernel_ms(step)
+    clear()
+    peak = peak_bytes_above(step, "cuda") / MiB
+    clear()
     return ms, gpu_ms, peak
 
 
@@ -182,7 +175,7 @@ def main():
     parser.add_argument("--only", nargs="*", help="kernel names to run (default: all)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
-        sys.exit("bench_kernels.py needs a CUDA GPU")
+        sys.exit("error: bench_kernels.py needs a CUDA GPU")
     torch.manual_seed(0)
     rows = []
     for case in cases():

@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# GPU check of data parallelism (issue: multi-GPU): 50 steps of the TinyLlama-shaped random-init
+# GPU check of data parallelism: 50 steps of the TinyLlama-shaped random-init
 # model on 1 GPU and on 2 GPUs with torchrun, bf16, packing on, batch 4 x 2048 tokens per GPU.
 #   one-b4:  1 GPU, batch 4   (throughput baseline: scaling efficiency = tok/s(two) / (2 x tok/s(one-b4)))
 #   one-b8:  1 GPU, batch 8   (the same optimization as 2 GPUs x batch 4: the loss curves must match)
 #   two-b4:  2 GPUs, batch 4 each
-# Usage: bash scripts/gpu_ddp_runs.sh CHECKPOINT_FOLDER OUT_FOLDER
+# Usage: bash scripts/bench/gpu_ddp_runs.sh CHECKPOINT_FOLDER OUT_FOLDER
 set -euo pipefail
 ckpt=$1; out=$2
 export NCCL_NVLS_ENABLE=0  # no NVLink multicast on the lent machines

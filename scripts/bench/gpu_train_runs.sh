@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# GPU check of train.py (issue: the training loop): 50 steps on a random-init model with
+# GPU check of train.py: 50 steps on a random-init model with
 # TinyLlama's real shape (no download is possible on the GPU machine), bf16 and fp16, packing on
 # and off. The tokenizer is the tests' tiny byte-level BPE (vocab 400 <= the model's 32000).
-# Usage: bash scripts/gpu_train_runs.sh CHECKPOINT_FOLDER OUT_FOLDER
+# Usage: bash scripts/bench/gpu_train_runs.sh CHECKPOINT_FOLDER OUT_FOLDER
 set -euo pipefail
 ckpt=$1; out=$2
 python3 -c "import sys; sys.path.insert(0, '.'); from tests.tiny_tokenizer import make_test_tokenizer; make_test_tokenizer('$ckpt')"

@@ -1,0 +1,178 @@
+"""The pure-torch definition of every kernel in kernels/, and the argument checks the kernels share.
+
+Each `*_reference` computes, operation for operation, what the Hugging Face model computes
+(or, for the losses, the fp32 definition); the tests compare every kernel against its
+reference, and the model runs the references when the kernels are off (`--no-kernels`, CPU).
+This module imports torch only, so that those runs need no Triton.
+
+    rms_norm_reference                     kernels/rms_norm.py
+    rope_reference                         kernels/rope.py
+    swiglu_reference, geglu_reference      kernels/swiglu.py, kernels/geglu.py
+    cross_entropy_reference                kernels/cross_entropy.py
+    fused_linear_cross_entropy_reference   kernels/fused_linear_cross_entropy.py
+"""
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # what every kernel takes and returns
+
+
+# ----------------------------------------------------------------------------- RMSNorm
+
+CASTS = ("llama", "gemma")
+
+
+def check_rms_norm_args(x, weight, cast):
+    if cast not in CASTS:
+        raise ValueError(f"cast={cast!r}; expected one of {CASTS} (HF LlamaRMSNorm or GemmaRMSNorm rounding)")
+    if weight.shape != (x.shape[-1],):
+        raise ValueError(f"weight must be [{x.shape[-1]}] (x's last dim), got {tuple(weight.shape)}")
+
+
+def rms_norm_reference(x, weight, eps=1e-6, offset=0.0, cast="llama"):
+    """Pure torch, operation for operation as HF LlamaRMSNorm / GemmaRMSNorm."""
+    check_rms_norm_args(x, weight, cast)
+    xf = x.float()
+    xhat = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    if cast == "gemma":
+        return (xhat * (offset + weight.float())).type_as(x)
+    w = weight if offset == 0.0 else offset + weight
+    return w * xhat.to(x.dtype)
+
+
+# ----------------------------------------------------------------------------- RoPE
+
+def check_rope_args(q, k, cos, sin):
+    if q.dim() != 4 or k.dim() != 4 or q.shape[:2] != k.shape[:2] or q.shape[-1] != k.shape[-1]:
+        raise ValueError(f"q and k must be [B, T, H, D] with the same B, T, D; got {tuple(q.shape)}, {tuple(k.shape)}")
+    B, T, _, D = q.shape
+    if D % 2:
+        raise ValueError(f"head_dim must be even for rotate-half RoPE, got {D}")
+    for name, t in (("cos", cos), ("sin", sin)):
+        if t.dim() != 3 or t.shape[1:] != (T, D) or t.shape[0] not in (1, B):
+            raise ValueError(f"{name} must be [B or 1, T, D] = [{B}, {T}, {D}], got {tuple(t.shape)}")
+
+
+def rotate_half(x):
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def rope_reference(q, k, cos, sin):
+    """Pure torch, as HF: cos and sin cast to the input's dtype (HF's rotary module does it),
+    then x * cos + rotate_half(x) * sin."""
+    check_rope_args(q, k, cos, sin)
+    cos, sin = cos[:, :, None, :], sin[:, :, None, :]  # (B, T, 1, D): broadcast over heads
+    q_out = q * cos.to(q.dtype) + rotate_half(q) * sin.to(q.dtype)
+    k_out = k * cos.to(k.dtype) + rotate_half(k) * sin.to(k.dtype)
+    return q_out, k_out
+
+
+# ----------------------------------------------------------------------------- SwiGLU / GeGLU
+
+GELU_APPROXIMATIONS = ("tanh", "none")
+
+
+def check_glu_args(name, *tensors, approximate=None):
+    """gate, up (and dh) of one shape and dtype; `approximate` is checked for GeGLU only."""
+    if approximate is not None and approximate not in GELU_APPROXIMATIONS:
+        raise ValueError(f"{name}: approximate={approximate!r}; expected one of {GELU_APPROXIMATIONS}")
+    shape, dtype = tensors[0].shape, tensors[0].dtype
+    assert dtype in DTYPES, f"{name}: inputs must be fp32/bf16/fp16, got {dtype}"
+    for t in tensors[1:]:
+        if t.shape != shape or t.dtype != dtype:
+            raise ValueError(f"{name}: gate, up (and dh) must share shape and dtype; got {tuple(shape)} {dtype} "
+                             f"and {tuple(t.shape)} {t.dtype}")
+
+
+def swiglu_reference(gate, up):
+    """Pure torch, as HF LlamaMLP (in the inputs' dtype)."""
+    return F.silu(gate) * up
+
+
+def geglu_reference(gate, up, approximate="tanh"):
+    """Pure torch, as HF GemmaMLP (in the inputs' dtype)."""
+    check_glu_args("geglu", gate, up, approximate=approximate)
+    return F.gelu(gate, approximate=approximate) * up
+
+
+# ----------------------------------------------------------------------------- cross-entropy
+
+REDUCTIONS = ("mean", "sum", "none")
+
+
+@dataclass(frozen=True)
+class LossOptions:
+    """The numerics shared by cross_entropy and fused_linear_cross_entropy."""
+    ignore_index: int
+    softcap: float | None
+    scale: float | None
+    reduction: str
+
+
+def check_loss_args(logits_or_hidden, targets, opts: LossOptions, name: str):
+    if opts.reduction not in REDUCTIONS:
+        raise ValueError(f"reduction={opts.reduction!r}; expected one of {REDUCTIONS}")
+    if opts.softcap is not None and not opts.softcap > 0:
+        raise ValueError(f"softcap={opts.softcap}; expected a positive number, or None for no cap")
+    if logits_or_hidden.dim() != 2 or targets.dim() != 1 or targets.shape[0] != logits_or_hidden.shape[0]:
+        raise ValueError(f"{name} must be [N, *] and targets [N]; got {tuple(logits_or_hidden.shape)} and "
+                         f"{tuple(targets.shape)}. Flatten batch and time first: x.reshape(-1, x.shape[-1]).")
+    assert logits_or_hidden.dtype in DTYPES, f"{name} must be fp32/bf16/fp16, got {logits_or_hidden.dtype}"
+    assert targets.dtype == torch.int64, f"targets must be int64, got {targets.dtype}"
+
+
+def reduce_losses(losses, targets, num_targets, opts: LossOptions):
+    """(loss, denominator) from per-row fp32 losses [N]: the losses themselves ("none"), their sum
+    ("sum"), or their sum / denominator ("mean"). The denominator is max(num_targets, 1), where
+    num_targets defaults to the non-ignored targets; it is a python float, or an fp32 0-dim device
+    tensor (counted on the device: never a host sync). It is 1.0 unless the reduction is "mean"."""
+    denominator = 1.0
+    if opts.reduction == "mean":
+        if num_targets is None:
+            num_targets = (targets != opts.ignore_index).sum()
+        if isinstance(num_targets, torch.Tensor):
+            denominator = num_targets.to(device=targets.device, dtype=torch.float32).clamp(min=1.0)
+        else:
+            denominator = float(max(num_targets, 1))
+    if opts.reduction == "none":
+        return losses, denominator
+    total = losses.sum()
+    return (total / denominator if opts.reduction == "mean" else total), denominator
+
+
+def cross_entropy_reference(logits, targets, *, ignore_index=-100, softcap=None, scale=None, reduction="mean",
+                            num_targets=None):
+    """Pure torch, fp32 math: the definition the kernel is tested against."""
+    opts = LossOptions(ignore_index, softcap, scale, reduction)
+    check_loss_args(logits, targets, opts, "logits")
+    z = logits.float()
+    if scale is not None:
+        z = z * scale
+    if softcap is not None:
+        z = softcap * torch.tanh(z / softcap)
+    losses = F.cross_entropy(z, targets, ignore_index=ignore_index, reduction="none")  # (N,)
+    return reduce_losses(losses, targets, num_targets, opts)[0]
+
+
+# ----------------------------------------------------------------------------- fused linear cross-entropy
+
+def check_linear_loss_args(hidden, weight, bias, targets, opts: LossOptions):
+    check_loss_args(hidden, targets, opts, "hidden")
+    if weight.dim() != 2 or weight.shape[1] != hidden.shape[1]:
+        raise ValueError(f"weight must be [V, H] with H = hidden.shape[1] = {hidden.shape[1]}; got {tuple(weight.shape)}")
+    assert weight.dtype == hidden.dtype, f"weight must have hidden's dtype {hidden.dtype}, got {weight.dtype}"
+    if bias is not None:
+        assert bias.shape == (weight.shape[0],), f"bias must be [V], got {tuple(bias.shape)}"
+        assert bias.dtype == hidden.dtype, f"bias must have hidden's dtype {hidden.dtype}, got {bias.dtype}"
+
+
+def fused_linear_cross_entropy_reference(hidden, weight, targets, *, bias=None, ignore_index=-100, softcap=None,
+                                         scale=None, reduction="mean", num_targets=None):
+    """Pure torch: full logits in the compute dtype, then the fp32 cross-entropy reference."""
+    check_linear_loss_args(hidden, weight, bias, targets, LossOptions(ignore_index, softcap, scale, reduction))
+    logits = F.linear(hidden, weight, bias)  # (N, V)
+    return cross_entropy_reference(logits, targets, ignore_index=ignore_index, softcap=softcap, scale=scale,
+                                   reduction=reduction, num_targets=num_targets)

@@ -1,0 +1,143 @@
+"""The benchmark tools of scripts/bench/: the harness's batches and timing, bench.py's command
+line and peers table, and bench.py --smoke end to end on CPU (a padded table case, and the
+train.py mode)."""
+import json
+import os
+import subprocess
+import sys
+from itertools import repeat
+from pathlib import Path
+
+import pytest
+import torch
+
+from scripts.bench import bench, harness
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+# ----------------------------------------------------------------------------- harness
+
+
+def test_fixed_batch_targets_are_the_next_ids():
+    b = harness.fixed_batch(100, 3, 7, "cpu")
+    assert b.input_ids.shape == (3, 7) and b.tokens == 21 and b.mask is None and b.doc_ids is None
+    assert torch.equal(b.targets[:, :-1], b.input_ids[:, 1:]) and (b.targets[:, -1] == -100).all()
+    assert torch.equal(harness.fixed_batch(100, 3, 7, "cpu").input_ids, b.input_ids)  # the same for every case
+
+
+def test_padded_batches_pad_like_no_packing():
+    lengths = iter([[5, 9, 2], [4, 4, 1]])
+    batches = harness.padded_batches(50, lambda rng: next(lengths), "cpu")
+    b = next(batches)
+    assert b.input_ids.shape == (3, 9) and b.tokens == 16
+    assert b.mask.sum(1).tolist() == [5, 9, 2]
+    assert (b.targets[b.mask == 0] == -100).all() and (b.doc_ids[b.mask == 0] == 1).all()
+    # within a row: the next id is the target, and the row's last real token predicts nothing
+    assert torch.equal(b.targets[0, :4], b.input_ids[0, 1:5]) and b.targets[0, 4] == -100
+    assert torch.equal(b.position_ids[0, :5], torch.arange(5))
+    assert next(batches).input_ids.shape == (3, 4)  # a new shape every step
+
+
+def test_padded_batches_repeat_for_the_same_seed():
+    sample = lambda rng: [rng.randint(3, 30) for _ in range(4)]  # noqa: E731
+    a, b = harness.padded_batches(50, sample, "cpu"), harness.padded_batches(50, sample, "cpu")
+    for _ in range(3):
+        x, y = next(a), next(b)
+        assert torch.equal(x.input_ids, y.input_ids) and x.tokens == y.tokens
+
+
+def test_time_steps_counts_real_tokens():
+    batches = iter([harness.Batch(torch.zeros(1, 1), torch.zeros(1, 1), tokens=n) for n in (7, 10, 30)])
+    r = harness.time_steps(lambda b: torch.tensor(1.0), batches, warmup=1, steps=2, device="cpu")
+    assert r["step_tokens"] == [10, 30] and len(r["step_times_s"]) == 2
+    assert r["tokens_per_s"] == pytest.approx(40 / sum(r["step_times_s"]))  # varying tokens: sum / sum
+    same = repeat(harness.Batch(torch.zeros(1, 1), torch.zeros(1, 1), tokens=8))
+    r = harness.time_steps(lambda b: torch.tensor(1.0), same, warmup=0, steps=3, device="cpu")
+    assert r["tokens_per_s"] == pytest.approx(8 / r["median_step_s"])  # fixed tokens: the median step
+
+
+# ----------------------------------------------------------------------------- bench.py command line and tables
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--padded", "600-100"], "LO-HI"),
+    (["--padded", "100-600", "--seqlen", "64"], "drop --seqlen"),
+    (["--step-opts", "bogus=1"], "fused_lora, use_kernels"),
+    (["--nanotune-opts", "--batch-size 8"], "needs --train"),
+    (["--train", "--batch", "2"], "--nanotune-opts"),
+])
+def test_bench_rejects_bad_options(argv, message, capsys):
+    with pytest.raises(SystemExit):
+        bench.parse_args(argv)
+    assert message in capsys.readouterr().err
+
+
+def test_bench_step_opts_become_keyword_arguments():
+    assert bench.parse_args(["--step-opts", "use_kernels=false,fused_lora=true"]).step_opts == {
+        "use_kernels": False, "fused_lora": True}
+
+
+def test_peers_table_puts_peer_rows_beside_nanotune(tmp_path):
+    def peer(**kw):
+        return {"config": "D", "name": "SmolLM2-135M", "ckpt": True, "batch": 8, "status": "ok", "attn": "sdpa",
+                "tokens_per_s": 1000.0, "step_s_median": 4.096, "peak_gib": 2.0, **kw}
+    (tmp_path / "results.json").write_text(json.dumps({"env": {}, "matmul": None, "rows": [
+        peer(liger=False), peer(liger=True, tokens_per_s=2000.0), peer(liger=False, config="A", status="OOM")]}))
+    (tmp_path / "unsloth_results.json").write_text(json.dumps({"env": {}, "rows": [peer(tokens_per_s=4000.0)]}))
+    (tmp_path / "log.json").write_text("[1, 2]")  # not a results file: passed over
+    peers = bench.peer_rows(str(tmp_path))
+    assert sorted((p["shape"], p["case"], p["status"]) for p in peers) == [
+        ("smollm2-135m", "hf", "ok"), ("smollm2-135m", "hf+liger", "ok"), ("smollm2-135m", "unsloth", "ok"),
+        ("tinyllama", "hf", "error")]
+    ours = [{"shape": "smollm2-135m", "case": "nanotune", "status": "ok", "batch": 8, "seqlen": 512, "ckpt": "on",
+             "tokens_per_s": 8000.0, "peak_mem_bytes": 2**30},
+            {"shape": "smollm2-135m", "case": "nanotune", "status": "ok", "batch": 8, "seqlen": 512, "ckpt": "off",
+             "tokens_per_s": 9999.0}]
+    lines = bench.peers_table(ours, peers)
+    assert len(lines) == 4
+    by_peer = {line.split(" | ")[3]: line for line in lines if line.startswith("| smollm2-135m")}
+    assert by_peer["hf"].rstrip(" |").endswith("8.00x") and "8x512" in by_peer["hf"]
+    assert by_peer["hf+liger"].rstrip(" |").endswith("4.00x")
+    assert by_peer["unsloth"].rstrip(" |").endswith("2.00x")
+    assert "OOM" in next(line for line in lines if line.startswith("| tinyllama"))
+
+
+# ----------------------------------------------------------------------------- bench.py --smoke, end to end
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("bench"))  # the tiny checkpoint is built once for both runs
+
+
+def run_bench(*argv):
+    proc = subprocess.run([sys.executable, "scripts/bench/bench.py", "--smoke", *argv], cwd=REPO,
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout
+
+
+@pytest.mark.slow
+def test_bench_smoke_padded_case(cache_dir):
+    out = os.path.join(cache_dir, "padded.json")
+    stdout = run_bench("--shapes", "smollm2-135m", "--cases", "nanotune", "--ckpt", "off", "--padded", "20-40",
+                       "--cache-dir", cache_dir, "--out", out)
+    (row,) = json.load(open(out))["results"]
+    assert row["status"] == "ok", row
+    assert row["seqlen"] == "[20,40]" and len(row["step_tokens"]) == 2
+    assert all(2 * 20 <= n <= 2 * 40 for n in row["step_tokens"])  # batch 2, rows of 20 to 40 real tokens
+    assert row["tokens_per_s"] == pytest.approx(sum(row["step_tokens"]) / sum(row["step_times_s"]))
+    assert "| smollm2-135m | 2x[20,40] | nanotune |" in stdout
+
+
+@pytest.mark.slow
+def test_bench_smoke_train_mode(cache_dir):
+    out = os.path.join(cache_dir, "train.json")
+    stdout = run_bench("--train", "--shapes", "smollm2-135m", "--train-packing", "off", "--cache-dir", cache_dir,
+                       "--out", out)
+    (row,) = json.load(open(out))["train"]
+    assert row["status"] == "ok", row
+    assert row["tokens_per_s"] > 0 and row["loss_final"] > 0 and row["wall_s"] > 0
+    assert "--no-packing" in row["command"] and "--max-steps 2 --log-every 2" in row["command"]
+    assert "| smollm2-135m | off | on | 2 | ok |" in stdout
