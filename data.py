@@ -162,7 +162,7 @@ def _read_hub(repo, revision, config, split, limit):
     try:
         ds = datasets.load_dataset(repo, config, split=split, revision=revision)
     except Exception as e:  # offline, not found, gated, no such config or split: all mean "not loaded"
-        said = (str(e).strip().splitlines() or [""])[0]
+        said = (str(e).strip().splitlines() or [""])[0].rstrip(".")
         raise FileNotFoundError(
             f"could not load the hub dataset {repo!r} (config {config!r}, split {split!r}"
             f"{f', revision {revision!r}' if revision else ''}): {type(e).__name__}: {said}. Check the name at "
