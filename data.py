@@ -44,7 +44,6 @@ References: the Alpaca prompt format (tatsu-lab/stanford_alpaca); ShareGPT and p
 SFTTrainer reads them; packing with per-document positions and attention (Krell et al. 2021, "Efficient
 Sequence Packing without Cross-contamination").
 """
-import bisect
 import contextlib
 import csv
 import hashlib
@@ -99,6 +98,8 @@ def load_examples(spec, *, columns=None, max_examples=None):
 def _records(spec, mapping, limit):
     """[(where, row)]: `where` names the row in messages ('data.jsonl: line 3', 'user/repo:train: row 7')."""
     records = _read_spec(spec, limit)[:limit]
+    if not records:
+        raise ValueError(f"{spec} holds no examples")
     if mapping:
         records = [(where, _map_columns(row, mapping, where)) for where, row in records]
     for where, row in records:
@@ -219,14 +220,16 @@ def _read_saved(folder, split, limit):
     try:
         ds = datasets.load_from_disk(folder)
     except Exception as e:  # datasets raises several kinds for a damaged or foreign folder
-        raise ValueError(f"{folder}: cannot read it as a datasets save_to_disk folder ({type(e).__name__}: {e})") from None
+        raise ValueError(f"{folder}: cannot read it as a datasets save_to_disk folder "
+                         f"({type(e).__name__}: {e})") from None
     if isinstance(ds, datasets.DatasetDict):
         names = list(ds)
         if split is None and (len(names) == 1 or "train" in names):
             split = "train" if "train" in names else names[0]
         if split not in names:
             raise ValueError(f"{folder} holds the splits {', '.join(names)}"
-                             f"{'' if split is None else f', not {split!r}'}; choose one, e.g. --data {folder}:{names[0]}")
+                             f"{'' if split is None else f', not {split!r}'}; choose one, "
+                             f"e.g. --data {folder}:{names[0]}")
         return _dataset_rows(ds[split], f"{folder}:{split}", limit)
     if split is not None:
         raise ValueError(f"{folder} holds one dataset, not named splits; drop ':{split}'")
@@ -238,8 +241,9 @@ def _read_file(path, name=None):
     name = name or path
     ext = os.path.splitext(path)[1].lower()
     if ext not in _READERS:
-        raise ValueError(f"{name}: unsupported file type {ext or '(no extension)'!r}. Expected .jsonl (one JSON object "
-                         "per line), .json (a list of objects, or {\"data\": [...]}), .csv, .txt or .parquet; convert it")
+        raise ValueError(f"{name}: unsupported file type {ext or '(no extension)'!r}. Expected .jsonl (one JSON "
+                         "object per line), .json (a list of objects, or {\"data\": [...]}), .csv, .txt or .parquet; "
+                         "convert it")
     rows = _READERS[ext](path, name)
     if not rows:
         raise ValueError(f"{name} is empty: it needs at least one example, e.g. {{\"text\": \"...\"}}")
@@ -284,7 +288,8 @@ def _read_json(path, name):
     if isinstance(data, dict) and "data" in data:
         data = data["data"]
     if not isinstance(data, list):
-        raise ValueError(f"{name}: expected a JSON list of examples or {{\"data\": [...]}}, got a {type(data).__name__}")
+        raise ValueError(f"{name}: expected a JSON list of examples or {{\"data\": [...]}}, "
+                         f"got a {type(data).__name__}")
     return [(f"{name}: item {i}", ex) for i, ex in enumerate(data)]
 
 
@@ -333,7 +338,8 @@ def parse_columns(spec):
     for pair in (spec or "").split(",") if spec else []:
         field, eq, column = (s.strip() for s in pair.partition("="))
         if not (eq and field and column):
-            raise ValueError(f"--columns: {pair!r} is not field=column; write e.g. --columns instruction=question,output=answer")
+            raise ValueError(f"--columns: {pair!r} is not field=column; write e.g. "
+                             "--columns instruction=question,output=answer")
         if field not in FIELDS:
             raise ValueError(f"--columns: unknown field {field!r}; the fields are {', '.join(FIELDS)}")
         if field in mapping:
@@ -374,7 +380,8 @@ def _format(ex, where="example"):
             raise ValueError(f"{where}: 'prompt' and 'completion' must both be strings, or both lists of messages")
         _messages(prompt, "prompt", where)
         if not any(m["role"] == "assistant" for m in _messages(completion, "completion", where)):
-            raise ValueError(f"{where}: 'completion' has no message with role 'assistant', so there is nothing to train on")
+            raise ValueError(f"{where}: 'completion' has no message with role 'assistant', so there is nothing "
+                             "to train on")
         return "chat_completion"
     if "instruction" in ex and "output" in ex:
         if not (isinstance(ex["instruction"], str) and isinstance(ex["output"], str)
@@ -450,7 +457,8 @@ def _layout(example, tokenizer, system_prompt=None, where="example"):
         messages = _messages(example[field], field, where)
         trained = [m["role"] == "assistant" for m in messages]
     elif fmt == "chat_completion":
-        prompt, completion = _messages(example["prompt"], "prompt", where), _messages(example["completion"], "completion", where)
+        prompt = _messages(example["prompt"], "prompt", where)
+        completion = _messages(example["completion"], "completion", where)
         messages, trained = prompt + completion, [False] * len(prompt) + [m["role"] == "assistant" for m in completion]
     else:
         messages, trained = alpaca_messages(example), [False, True]
@@ -526,20 +534,24 @@ def _ends_with_eos(ids, tokenizer):
     return False
 
 
-# Stands in for one message's content while the chat is rendered again: private-use characters, which
-# real text does not hold and which trim, strip and split leave alone.
-SENTINEL = "\ue000\ue001"
+def _sentinel(k):
+    """Stands in for message k's content while the chat is rendered again: private-use characters,
+    which real text does not hold and which trim, strip and split leave alone."""
+    return f"\ue000{k}\ue001"
 
 
 def _chat_pieces(messages, trained, tokenizer, where):
     """The chat rendered by the template once, as (text, is_data, is_target) pieces.
 
-    Each message's content is located in that one rendering by rendering the chat again with only
-    that content replaced by SENTINEL: the two renderings agree before and after it, and differ
-    exactly where the template wrote the content, however it wrote it (trimmed, its reasoning moved
-    into a block, ...). This needs no knowledge of the template's markers, and holds for templates
-    that rewrite earlier turns (Qwen3 drops the reasoning of every turn before the last user message),
-    which a render of each prefix of the chat could not place.
+    Each message's content is located in that one rendering `full` by rendering the chat with
+    sentinels in place of contents. Most templates write every content verbatim: the rendering with
+    all contents replaced at once, with the contents put back, is `full`, and the sentinels' places
+    are the contents' places. Where that fails (the template trims contents, moves their reasoning
+    into a block, or rewrites earlier turns as Qwen3 does), each content is found on its own: the
+    chat rendered with only that content replaced agrees with `full` before and after it, and differs
+    exactly where the template wrote it, however it wrote it. Neither needs knowledge of the
+    template's markers, and every span is placed in the final rendering, which a rendering of each
+    prefix of the chat could not do for a template that rewrites earlier turns.
 
     An assistant turn's target runs from the end of its header (what the template's generation
     prompt ends with, '<|im_start|>assistant\n') through its end-of-turn text ('<|im_end|>\n'): what
@@ -550,29 +562,46 @@ def _chat_pieces(messages, trained, tokenizer, where):
     """
     full = _render(tokenizer, messages, where)
     header, turn_end = _turn_markers(tokenizer)
-    data, targets = [], []
-    for k, m in enumerate(messages):
-        probe = _render(tokenizer, messages[:k] + [{"role": m["role"], "content": SENTINEL}] + messages[k + 1:], where)
-        start = _common_prefix_len(full, probe)
-        end = len(full) - _common_prefix_len(full[start:][::-1], probe[start:][::-1])
-        data.append((start, end))
-        if trained[k]:
-            at = probe.find(SENTINEL)
+    probes = [{"role": m["role"], "content": _sentinel(k)} for k, m in enumerate(messages)]
+    data = _spans_in_one_render(full, _render(tokenizer, probes, where), messages)
+    begins = [start for start, _ in data] if data is not None else None
+    if data is None:
+        data, begins = [], []
+        for k in range(len(messages)):
+            probe = _render(tokenizer, messages[:k] + probes[k:k + 1] + messages[k + 1:], where)
+            start = _common_prefix_len(full, probe)
+            data.append((start, len(full) - _common_prefix_len(full[start:][::-1], probe[start:][::-1])))
+            at = probe.find(_sentinel(k))
             h = probe.rfind(header, 0, at) if header and at >= 0 else -1
             if h < 0 or h + len(header) > start:  # no header before the content: the target starts at the content
-                begin = start
+                begins.append(start)
             else:
-                begin = h + len(header)
-                fixed = probe[begin:at]  # what the template writes before any content of this turn
-                begin += len(fixed) if full.startswith(fixed, begin) else 0
-            targets.append((begin, end + _common_prefix_len(full[end:end + len(turn_end)], turn_end)))
-    spans = sorted(data)
-    if any(b[0] < a[1] for a, b in zip(spans, spans[1:])):
-        raise ValueError(f"{where}: the chat template writes these messages so that their contents cannot be told "
-                         "apart in its rendering; use another template (--chat-template)")
+                fixed = probe[h + len(header):at]  # what the template writes before any content of this turn
+                begins.append(h + len(header) + (len(fixed) if full.startswith(fixed, h + len(header)) else 0))
+        spans = sorted(data)
+        if any(b[0] < a[1] for a, b in zip(spans, spans[1:])):
+            raise ValueError(f"{where}: the chat template writes these messages so that their contents cannot be "
+                             "told apart in its rendering; use another template (--chat-template)")
+    targets = [(begin, end + _common_prefix_len(full[end:end + len(turn_end)], turn_end))
+               for begin, (_, end), is_target in zip(begins, data, trained) if is_target]
     cuts = sorted({0, len(full)}.union(*data, *targets))
     return [(full[a:b], any(s <= a and b <= e for s, e in data), any(s <= a and b <= e for s, e in targets))
             for a, b in zip(cuts, cuts[1:])]
+
+
+def _spans_in_one_render(full, rendered, messages):
+    """[(start, end)] of each message's content in `full`, when `rendered` (the chat with content k
+    replaced by _sentinel(k), in order) with the contents put back is `full`; else None."""
+    pieces, spans, last, length = [], [], 0, 0
+    for k, m in enumerate(messages):
+        at, content = rendered.find(_sentinel(k), last), m["content"] or ""
+        if at < 0:
+            return None
+        length += at - last
+        pieces += [rendered[last:at], content]
+        spans.append((length, length + len(content)))
+        length, last = length + len(content), at + len(_sentinel(k))
+    return spans if "".join(pieces) + rendered[last:] == full else None
 
 
 def _render(tokenizer, messages, where, add_generation_prompt=False):
@@ -594,10 +623,10 @@ def _turn_markers(tokenizer):
         question = [{"role": "user", "content": "Hi"}]
         prompt = _render(tokenizer, question, where)
         with_header = _render(tokenizer, question, where, add_generation_prompt=True)
-        turn = _render(tokenizer, question + [{"role": "assistant", "content": SENTINEL}], where)
-        at = turn.rfind(SENTINEL)
+        turn = _render(tokenizer, question + [{"role": "assistant", "content": _sentinel(0)}], where)
+        at = turn.rfind(_sentinel(0))
         _MARKERS[key] = (with_header[len(prompt):] if with_header.startswith(prompt) else "",
-                         turn[at + len(SENTINEL):] if at >= 0 else "")
+                         turn[at + len(_sentinel(0)):] if at >= 0 else "")
     return _MARKERS[key]
 
 
@@ -610,21 +639,28 @@ def _encode_pieces(pieces, tokenizer):
     tokenizing would turn it into that control token: then each run of data pieces is tokenized
     apart, as plain text, and each run of template pieces with its special tokens.
     """
-    starts = list(itertools.accumulate((len(text) for text, _, _ in pieces), initial=0))
+    starts = np.cumsum([0] + [len(text) for text, _, _ in pieces[:-1]])
+    is_data, is_target = np.array([p[1] for p in pieces]), np.array([p[2] for p in pieces])
 
-    def piece_of(offset):  # the piece that holds a token's last character ((s, s) for a token of no text)
-        return pieces[bisect.bisect_right(starts, max(offset[0], offset[1] - 1)) - 1]
+    def piece_of(offsets):  # each token's piece: the one holding its last character ((s, s): a token of no text)
+        spans = np.fromiter(itertools.chain.from_iterable(offsets), dtype=np.int64, count=2 * len(offsets))
+        return np.searchsorted(starts, np.maximum(spans[0::2], spans[1::2] - 1), side="right") - 1
 
-    ids, offsets = tokenizer.encode_offsets("".join(text for text, _, _ in pieces))
-    if any(i in tokenizer.special_ids and piece_of(o)[1] for i, o in zip(ids, offsets)):
+    text = "".join(t for t, _, _ in pieces)
+    ids, offsets = tokenizer.encode_offsets(text)
+    piece = piece_of(offsets)
+    special = tokenizer.special_tokens  # id -> text; '<unk>' for unknown text is special, but not spelled
+    if any(is_data[piece[k]] and text[offsets[k][0]:offsets[k][1]] == special[ids[k]]
+           for k in np.flatnonzero(np.isin(ids, list(special)))):
         ids, offsets, at = [], [], 0
-        for is_data, group in itertools.groupby(pieces, key=lambda p: p[1]):
-            text = "".join(t for t, _, _ in group)
-            part, part_offsets = tokenizer.encode_offsets(text, parse_special=not is_data)
+        for data_run, group in itertools.groupby(pieces, key=lambda p: p[1]):
+            run = "".join(t for t, _, _ in group)
+            part, part_offsets = tokenizer.encode_offsets(run, parse_special=not data_run)
             ids += part
             offsets += [(a + at, b + at) for a, b in part_offsets]
-            at += len(text)
-    return ids, [piece_of(o)[2] for o in offsets]
+            at += len(run)
+        piece = piece_of(offsets)
+    return ids, is_target[piece].tolist()
 
 
 def _common_prefix_len(a, b):
@@ -808,7 +844,8 @@ def _tokenize(records, tokenizer, system_prompt, num_proc, log):
     procs = min(num_proc, len(chunks))
     t0 = last = time.time()
     parts, done = [], 0
-    with multiprocessing.Pool(procs, _init_worker, (tokenizer, system_prompt)) if procs > 1 else contextlib.nullcontext() as pool:
+    pool = multiprocessing.Pool(procs, _init_worker, (tokenizer, system_prompt)) if procs > 1 else None
+    with pool or contextlib.nullcontext():
         results = (pool.imap(_encode_chunk, chunks) if pool is not None
                    else (_encode_records(chunk, tokenizer, system_prompt) for chunk in chunks))
         for part in results:
@@ -817,7 +854,8 @@ def _tokenize(records, tokenizer, system_prompt, num_proc, log):
             now = time.time()
             if now - last >= PROGRESS_EVERY and done < len(records):
                 rate = done / (now - t0)
-                log(f"data: tokenized {done}/{len(records)} examples ({rate:.0f}/s, about {(len(records) - done) / rate:.0f} s left)")
+                log(f"data: tokenized {done}/{len(records)} examples ({rate:.0f}/s, "
+                    f"about {(len(records) - done) / rate:.0f} s left)")
                 last = now
     seconds = time.time() - t0
     log(f"data: tokenized {len(records)} examples in {seconds:.1f} s ({len(records) / max(seconds, 1e-9):.0f}/s, "

@@ -60,9 +60,9 @@ class Tokenizer:
         return tok
 
     @cached_property
-    def special_ids(self):
-        """The ids of the special (control) tokens: BOS, EOS, the chat markers."""
-        return frozenset(i for i, t in self.tok.get_added_tokens_decoder().items() if t.special)
+    def special_tokens(self):
+        """{id: text} of the special (control) tokens: BOS, EOS, the chat markers."""
+        return {i: t.content for i, t in self.tok.get_added_tokens_decoder().items() if t.special}
 
     def fingerprint(self):
         """A hash of everything that decides how text is tokenized (vocabulary, merges, normalizer,

@@ -4,9 +4,11 @@ The templates are the ones the models' tokenizer_config.json files ship, written
 In the expected strings, ⟦...⟧ marks every run of target tokens; everything else is context.
 """
 import itertools
+import json
 
 import pytest
 
+import data
 from data import encode_example, load_datasets, template_roles
 from model.tokenizer import load_tokenizer
 from tests.tiny_tokenizer import CHATML, make_test_tokenizer
@@ -437,6 +439,23 @@ def test_alpaca_and_sharegpt_rows_render_as_the_same_chat(family, name):
                           tok) == chat
     assert encode_example({"prompt": TURNS[:1], "completion": TURNS[1:2]}, tok) == chat
 
+@pytest.mark.parametrize("name", FAMILIES)
+def test_the_one_render_shortcut_agrees_with_the_search_per_message(family, monkeypatch, name):
+    """Contents found from one rendering with every content replaced are where the search of each content on
+    its own finds them; the shortcut serves every family here but for Qwen3's reasoning turns."""
+    tok = family(name)
+    chats = [TURNS, TURNS[:2], [{"role": "user", "content": ""}, {"role": "assistant", "content": ""}],
+             TURNS[:1] + [{"role": "assistant", "content": "<think>\nhm\n</think>\n\nhello"}]]
+    chats += [] if name == "gemma" else [[SYSTEM] + TURNS]
+    one_render = data._spans_in_one_render
+    served = []
+    monkeypatch.setattr(data, "_spans_in_one_render", lambda *a: served.append(one_render(*a) is not None) or one_render(*a))
+    shortcut = [encode_example({"messages": chat}, tok) for chat in chats]
+    assert served == [name != "qwen3" or i != 3 for i in range(len(chats))]
+    monkeypatch.setattr(data, "_spans_in_one_render", lambda *a: None)
+    assert [encode_example({"messages": chat}, tok) for chat in chats] == shortcut
+
+
 # ----------------------------------------------------------------------------- system prompts, roles, errors
 
 
@@ -515,3 +534,43 @@ def test_chat_template_file_replaces_the_models(tmp_path):
         load_datasets(base, data=str(data), chat_template=str(tmp_path / "broken.jinja"))
     with pytest.raises(FileNotFoundError, match="--chat-template: no such file"):
         load_datasets(base, data=str(data), chat_template=str(tmp_path / "missing.jinja"))
+
+# ----------------------------------------------------------------------------- SentencePiece-style tokenizers
+
+ZEPHYR = ("{% for message in messages %}\n{% if message['role'] == 'user' %}\n{{ '<|user|>\\n' + message['content'] + "
+          "eos_token }}\n{% elif message['role'] == 'system' %}\n{{ '<|system|>\\n' + message['content'] + eos_token }}\n"
+          "{% elif message['role'] == 'assistant' %}\n{{ '<|assistant|>\\n'  + message['content'] + eos_token }}\n"
+          "{% endif %}\n{% if loop.last and add_generation_prompt %}\n{{ '<|assistant|>' }}\n{% endif %}\n{% endfor %}")
+
+
+def sentencepiece_like(folder):
+    """A TinyLlama-like tokenizer: '▁' for spaces, one prepended at the start of every text run (so
+    tokenizing a piece alone differs from tokenizing it in its text), '<unk>' for unknown characters,
+    and TinyLlama-Chat's (Zephyr's) template."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, trainers
+    from tests.tiny_tokenizer import _CORPUS
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.Strip(" ", 1, 0)])
+    tok.train_from_iterator([_CORPUS] * 20, trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", "<s>", "</s>"],
+                                                                show_progress=False))
+    tok.add_tokens([AddedToken(t, normalized=False) for t in ("<|system|>", "<|user|>", "<|assistant|>")])
+    folder.mkdir()
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>",
+                                                              "chat_template": ZEPHYR}))
+    return load_tokenizer(str(folder))
+
+
+def test_sentencepiece_like_tokens_are_those_of_the_whole_text(tmp_path):
+    """Tokens are those of the whole rendered text, as at inference ('▁' only where the text has one); a
+    token that spans the header and the answer ('\\nT') is a target; '<unk>' (for 'B', unknown to the
+    vocabulary) is not taken for special text written in a message."""
+    tok = sentencepiece_like(tmp_path / "tok")
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hello there"},
+            {"role": "assistant", "content": "The quick fox."}]
+    ids, mask = encode_example({"messages": chat}, tok)
+    rendered = tok.apply_chat_template(chat)
+    assert ids == [tok.bos_id] + tok.encode(rendered)
+    assert [tok.id_to_token(i) for i, m in zip(ids, mask) if m] == ["\nT", "he▁qu", "ick", "▁f", "ox", ".", "</s>"]
+    assert tok.token_to_id("<unk>") in ids
