@@ -135,7 +135,7 @@ def _read_spec(spec, limit):
     if len(parts) > 2:
         raise ValueError(f"{spec!r}: a hub dataset is written user/repo[@revision][:config]:split, with at most "
                          "two ':' parts")
-    config, split = ([None] + parts)[-2:] if parts else (None, None)
+    config, split = parts if len(parts) == 2 else (None, parts[0] if parts else None)
     return _read_hub(repo, revision, config, split, limit)
 
 
@@ -445,9 +445,10 @@ def _layout(example, tokenizer, system_prompt=None, where="example"):
             return "pieces", [(example["text"], False, True)]
         if fmt == "completion":
             return "pieces", [(example["prompt"], False, False), (example["completion"], False, True)]
-        template = ALPACA_PROMPT if example.get("input") else ALPACA_PROMPT_NO_INPUT
-        pieces = [p for literal, field, _, _ in string.Formatter().parse(template)
-                  for p in ((literal, False, False), (field and example[field], True, False)) if p[0]]
+        pieces = []  # the prompt's own text, and the row's instruction and input in their places
+        for literal, field, _, _ in string.Formatter().parse(ALPACA_PROMPT if example.get("input")
+                                                             else ALPACA_PROMPT_NO_INPUT):
+            pieces += [(literal, False, False)] + ([(example[field], True, False)] if field else [])
         return "pieces", pieces + [(example["output"], True, True)]
     if tokenizer.chat_template is None:
         raise ValueError(f"{where}: this row is a chat, and the tokenizer has no chat template (no 'chat_template' in "

@@ -449,7 +449,10 @@ def test_the_one_render_shortcut_agrees_with_the_search_per_message(family, monk
     chats += [] if name == "gemma" else [[SYSTEM] + TURNS]
     one_render = data._spans_in_one_render
     served = []
-    monkeypatch.setattr(data, "_spans_in_one_render", lambda *a: served.append(one_render(*a) is not None) or one_render(*a))
+    def spy(*args):
+        served.append(one_render(*args) is not None)
+        return one_render(*args)
+    monkeypatch.setattr(data, "_spans_in_one_render", spy)
     shortcut = [encode_example({"messages": chat}, tok) for chat in chats]
     assert served == [name != "qwen3" or i != 3 for i in range(len(chats))]
     monkeypatch.setattr(data, "_spans_in_one_render", lambda *a: None)
@@ -528,7 +531,8 @@ def test_chat_template_file_replaces_the_models(tmp_path):
     template.write_text(CHATML)
     train, _ = load_datasets(base, data=str(data), chat_template=str(template), cache_dir=str(tmp_path / "cache"),
                              log=lambda *a: None)
-    assert marked(base, *train[0]) == "<s><|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n⟦hello<|im_end|>\n</s>⟧"
+    assert marked(base, *train[0]) == ("<s><|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+                                       "⟦hello<|im_end|>\n</s>⟧")
     (tmp_path / "broken.jinja").write_text("{% for m in messages %}")
     with pytest.raises(ValueError, match=r"--chat-template .*broken\.jinja is not a valid Jinja template"):
         load_datasets(base, data=str(data), chat_template=str(tmp_path / "broken.jinja"))

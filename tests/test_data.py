@@ -1,4 +1,5 @@
-"""Tests for data.py: formats and loss masks, packing, loading errors, batching, the builtin dataset."""
+"""Tests for data.py: formats and loss masks, packing, loading errors, batching, the builtin dataset; damaged
+tokenizer files."""
 import hashlib
 import json
 import re
@@ -320,7 +321,8 @@ def write(tmp_path, name, content):
     ("fields.jsonl", '{"question": "a", "answer": "b"}', ValueError,
      r"line 1: no known fields \(found \['answer', 'question'\]\).*'text'.*'instruction'.*'output'.*'messages'"),
     ("noanswer.jsonl", '{"instruction": "a"}', ValueError, "no known fields"),
-    ("roleless.jsonl", '{"messages": [{"content": "hi"}]}', ValueError, "messages\\[0\\] needs string 'role' and 'content'"),
+    ("roleless.jsonl", '{"messages": [{"content": "hi"}]}', ValueError,
+     r"messages\[0\] needs string 'role' and 'content'"),
     ("sharegpt.jsonl", '{"conversations": [{"from": "human", "value": "hi"}]}', ValueError,
      r"'conversations' has no message with role 'assistant'"),
     ("badfrom.jsonl", '{"conversations": [{"from": "bot", "value": "hi"}]}', ValueError,

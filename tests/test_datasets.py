@@ -167,7 +167,8 @@ def test_folder_split_by_file_names(tmp_path):
     with pytest.raises(ValueError, match=r"holds the files of several splits \(test, train\); choose one, e\.g\. "
                                          r"--data .*:train"):
         load_examples(str(tmp_path))
-    with pytest.raises(ValueError, match=r"no files of split 'validation'.*the splits its file names show: test, train"):
+    with pytest.raises(ValueError, match=r"no files of split 'validation'.*"
+                                         r"the splits its file names show: test, train"):
         load_examples(f"{tmp_path}:validation")
 
 
@@ -261,7 +262,8 @@ def test_save_to_disk_splits(tmp_path):
     datasets.DatasetDict({"train_sft": datasets.Dataset.from_list([{"text": "t"}]),
                           "test_sft": datasets.Dataset.from_list([{"text": "e"}])}).save_to_disk(str(tmp_path / "dd"))
     assert load_examples(f"{tmp_path / 'dd'}:test_sft") == [{"text": "e"}]
-    with pytest.raises(ValueError, match=r"dd holds the splits train_sft, test_sft; choose one, e\.g\. --data .*dd:train_sft"):
+    with pytest.raises(ValueError, match=r"dd holds the splits train_sft, test_sft; choose one, "
+                                         r"e\.g\. --data .*dd:train_sft"):
         load_examples(str(tmp_path / "dd"))
     with pytest.raises(ValueError, match=r"dd holds the splits train_sft, test_sft, not 'train'"):
         load_examples(f"{tmp_path / 'dd'}:train")
@@ -298,7 +300,8 @@ def test_columns_map_dataset_names_to_fields(tok, tmp_path):
     ("instruction", r"--columns: 'instruction' is not field=column; write e\.g\. --columns instruction=question"),
     ("question=instruction", r"--columns: unknown field 'question'; the fields are text, prompt, completion"),
     ("output=a,output=b", r"--columns: the field 'output' is given twice"),
-    ("instruction=q,output=missing", r"d\.jsonl: line 1: no column 'missing' \(named in --columns\); its columns are \['a', 'q'\]"),
+    ("instruction=q,output=missing",
+     r"d\.jsonl: line 1: no column 'missing' \(named in --columns\); its columns are \['a', 'q'\]"),
 ])
 def test_bad_columns(tmp_path, columns, message):
     path = write_jsonl(tmp_path / "d.jsonl", [{"q": "hi", "a": "yo"}])
@@ -406,7 +409,8 @@ def test_long_examples_are_dropped_and_said(tok, tmp_path):
 def test_no_target_at_all_is_refused(tok, tmp_path, monkeypatch):
     encode = data.encode_example
     monkeypatch.setattr(data, "encode_example", lambda *a, **k: (encode(*a, **k)[0], [False] * len(encode(*a, **k)[0])))
-    with pytest.raises(ValueError, match=r"no example has any target token \(every label is masked\).*--train-on-inputs"):
+    with pytest.raises(ValueError, match=r"no example has any target token \(every label is masked\)"
+                                         r".*--train-on-inputs"):
         load_datasets(tok, data=write_jsonl(tmp_path / "d.jsonl", [{"text": "hi"}]), cache_dir=str(tmp_path / "c"),
                       log=quiet)
 
