@@ -1,6 +1,7 @@
-"""Data: load examples, tokenize them with a loss mask, and batch them (packed or padded).
+"""Data: read datasets, tokenize them with a loss mask, and batch them (packed or padded).
 
-    load_examples(spec) -> [dict]                    a .jsonl/.json file, a hub dataset file, or "builtin"
+    load_datasets(tokenizer, data=..., ...) -> (train, eval)   read, split, tokenize (cached, parallel), check
+    load_examples(spec) -> [dict]                    the rows of a file, a folder, a hub dataset or "builtin"
     encode_example(ex, tokenizer) -> (ids, mask)     mask[i]: token i is a training target
     Batches(encoded, ...)                            endless, shuffled, resumable, sharded micro-batches
     answer_accuracy(logits, batch) -> (correct, total)
@@ -15,64 +16,132 @@ A batch is a dict of four LongTensors of shape (B, T):
                   iff k <= q and doc_ids[q] == doc_ids[k]. Padding is one more document of its own,
                   so no query ever has every key masked (which would give NaN in softmax).
 
-Example formats (one per example; `load_examples` checks every one up front):
-    {"text": ...}                                    BOS + text + EOS, every token trained
-    {"instruction", "input" (optional), "output"}    Alpaca; the loss is on the output only
-    {"messages": [{"role", "content"}, ...]}         chat; the loss is on assistant turns only
+Sources (`load_examples`; docs/data.md shows each):
+    "builtin" ("builtin:train", "builtin:eval")      the embedded dataset, see `builtin_dataset`
+    a file: .jsonl (a JSON object per line), .json (a list of objects, or {"data": [...]}), .csv (a
+        header row, then a row per example), .txt (each blank-line-separated block is one 'text'
+        example), .parquet
+    a folder: every such file under it, in sorted order; FOLDER:NAME keeps only split NAME's files
+        (those in a subfolder NAME, or named NAME-*, NAME.*, as hub snapshots name them); or a folder
+        written by `datasets`' save_to_disk (FOLDER:NAME picks a split of a DatasetDict)
+    user/repo[@revision][:split] or user/repo[@revision]:config:split   a hub dataset (split "train" by default)
+    user/repo[@revision]:path/in/repo.jsonl          one file of a hub dataset repository
+Parquet files, save_to_disk folders and hub datasets are read with Hugging Face `datasets` (and its
+pyarrow), the optional extra `pip install -e ".[data]"`; the other sources need nothing more.
 
-References: the Alpaca prompt format (tatsu-lab/stanford_alpaca); packing with per-document
-positions and attention (Krell et al. 2021, "Efficient Sequence Packing without Cross-contamination").
+Example formats, detected per row (`--columns field=column` maps a dataset's own column names to these):
+    {"text": ...}                                    BOS + text + EOS, every token trained
+    {"prompt": str, "completion": str}               BOS + prompt + completion + EOS; the loss is on the completion
+    {"instruction", "input" (optional), "output"}    Alpaca; the loss is on the output only
+    {"messages" or "conversations": [...]}           a chat, as OpenAI's {"role", "content"} messages or ShareGPT's
+                                                     {"from", "value"}; the loss is on the assistant turns only
+    {"prompt": [messages], "completion": [messages]} a chat; the loss is on the completion's assistant turns
+'text', 'prompt' and 'completion' strings are the model's input verbatim: a special token written in
+them ('</s>') is that token. What a chat template or the Alpaca prompt wraps (message contents,
+instruction, input, output) is data: it is tokenized as plain text and never becomes a control token.
+
+References: the Alpaca prompt format (tatsu-lab/stanford_alpaca); ShareGPT and prompt/completion as TRL's
+SFTTrainer reads them; packing with per-document positions and attention (Krell et al. 2021, "Efficient
+Sequence Packing without Cross-contamination").
 """
+import contextlib
+import csv
+import hashlib
+import importlib
+import io
+import itertools
 import json
 import math
+import multiprocessing
 import os
 import random
 import re
+import string
+import time
 from functools import lru_cache
 
 import huggingface_hub
+import numpy as np
 import torch
 
 IGNORE_INDEX = -100  # what torch.nn.functional.cross_entropy skips by default
 BATCH_KEYS = ("input_ids", "targets", "position_ids", "doc_ids")
-KNOWN_FORMATS = ("'text'; 'instruction' + 'output' (and optional 'input'); "
-                 "'messages' (a list of {\"role\": ..., \"content\": ...})")
+KNOWN_FORMATS = ("'text'; 'prompt' + 'completion'; 'instruction' + 'output' (and optional 'input'); "
+                 "'messages' or 'conversations' (a list of {\"role\": ..., \"content\": ...}, or ShareGPT's "
+                 "{\"from\": ..., \"value\": ...})")
+FIELDS = ("text", "prompt", "completion", "instruction", "input", "output", "messages", "conversations")
+DATA_EXTENSIONS = (".jsonl", ".json", ".csv", ".txt", ".parquet")
+DATA_EXTRA = "pip install -e \".[data]\" (or pip install datasets)"
 
 # The plain prompt for Alpaca examples when the model has no chat template (a base model).
 ALPACA_PROMPT = "### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n"
 ALPACA_PROMPT_NO_INPUT = "### Instruction:\n{instruction}\n\n### Response:\n"
 
+CHAT_ROLES = ("system", "user", "assistant")  # every template takes these (or refuses one, as Gemma's does system)
+SHAREGPT_ROLES = {"human": "user", "gpt": "assistant", "system": "system",
+                  "user": "user", "assistant": "assistant", "tool": "tool"}
+SPLIT_NAMES = ("train", "test", "validation", "valid", "val", "dev", "eval")  # how hub snapshots name split files
+
 # ----------------------------------------------------------------------------- loading
 
-_HUB_SPEC = re.compile(r"([\w.-]+/[\w.-]+):(.+)")  # user/repo:path/in/repo.jsonl
+# user/repo, then optionally @revision, then optionally :split, :config:split or :path/in/repo.jsonl
+_HUB_SPEC = re.compile(r"(?P<repo>[\w.-]+/[\w.-]+)(?:@(?P<revision>[^:]+))?(?::(?P<rest>.+))?")
 
 
-def load_examples(spec):
-    """Examples (dicts) from `spec`, which is one of:
-        "builtin" (or "builtin:train", "builtin:eval")  the embedded dataset, see `builtin_dataset`;
-        a local path to a .jsonl file (one JSON object per line) or a .json file (a list of
-            objects, or {"data": [...]});
-        "user/repo:path/to/file.jsonl"  a file of a Hugging Face hub dataset repository.
-    Every example is checked here, so a bad one fails now, naming its line, not mid-training."""
-    if spec == "builtin" or spec.startswith("builtin:"):
-        return builtin_dataset(spec.partition(":")[2] or "train")
-    path = spec
-    if not os.path.exists(spec):
-        hub = _HUB_SPEC.fullmatch(spec)
-        if hub is None:
-            raise FileNotFoundError(
-                f"no such file: {spec!r}. The dataset can be a local .jsonl or .json file, a hub dataset "
-                "file written as user/repo:path/to/file.jsonl, or 'builtin'")
-        path = _hub_download(*hub.groups())
-    records = _read_records(path)
-    for where, ex in records:
-        _format(ex, f"{path}: {where}")
-    return [ex for _, ex in records]
+def load_examples(spec, *, columns=None, max_examples=None):
+    """The rows (dicts) of `spec`, one of the sources the module docstring lists. columns: a
+    "field=column,..." string (see `parse_columns`); max_examples: keep only the first N rows.
+    Every row is checked here, so a bad one fails now, naming its file and line, not mid-training."""
+    return [row for _, row in _records(spec, parse_columns(columns), max_examples)]
 
 
-def _hub_download(repo_id, filename):
+def _records(spec, mapping, limit):
+    """[(where, row)]: `where` names the row in messages ('data.jsonl: line 3', 'user/repo:train: row 7')."""
+    records = _read_spec(spec, limit)[:limit]
+    if not records:
+        raise ValueError(f"{spec} holds no examples")
+    if mapping:
+        records = [(where, _map_columns(row, mapping, where)) for where, row in records]
+    for where, row in records:
+        _format(row, where)
+    return records
+
+
+def _is_builtin(spec):
+    return spec == "builtin" or spec.startswith("builtin:")
+
+
+def _read_spec(spec, limit):
+    if _is_builtin(spec):
+        split = spec.partition(":")[2] or "train"
+        return [(f"builtin:{split}: item {i}", ex) for i, ex in enumerate(builtin_dataset(split))]
+    if os.path.isfile(spec):
+        return _read_file(spec)
+    if os.path.isdir(spec):
+        return _read_folder(spec, None, limit)
+    folder, _, split = spec.rpartition(":")
+    if folder and os.path.isdir(folder):
+        return _read_folder(folder, split, limit)
+    hub = _HUB_SPEC.fullmatch(spec)
+    if hub is None or spec.startswith((".", "/", "~")) or hub["repo"].lower().endswith(DATA_EXTENSIONS):
+        raise FileNotFoundError(
+            f"no such file: {spec!r}. The dataset can be a local file (.jsonl, .json, .csv, .txt, .parquet) or "
+            "folder, a hub dataset (user/repo, user/repo:split, user/repo@revision:config:split), one file of a "
+            "hub dataset (user/repo:path/to/file.jsonl), or 'builtin'")
+    repo, revision, rest = hub["repo"], hub["revision"], hub["rest"] or ""
+    if "/" in rest or rest.lower().endswith(DATA_EXTENSIONS):
+        return _read_file(_hub_download(repo, rest, revision), name=f"{repo}:{rest}")
+    parts = rest.split(":") if rest else []
+    if len(parts) > 2:
+        raise ValueError(f"{spec!r}: a hub dataset is written user/repo[@revision][:config]:split, with at most "
+                         "two ':' parts")
+    config, split = parts if len(parts) == 2 else (None, parts[0] if parts else None)
+    return _read_hub(repo, revision, config, split, limit)
+
+
+def _hub_download(repo_id, filename, revision):
     try:
-        return huggingface_hub.hf_hub_download(repo_id, filename, repo_type="dataset")
+        return huggingface_hub.hf_hub_download(repo_id, filename, repo_type="dataset", revision=revision)
     except Exception as e:  # the hub raises many kinds (offline, 404, gated); all mean "not fetched"
         raise FileNotFoundError(
             f"could not fetch {filename!r} from the hub dataset {repo_id!r} ({type(e).__name__}: {e}). "
@@ -80,58 +149,240 @@ def _hub_download(repo_id, filename):
             "repo, log in with `huggingface-cli login`") from e
 
 
-def _read_records(path):
-    """[(where, object)] from a .jsonl or .json file; `where` is 'line N' or 'item N' for messages."""
+def _optional(module, what):
+    """Import `module` of the optional 'data' extra, or say which extra `what` needs."""
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        raise ValueError(f"{what} needs Hugging Face datasets: {DATA_EXTRA}") from None
+
+
+def _read_hub(repo, revision, config, split, limit):
+    datasets = _optional("datasets", f"loading the hub dataset {repo!r}")
+    split = split or "train"
+    try:
+        ds = datasets.load_dataset(repo, config, split=split, revision=revision)
+    except Exception as e:  # offline, not found, gated, no such config or split: all mean "not loaded"
+        said = (str(e).strip().splitlines() or [""])[0].rstrip(".")
+        raise FileNotFoundError(
+            f"could not load the hub dataset {repo!r} (config {config!r}, split {split!r}"
+            f"{f', revision {revision!r}' if revision else ''}): {type(e).__name__}: {said}. Check the name at "
+            f"https://huggingface.co/datasets/{repo}; for a private or gated one, log in with `huggingface-cli login`"
+        ) from None
+    return _dataset_rows(ds, f"{repo}:{config + ':' if config else ''}{split}", limit)
+
+
+def _dataset_rows(ds, name, limit):
+    if limit is not None:
+        ds = ds.select(range(min(limit, len(ds))))
+    return [(f"{name}: row {i}", row) for i, row in enumerate(ds.to_list())]
+
+
+def _read_folder(folder, split, limit):
+    """The rows of every data file under `folder` (hidden ones skipped), or of a save_to_disk folder."""
+    if os.path.isfile(os.path.join(folder, "dataset_dict.json")) or os.path.isfile(os.path.join(folder, "state.json")):
+        return _read_saved(folder, split, limit)
+    files = []
+    for root, dirs, names in os.walk(folder):
+        dirs[:] = [d for d in dirs if not d.startswith(".")]  # a hub snapshot's .cache, a .git
+        files += [os.path.relpath(os.path.join(root, n), folder) for n in names
+                  if not n.startswith(".") and n.lower().endswith(DATA_EXTENSIONS)]
+    files.sort()
+    if not files:
+        raise FileNotFoundError(f"{folder} is a folder with no data files in it (.jsonl, .json, .csv, .txt, .parquet); "
+                                "point --data at a data file, or at a folder that holds some")
+    splits = sorted({n for f in files for n in _split_names(f) if n.split("_")[0] in SPLIT_NAMES})
+    if split is not None:
+        files = [f for f in files if split in _split_names(f)]
+        if not files:
+            raise ValueError(f"{folder} has no files of split {split!r} (a subfolder {split}/, or files named "
+                             f"{split}-* or {split}.*); the splits its file names show: {', '.join(splits) or 'none'}")
+    elif len(splits) > 1:
+        raise ValueError(f"{folder} holds the files of several splits ({', '.join(splits)}); choose one, "
+                         f"e.g. --data {folder}:{splits[-1] if 'train' not in splits else 'train'}")
+    rows = []
+    for f in files:
+        rows += _read_file(os.path.join(folder, f))
+        if limit is not None and len(rows) >= limit:
+            break
+    return rows
+
+
+def _split_names(relpath):
+    """The split names a data file's path gives it: its folders, and its file name up to the first
+    '-', '.' or digit ('data/train-00000-of-00002.parquet': data, train)."""
+    *folders, name = relpath.split(os.sep)
+    return set(folders) | {re.match(r"[^-.\d]*", name)[0]}
+
+
+def _read_saved(folder, split, limit):
+    datasets = _optional("datasets", f"reading the datasets folder {folder}")
+    try:
+        ds = datasets.load_from_disk(folder)
+    except Exception as e:  # datasets raises several kinds for a damaged or foreign folder
+        raise ValueError(f"{folder}: cannot read it as a datasets save_to_disk folder "
+                         f"({type(e).__name__}: {e})") from None
+    if isinstance(ds, datasets.DatasetDict):
+        names = list(ds)
+        if split is None and (len(names) == 1 or "train" in names):
+            split = "train" if "train" in names else names[0]
+        if split not in names:
+            raise ValueError(f"{folder} holds the splits {', '.join(names)}"
+                             f"{'' if split is None else f', not {split!r}'}; choose one, "
+                             f"e.g. --data {folder}:{names[0]}")
+        return _dataset_rows(ds[split], f"{folder}:{split}", limit)
+    if split is not None:
+        raise ValueError(f"{folder} holds one dataset, not named splits; drop ':{split}'")
+    return _dataset_rows(ds, folder, limit)
+
+
+def _read_file(path, name=None):
+    """[(where, row)] of one data file; `name` (default: the path) starts every `where`."""
+    name = name or path
     ext = os.path.splitext(path)[1].lower()
-    if ext not in (".jsonl", ".json"):
-        raise ValueError(f"{path}: unsupported file type {ext or '(no extension)'!r}. Expected .jsonl (one "
-                         "JSON object per line) or .json (a list of objects, or {\"data\": [...]}); convert it")
-    with open(path, encoding="utf-8-sig") as f:  # -sig: tolerate the byte-order mark some editors write
-        text = f.read()
+    if ext not in _READERS:
+        raise ValueError(f"{name}: unsupported file type {ext or '(no extension)'!r}. Expected .jsonl (one JSON "
+                         "object per line), .json (a list of objects, or {\"data\": [...]}), .csv, .txt or .parquet; "
+                         "convert it")
+    rows = _READERS[ext](path, name)
+    if not rows:
+        raise ValueError(f"{name} is empty: it needs at least one example, e.g. {{\"text\": \"...\"}}")
+    return rows
+
+
+def _read_text(path, name):
+    with open(path, "rb") as f:
+        raw = f.read()
+    try:
+        return raw.decode("utf-8-sig")  # -sig: tolerate the byte-order mark some editors write
+    except UnicodeDecodeError as e:
+        line = raw.count(b"\n", 0, e.start) + 1
+        column = e.start - raw.rfind(b"\n", 0, e.start)
+        raise ValueError(f"{name}: line {line} is not UTF-8 text (byte 0x{raw[e.start]:02x} at byte {column} of the "
+                         "line); save the file as UTF-8") from None
+
+
+def _read_jsonl(path, name):
+    rows = []
+    # split("\n"), not splitlines(): JSON strings may hold a raw U+2028, which splitlines splits on.
+    for n, line in enumerate(_read_text(path, name).split("\n"), 1):
+        if not line.strip():
+            continue
+        try:
+            rows.append((f"{name}: line {n}", json.loads(line)))
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{name}: line {n} is not valid JSON ({e.msg}, column {e.colno}). "
+                             "A .jsonl file needs exactly one JSON object per line") from None
+    return rows
+
+
+def _read_json(path, name):
+    text = _read_text(path, name)
     if not text.strip():
-        raise ValueError(f"{path} is empty: it needs at least one example, e.g. {{\"text\": \"...\"}}")
-    if ext == ".jsonl":
-        records = []
-        # split("\n"), not splitlines(): JSON strings may hold a raw U+2028, which splitlines splits on.
-        for n, line in enumerate(text.split("\n"), 1):
-            if not line.strip():
-                continue
-            try:
-                records.append((f"line {n}", json.loads(line)))
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}: line {n} is not valid JSON ({e.msg}, column {e.colno}). "
-                                 "A .jsonl file needs exactly one JSON object per line") from None
-        return records
+        return []
     try:
         data = json.loads(text)
     except json.JSONDecodeError as e:
         hint = "; if it holds one object per line, name it .jsonl" if e.msg == "Extra data" else ""
-        raise ValueError(f"{path}: not valid JSON at line {e.lineno}, column {e.colno} ({e.msg}){hint}") from None
+        raise ValueError(f"{name}: not valid JSON at line {e.lineno}, column {e.colno} ({e.msg}){hint}") from None
     if isinstance(data, dict) and "data" in data:
         data = data["data"]
     if not isinstance(data, list):
-        raise ValueError(f"{path}: expected a JSON list of examples or {{\"data\": [...]}}, "
+        raise ValueError(f"{name}: expected a JSON list of examples or {{\"data\": [...]}}, "
                          f"got a {type(data).__name__}")
-    if not data:
-        raise ValueError(f"{path} is empty: its list of examples has no items")
-    return [(f"item {i}", ex) for i, ex in enumerate(data)]
+    return [(f"{name}: item {i}", ex) for i, ex in enumerate(data)]
+
+
+def _read_csv(path, name):
+    reader = csv.DictReader(io.StringIO(_read_text(path, name), newline=""))
+    rows = []
+    try:
+        for row in reader:
+            if None in row:
+                raise ValueError(f"{name}: line {reader.line_num} has more fields than the header "
+                                 f"({', '.join(reader.fieldnames)})")
+            rows.append((f"{name}: line {reader.line_num}", row))
+    except csv.Error as e:
+        raise ValueError(f"{name}: line {reader.line_num} is not valid CSV ({e})") from None
+    return rows
+
+
+def _read_txt(path, name):
+    rows, block, first = [], [], 0
+    for n, line in enumerate(re.split(r"\r?\n", _read_text(path, name)) + [""], 1):
+        if line.strip():
+            first = first if block else n
+            block.append(line)
+        elif block:
+            rows.append((f"{name}: line {first}", {"text": "\n".join(block)}))
+            block = []
+    return rows
+
+
+def _read_parquet(path, name):
+    parquet = _optional("pyarrow.parquet", f"reading the parquet file {name}")
+    try:
+        table = parquet.read_table(path)
+    except Exception as e:  # pyarrow raises ArrowInvalid, OSError, ... for a damaged file
+        raise ValueError(f"{name}: not a readable parquet file ({e})") from None
+    return [(f"{name}: row {i}", row) for i, row in enumerate(table.to_pylist())]
+
+
+_READERS = {".jsonl": _read_jsonl, ".json": _read_json, ".csv": _read_csv, ".txt": _read_txt, ".parquet": _read_parquet}
+
+
+def parse_columns(spec):
+    """{field: column} from "field=column,..." (e.g. "instruction=question,output=answer", "messages=dialog"):
+    the dataset's column `column` is read as nanotune's field `field`. None or "" maps nothing."""
+    mapping = {}
+    for pair in (spec or "").split(",") if spec else []:
+        field, eq, column = (s.strip() for s in pair.partition("="))
+        if not (eq and field and column):
+            raise ValueError(f"--columns: {pair!r} is not field=column; write e.g. "
+                             "--columns instruction=question,output=answer")
+        if field not in FIELDS:
+            raise ValueError(f"--columns: unknown field {field!r}; the fields are {', '.join(FIELDS)}")
+        if field in mapping:
+            raise ValueError(f"--columns: the field {field!r} is given twice")
+        mapping[field] = column
+    return mapping
+
+
+def _map_columns(row, mapping, where):
+    if not isinstance(row, dict):
+        return row  # _format says what is wrong with it
+    missing = [c for c in mapping.values() if c not in row]
+    if missing:
+        raise ValueError(f"{where}: no column {missing[0]!r} (named in --columns); its columns are {sorted(row)}")
+    mapped = {k: v for k, v in row.items() if k not in mapping and k not in mapping.values()}
+    return mapped | {field: row[column] for field, column in mapping.items()}
+
+# ----------------------------------------------------------------------------- formats
 
 
 def _format(ex, where="example"):
-    """'text', 'alpaca' or 'messages': the format of `ex`; a ValueError that says why if it has none."""
+    """The format of row `ex`: 'text', 'completion', 'alpaca', 'messages' or 'chat_completion';
+    a ValueError that says why if it has none."""
     if not isinstance(ex, dict):
         raise ValueError(f"{where}: expected a JSON object, got a {type(ex).__name__}. Known formats: {KNOWN_FORMATS}")
-    if "messages" in ex:
-        msgs = ex["messages"]
-        if not (isinstance(msgs, list) and msgs and all(
-                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-                for m in msgs)):
-            raise ValueError(f"{where}: 'messages' must be a non-empty list of objects with string "
-                             "'role' and 'content' fields")
-        if not any(m["role"] == "assistant" for m in msgs):
-            raise ValueError(f"{where}: 'messages' has no message with role 'assistant', so there is nothing "
-                             f"to train on (roles found: {sorted({m['role'] for m in msgs})})")
+    if "messages" in ex or "conversations" in ex:
+        field = "messages" if "messages" in ex else "conversations"
+        messages = _messages(ex[field], field, where)
+        if not any(m["role"] == "assistant" for m in messages):
+            raise ValueError(f"{where}: '{field}' has no message with role 'assistant', so there is nothing to train "
+                             f"on (roles found: {sorted({m['role'] for m in messages})})")
         return "messages"
+    if "prompt" in ex and "completion" in ex:
+        prompt, completion = ex["prompt"], ex["completion"]
+        if isinstance(prompt, str) and isinstance(completion, str):
+            return "completion"
+        if not (isinstance(prompt, list) and isinstance(completion, list)):
+            raise ValueError(f"{where}: 'prompt' and 'completion' must both be strings, or both lists of messages")
+        _messages(prompt, "prompt", where)
+        if not any(m["role"] == "assistant" for m in _messages(completion, "completion", where)):
+            raise ValueError(f"{where}: 'completion' has no message with role 'assistant', so there is nothing "
+                             "to train on")
+        return "chat_completion"
     if "instruction" in ex and "output" in ex:
         if not (isinstance(ex["instruction"], str) and isinstance(ex["output"], str)
                 and isinstance(ex.get("input", ""), (str, type(None)))):
@@ -142,54 +393,35 @@ def _format(ex, where="example"):
             raise ValueError(f"{where}: 'text' must be a string, got a {type(ex['text']).__name__}")
         return "text"
     raise ValueError(f"{where}: no known fields (found {sorted(ex)}). Known formats: {KNOWN_FORMATS}; "
-                     "rename the fields to one of these")
-
-# ----------------------------------------------------------------------------- tokenizing
+                     "rename the fields to one of these, or map them with --columns field=column")
 
 
-def encode_example(example, tokenizer, *, train_on_inputs=False):
-    """(ids, mask): the example's token ids and, per token, whether it is a training target.
-
-    The example becomes a list of text pieces, each a target or not: text is one target piece;
-    Alpaca is the prompt then the output (through the chat template when the model has one);
-    messages come from the chat template, see `_chat_pieces`. `_tokenize_pieces` tokenizes them.
-    Then:
-      - BOS is prepended when the model uses one, unless the text already starts with it
-        (chat templates often write it themselves);
-      - inside a target piece, tokens after its last EOS are not targets: ChatML ends a turn with
-        '<|im_end|>' + '\\n', and the model stops at EOS, so it never generates that newline;
-      - EOS is appended when the text does not already end with it (ignoring trailing whitespace),
-        as a target when the last piece is one, so the model learns to stop.
-    The mask is the only record of what is trained; pad_id == eos_id does not hide EOS.
-    """
-    fmt = _format(example)
-    if fmt == "text":
-        pieces = [(example["text"], True)]
-    elif fmt == "alpaca" and tokenizer.chat_template is None:
-        template = ALPACA_PROMPT if example.get("input") else ALPACA_PROMPT_NO_INPUT
-        pieces = [(template.format(instruction=example["instruction"], input=example.get("input")), False),
-                  (example["output"], True)]
-    else:
-        messages = example["messages"] if fmt == "messages" else alpaca_messages(example)
-        pieces = _chat_pieces(messages, tokenizer)
-
-    ids, spans = _tokenize_pieces(pieces, tokenizer)
-    bos, eos = tokenizer.bos_id, tokenizer.eos_id
-    mask = [False] * len(ids)
-    for start, end, is_target in spans:
-        if is_target:
-            turn = ids[start:end]
-            if eos in turn:
-                end = start + len(turn) - turn[::-1].index(eos)
-            mask[start:end] = [True] * (end - start)
-    if tokenizer.add_bos and bos is not None and ids[:1] != [bos]:
-        ids, mask = [bos] + ids, [False] + mask
-    text = "".join(p for p, _ in pieces)
-    if eos is not None and not text.rstrip().endswith(tokenizer.id_to_token(eos)):
-        ids, mask = ids + [eos], mask + [pieces[-1][1]]
-    if train_on_inputs:
-        mask = [True] * len(ids)
-    return ids, mask
+def _messages(value, field, where):
+    """The messages of a chat field as OpenAI-style dicts: ShareGPT's {"from", "value"} become
+    {"role", "content"} (human -> user, gpt -> assistant); other keys (tool_calls, name) are kept."""
+    if not (isinstance(value, list) and value):
+        raise ValueError(f"{where}: '{field}' must be a non-empty list of objects with string 'role' and 'content' "
+                         "fields (or ShareGPT's 'from' and 'value')")
+    messages = []
+    for i, m in enumerate(value):
+        if not isinstance(m, dict):
+            raise ValueError(f"{where}: {field}[{i}] must be an object with string 'role' and 'content' fields, "
+                             f"got a {type(m).__name__}")
+        if "role" not in m and "from" in m:
+            if m["from"] not in SHAREGPT_ROLES:
+                raise ValueError(f"{where}: {field}[{i}] is from {m['from']!r}; ShareGPT's roles are human, gpt and "
+                                 f"system (user, assistant and tool are read too)")
+            m = {"role": SHAREGPT_ROLES[m["from"]], "content": m.get("value"),
+                 **{k: v for k, v in m.items() if k not in ("from", "value")}}
+        role, content = m.get("role"), m.get("content")
+        if not isinstance(role, str):
+            raise ValueError(f"{where}: {field}[{i}] needs string 'role' and 'content' fields (found {sorted(m)})")
+        if not (isinstance(content, str) or (role == "assistant" and content is None and m.get("tool_calls"))):
+            raise ValueError(f"{where}: {field}[{i}] ({role}) needs a string 'content', got "
+                             f"{type(content).__name__}" + (" (an assistant message with 'tool_calls' may have "
+                                                            "null content)" if role == "assistant" else ""))
+        messages.append(m)
+    return messages
 
 
 def alpaca_messages(example):
@@ -198,61 +430,459 @@ def alpaca_messages(example):
     return [{"role": "user", "content": user}, {"role": "assistant", "content": example["output"]}]
 
 
-def _chat_pieces(messages, tokenizer):
-    """The rendered conversation as (text, is_target) pieces, found by rendering it prefix by prefix.
+def _layout(example, tokenizer, system_prompt=None, where="example"):
+    """How `example` becomes text, checked as far as it can be without rendering or tokenizing it:
+        ("pieces", [(text, is_data, is_target)])   when no chat template is involved;
+        ("chat", messages, trained)                when the chat template renders it; trained[i]:
+                                                   message i is a training target.
+    is_data marks text that comes from the row and is wrapped by a prompt (tokenized as plain text)."""
+    fmt = _format(example, where)
+    if fmt in ("text", "completion") or (fmt == "alpaca" and tokenizer.chat_template is None):
+        if system_prompt is not None:
+            raise ValueError(f"{where}: --system-prompt adds a system turn to chats, and this row is not one "
+                             f"({fmt!r}{' without a chat template' if fmt == 'alpaca' else ''}); drop --system-prompt")
+        if fmt == "text":
+            return "pieces", [(example["text"], False, True)]
+        if fmt == "completion":
+            return "pieces", [(example["prompt"], False, False), (example["completion"], False, True)]
+        pieces = []  # the prompt's own text, and the row's instruction and input in their places
+        for literal, field, _, _ in string.Formatter().parse(ALPACA_PROMPT if example.get("input")
+                                                             else ALPACA_PROMPT_NO_INPUT):
+            pieces += [(literal, False, False)] + ([(example[field], True, False)] if field else [])
+        return "pieces", pieces + [(example["output"], True, True)]
+    if tokenizer.chat_template is None:
+        raise ValueError(f"{where}: this row is a chat, and the tokenizer has no chat template (no 'chat_template' in "
+                         "tokenizer_config.json); pass one with --chat-template FILE, or use a chat model")
+    if fmt == "messages":
+        field = "messages" if "messages" in example else "conversations"
+        messages = _messages(example[field], field, where)
+        trained = [m["role"] == "assistant" for m in messages]
+    elif fmt == "chat_completion":
+        prompt = _messages(example["prompt"], "prompt", where)
+        completion = _messages(example["completion"], "completion", where)
+        messages, trained = prompt + completion, [False] * len(prompt) + [m["role"] == "assistant" for m in completion]
+    else:
+        messages, trained = alpaca_messages(example), [False, True]
+    if system_prompt is not None and messages[0]["role"] != "system":
+        messages, trained = [{"role": "system", "content": system_prompt}] + messages, [False] + trained
+    roles = template_roles(tokenizer.chat_template)
+    for m in messages:
+        if m["role"] not in roles:
+            raise ValueError(f"{where}: a message has the role {m['role']!r}, which this chat template does not take; "
+                             f"its roles are {', '.join(roles)}")
+    return "chat", messages, trained
 
-    For assistant message i:
-        before = render(messages[:i], add_generation_prompt=True)   # ... '<|im_start|>assistant\\n'
-        after  = render(messages[:i+1])                              # ... + content + '<|im_end|>\\n'
-    and the assistant's piece is after[len(before):]: exactly the text the model must generate at
-    inference, end-of-turn marker included. This needs no knowledge of any template's markers, only
-    that the template is prefix-stable (rendering more messages only appends text); one that rewrites
-    earlier turns (e.g. drops the reasoning of past turns) is refused, since no mask would be right.
+
+@lru_cache(maxsize=8)
+def template_roles(template):
+    """The roles a chat template takes: system, user and assistant, and those it tests for by name
+    (message.role == "tool", message['role'] == 'ipython')."""
+    named = re.findall(r"""role['"]?\]?\s*[!=]=\s*['"]([\w-]+)['"]""", template)
+    return CHAT_ROLES + tuple(sorted(set(named) - set(CHAT_ROLES)))
+
+# ----------------------------------------------------------------------------- tokenizing
+
+
+def encode_example(example, tokenizer, *, train_on_inputs=False, system_prompt=None, where="example"):
+    """(ids, mask): the example's token ids and, per token, whether it is a training target.
+
+    The example becomes text pieces, each a target or not (`_layout`; chats through `_chat_pieces`),
+    and `_encode_pieces` tokenizes them. Then:
+      - inside a run of target tokens, tokens after its last EOS are not targets (the model stops
+        at EOS, so it never generates what follows);
+      - BOS is prepended when the model uses one, unless the tokens already start with it
+        (chat templates often write it themselves);
+      - EOS is appended unless the tokens already end with it (ignoring trailing whitespace), as a
+        target when the last piece is one, so the model learns to stop.
+    system_prompt adds a system turn to chats that have none; train_on_inputs makes every token a
+    target; `where` names the example in errors. The mask is the only record of what is trained;
+    pad_id == eos_id does not hide EOS.
     """
-    pieces, done = [], ""
-
-    def add(text, is_target, n):
-        nonlocal done
-        if not text.startswith(done):
-            raise ValueError(
-                f"the chat template is not prefix-stable: rendering the first {n} messages does not start "
-                f"with the rendering of the ones before, so the assistant turns cannot be located. "
-                "nanotune needs a template that only appends text as messages are added; use another "
-                "template, or give the examples as 'text'")
-        pieces.append((text[len(done):], is_target))
-        done = text
-
-    for i, m in enumerate(messages):
-        if m["role"] == "assistant":
-            add(tokenizer.apply_chat_template(messages[:i], add_generation_prompt=True), False, i)
-        add(tokenizer.apply_chat_template(messages[:i + 1]), m["role"] == "assistant", i + 1)
-    return pieces
+    layout = _layout(example, tokenizer, system_prompt, where)
+    pieces = layout[1] if layout[0] == "pieces" else _chat_pieces(layout[1], layout[2], tokenizer, where)
+    ids, mask = _encode_pieces(pieces, tokenizer)
+    bos, eos = tokenizer.bos_id, tokenizer.eos_id
+    for start, end in _runs(mask):
+        if eos in ids[start:end]:
+            last = end - 1 - ids[start:end][::-1].index(eos)
+            mask[last + 1:end] = [False] * (end - last - 1)
+    if tokenizer.add_bos and bos is not None and ids[:1] != [bos]:
+        ids, mask = [bos] + ids, [False] + mask
+    if eos is not None and not _ends_with_eos(ids, tokenizer):
+        ids, mask = ids + [eos], mask + [pieces[-1][2]]
+    if train_on_inputs:
+        mask = [True] * len(ids)
+    return ids, mask
 
 
-def _tokenize_pieces(pieces, tokenizer):
-    """(ids, [(start, end, is_target)]): the tokens of the joined pieces and each piece's token span.
+def _runs(mask):
+    """[(start, end)] of every maximal run of True in `mask`."""
+    runs, i = [], 0
+    for value, group in itertools.groupby(mask):
+        n = len(list(group))
+        if value:
+            runs.append((i, i + n))
+        i += n
+    return runs
 
-    The whole text is tokenized at once, as it is at inference, and each piece's end is found by
-    tokenizing the text up to it: the boundary is where those tokens stop agreeing with the whole
-    text's tokens. So a token that merges across a boundary belongs to the later piece; usually the
-    boundaries sit at special tokens or newlines and no token crosses them.
+
+def _ends_with_eos(ids, tokenizer):
+    for i in reversed(ids):
+        if i == tokenizer.eos_id:
+            return True
+        if tokenizer.decode([i], skip_special_tokens=False).strip():
+            return False
+    return False
+
+
+def _sentinel(k):
+    """Stands in for message k's content while the chat is rendered again: private-use characters,
+    which real text does not hold and which trim, strip and split leave alone."""
+    return f"\ue000{k}\ue001"
+
+
+def _chat_pieces(messages, trained, tokenizer, where):
+    """The chat rendered by the template once, as (text, is_data, is_target) pieces.
+
+    Each message's content is located in that one rendering `full` by rendering the chat with
+    sentinels in place of contents. Most templates write every content verbatim: the rendering with
+    all contents replaced at once, with the contents put back, is `full`, and the sentinels' places
+    are the contents' places. Where that fails (the template trims contents, moves their reasoning
+    into a block, or rewrites earlier turns as Qwen3 does), each content is found on its own: the
+    chat rendered with only that content replaced agrees with `full` before and after it, and differs
+    exactly where the template wrote it, however it wrote it. Neither needs knowledge of the
+    template's markers, and every span is placed in the final rendering, which a rendering of each
+    prefix of the chat could not do for a template that rewrites earlier turns.
+
+    An assistant turn's target runs from the end of its header (what the template's generation
+    prompt ends with, '<|im_start|>assistant\n') through its end-of-turn text ('<|im_end|>\n'): what
+    the model generates at inference (encode_example then drops what follows an EOS). Template text
+    between the header and the content that the template writes for any content (Qwen3's empty
+    '<think>\n\n</think>\n\n') stays prompt; text it writes because of this content (a '<think>'
+    reasoning block) is target, as the content is.
     """
-    text = "".join(p for p, _ in pieces)
-    ids = tokenizer.encode(text)
-    spans, start, prefix = [], 0, ""
-    for piece, is_target in pieces:
-        prefix += piece
-        end = max(start, _common_prefix_len(tokenizer.encode(prefix), ids))
-        spans.append((start, end, is_target))
-        start = end
-    return ids, spans
+    full = _render(tokenizer, messages, where)
+    header, turn_end = _turn_markers(tokenizer)
+    probes = [{"role": m["role"], "content": _sentinel(k)} for k, m in enumerate(messages)]
+    data = _spans_in_one_render(full, _render(tokenizer, probes, where), messages)
+    begins = [start for start, _ in data] if data is not None else None
+    if data is None:
+        data, begins = [], []
+        for k in range(len(messages)):
+            probe = _render(tokenizer, messages[:k] + probes[k:k + 1] + messages[k + 1:], where)
+            start = _common_prefix_len(full, probe)
+            data.append((start, len(full) - _common_prefix_len(full[start:][::-1], probe[start:][::-1])))
+            at = probe.find(_sentinel(k))
+            h = probe.rfind(header, 0, at) if header and at >= 0 else -1
+            if h < 0 or h + len(header) > start:  # no header before the content: the target starts at the content
+                begins.append(start)
+            else:
+                fixed = probe[h + len(header):at]  # what the template writes before any content of this turn
+                begins.append(h + len(header) + (len(fixed) if full.startswith(fixed, h + len(header)) else 0))
+        spans = sorted(data)
+        if any(b[0] < a[1] for a, b in zip(spans, spans[1:])):
+            raise ValueError(f"{where}: the chat template writes these messages so that their contents cannot be "
+                             "told apart in its rendering; use another template (--chat-template)")
+    targets = [(begin, end + _common_prefix_len(full[end:end + len(turn_end)], turn_end))
+               for begin, (_, end), is_target in zip(begins, data, trained) if is_target]
+    cuts = sorted({0, len(full)}.union(*data, *targets))
+    return [(full[a:b], any(s <= a and b <= e for s, e in data), any(s <= a and b <= e for s, e in targets))
+            for a, b in zip(cuts, cuts[1:])]
+
+
+def _spans_in_one_render(full, rendered, messages):
+    """[(start, end)] of each message's content in `full`, when `rendered` (the chat with content k
+    replaced by _sentinel(k), in order) with the contents put back is `full`; else None."""
+    pieces, spans, last, length = [], [], 0, 0
+    for k, m in enumerate(messages):
+        at, content = rendered.find(_sentinel(k), last), m["content"] or ""
+        if at < 0:
+            return None
+        length += at - last
+        pieces += [rendered[last:at], content]
+        spans.append((length, length + len(content)))
+        length, last = length + len(content), at + len(_sentinel(k))
+    return spans if "".join(pieces) + rendered[last:] == full else None
+
+
+def _render(tokenizer, messages, where, add_generation_prompt=False):
+    try:
+        return tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+    except Exception as e:  # the template's raise_exception(), a Jinja error, or a Python error inside it
+        raise ValueError(f"{where}: the chat template failed on it ({type(e).__name__}: {e})") from None
+
+
+_MARKERS = {}  # (template, bos, eos) -> (header, turn_end)
+
+
+def _turn_markers(tokenizer):
+    """(header, turn_end): what the chat template writes before an assistant turn's content (its
+    generation prompt) and after it ('<|im_end|>\n'), from rendering a one-question chat."""
+    key = (tokenizer.chat_template, tokenizer.bos_id, tokenizer.eos_id)
+    if key not in _MARKERS:
+        where = "the chat template, rendering one user and one assistant message"
+        question = [{"role": "user", "content": "Hi"}]
+        prompt = _render(tokenizer, question, where)
+        with_header = _render(tokenizer, question, where, add_generation_prompt=True)
+        turn = _render(tokenizer, question + [{"role": "assistant", "content": _sentinel(0)}], where)
+        at = turn.rfind(_sentinel(0))
+        _MARKERS[key] = (with_header[len(prompt):] if with_header.startswith(prompt) else "",
+                         turn[at + len(_sentinel(0)):] if at >= 0 else "")
+    return _MARKERS[key]
+
+
+def _encode_pieces(pieces, tokenizer):
+    """(ids, mask) of the joined pieces: mask[i] is the is_target of the piece holding token i's last character.
+
+    The text is tokenized whole, as it is at inference, so a token that merges across a boundary
+    belongs to the later piece (the boundaries mostly sit at special tokens or newlines, which no
+    token crosses). Should a data piece spell a special token ('</s>' in an answer), whole-text
+    tokenizing would turn it into that control token: then each run of data pieces is tokenized
+    apart, as plain text, and each run of template pieces with its special tokens.
+    """
+    starts = np.cumsum([0] + [len(text) for text, _, _ in pieces[:-1]])
+    is_data, is_target = np.array([p[1] for p in pieces]), np.array([p[2] for p in pieces])
+
+    def piece_of(offsets):  # each token's piece: the one holding its last character ((s, s): a token of no text)
+        spans = np.fromiter(itertools.chain.from_iterable(offsets), dtype=np.int64, count=2 * len(offsets))
+        return np.searchsorted(starts, np.maximum(spans[0::2], spans[1::2] - 1), side="right") - 1
+
+    text = "".join(t for t, _, _ in pieces)
+    ids, offsets = tokenizer.encode_offsets(text)
+    piece = piece_of(offsets)
+    special = tokenizer.special_tokens  # id -> text; '<unk>' for unknown text is special, but not spelled
+    if any(is_data[piece[k]] and text[offsets[k][0]:offsets[k][1]] == special[ids[k]]
+           for k in np.flatnonzero(np.isin(ids, list(special)))):
+        ids, offsets, at = [], [], 0
+        for data_run, group in itertools.groupby(pieces, key=lambda p: p[1]):
+            run = "".join(t for t, _, _ in group)
+            part, part_offsets = tokenizer.encode_offsets(run, parse_special=not data_run)
+            ids += part
+            offsets += [(a + at, b + at) for a, b in part_offsets]
+            at += len(run)
+        piece = piece_of(offsets)
+    return ids, is_target[piece].tolist()
 
 
 def _common_prefix_len(a, b):
-    n = 0
-    while n < len(a) and n < len(b) and a[n] == b[n]:
-        n += 1
-    return n
+    """The length of the longest common prefix of sequences a and b (a binary search of slice compares)."""
+    lo, hi = 0, min(len(a), len(b))
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+# ----------------------------------------------------------------------------- datasets: split, tokenize, cache
+
+CHUNK = 256  # examples per task of the tokenizing pool
+PROGRESS_EVERY = 10.0  # seconds between progress lines while tokenizing
+
+
+def load_datasets(tokenizer, *, data="builtin", eval_data=None, eval_fraction=0.02, max_examples=None,
+                  columns=None, chat_template=None, system_prompt=None, train_on_inputs=False,
+                  max_len=2048, seed=1337, num_proc=None, cache_dir=None, log=print):
+    """(train, eval): the training and evaluation examples as lists of (ids, mask), for `Batches`.
+
+    Reads `data` (any source `load_examples` takes) and keeps its first `max_examples` rows. The eval
+    set is `eval_data` when given; else "builtin"'s own eval split; else `eval_fraction` of the rows,
+    held out by a shuffle seeded with `seed` (at most 200 rows, none when there are under 20).
+    `columns` maps column names (`parse_columns`), `chat_template` is a file whose Jinja template
+    replaces the model's, `system_prompt` adds a system turn to chats without one, and
+    train_on_inputs trains the training examples' prompt tokens too.
+
+    Every row is checked before any is tokenized. Tokenizing runs in `num_proc` processes (default:
+    every CPU) and is cached in `cache_dir` (default `default_cache_dir()`), keyed by the rows, the
+    tokenizer, the chat template, the system prompt and the code that encodes them: the same data
+    again is read back without tokenizing. Training examples longer than max_len are dropped, saying
+    so; eval examples are kept (batching truncates them). Bad input raises ValueError or
+    FileNotFoundError with a one-line message.
+    """
+    if not 0 <= eval_fraction < 1:
+        raise ValueError(f"--eval-fraction must be at least 0 and below 1 (got {eval_fraction}): it is the share "
+                         "of --data held out for evaluation")
+    for name, value in (("--max-examples", max_examples), ("--num-proc", num_proc)):
+        if value is not None and value < 1:
+            raise ValueError(f"{name} must be at least 1 (got {value})")
+    mapping = parse_columns(columns)
+    if mapping and _is_builtin(data):
+        raise ValueError("--columns maps the column names of your --data; the builtin dataset needs none")
+    if chat_template is not None:
+        tokenizer = tokenizer.with_chat_template(_read_chat_template(chat_template), f"--chat-template {chat_template}")
+    records = _records(data, mapping, max_examples)
+    eval_records = (_records(eval_data, mapping, None) if eval_data is not None
+                    else _records("builtin:eval", {}, None) if _is_builtin(data) else None)
+    for where, row in records + (eval_records or []):
+        _layout(row, tokenizer, system_prompt, where)
+    options = dict(tokenizer=tokenizer, system_prompt=system_prompt, num_proc=num_proc or _cpu_count(),
+                   cache_dir=cache_dir or default_cache_dir(), log=log)
+    encoded = _encode_cached(records, **options)
+    if eval_records is not None:
+        train, held_out = encoded, _encode_cached(eval_records, **options)
+    else:
+        n_eval = min(200, int(len(records) * eval_fraction)) if len(records) >= 20 else 0
+        order = list(range(len(records)))
+        random.Random(seed).shuffle(order)
+        train, held_out = [encoded[i] for i in order[n_eval:]], [encoded[i] for i in order[:n_eval]]
+        if n_eval == 0:
+            log(_no_eval_split(len(records), eval_fraction))
+    if train_on_inputs:  # every token a target, as encode_example(train_on_inputs=True) makes it
+        train = [(ids, [True] * len(ids)) for ids, _ in train]
+    fits = [e for e in train if len(e[0]) <= max_len]
+    if not fits:
+        raise ValueError(f"every training example is longer than --max-len {max_len} (the shortest has "
+                         f"{min(len(ids) for ids, _ in train)} tokens); raise --max-len or shorten the examples")
+    if not any(any(mask[1:]) for _, mask in fits):  # a target needs a token before it
+        raise ValueError("no example has any target token (every label is masked): check the dataset's "
+                         "answers/assistant turns, or pass --train-on-inputs")
+    if len(fits) < len(train):
+        log(f"data: dropped {len(train) - len(fits)} of {len(train)} examples longer than --max-len {max_len}")
+    return fits, held_out
+
+
+def _no_eval_split(n, eval_fraction):
+    if n < 20:
+        return (f"data: no eval split: {n} examples are too few to hold any out (it takes 20); "
+                "pass --eval-data FILE to evaluate on a set of your own")
+    return (f"data: no eval split: --eval-fraction {eval_fraction} of {n} examples holds out none; pass "
+            f"--eval-fraction {math.ceil(100 / n) / 100:g} or more, or --eval-data FILE, to evaluate")
+
+
+def _read_chat_template(path):
+    """The Jinja text of a --chat-template file: a template, or a tokenizer_config.json holding one."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except FileNotFoundError:
+        raise FileNotFoundError(f"--chat-template: no such file: {path!r}; pass a file that holds a Jinja chat "
+                                "template (a .jinja file, or a tokenizer_config.json)") from None
+    except UnicodeDecodeError:
+        raise ValueError(f"--chat-template {path} is not UTF-8 text") from None
+    if path.endswith(".json"):
+        try:
+            text = json.loads(text).get("chat_template")
+        except (json.JSONDecodeError, AttributeError):
+            raise ValueError(f"--chat-template {path} is not a JSON object; a .json file must be a "
+                             "tokenizer_config.json with a 'chat_template'") from None
+        if not isinstance(text, str):
+            raise ValueError(f"--chat-template {path} has no 'chat_template' string")
+    if not text.strip():
+        raise ValueError(f"--chat-template {path} is empty")
+    return text
+
+
+def default_cache_dir():
+    """Where tokenized datasets are cached: $NANOTUNE_CACHE/datasets, else ~/.cache/nanotune/datasets.
+    Each is one .npz file named by its key; deleting the folder is always safe."""
+    root = os.environ.get("NANOTUNE_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "nanotune")
+    return os.path.join(root, "datasets")
+
+
+def _cpu_count():
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def _encode_cached(records, *, tokenizer, system_prompt, num_proc, cache_dir, log):
+    """encode_example of every record, from the cache when it holds them."""
+    path = os.path.join(cache_dir, _cache_key(records, tokenizer, system_prompt) + ".npz")
+    arrays = None
+    if os.path.exists(path):
+        try:
+            with np.load(path) as f:
+                arrays = f["ids"], f["mask"], f["lengths"]
+            if len(arrays[2]) != len(records):
+                raise ValueError(f"it holds {len(arrays[2])} examples, not {len(records)}")
+            log(f"data: {len(records)} examples tokenized before, read from {path}")
+        except Exception as e:  # a damaged or foreign file: tokenize again and overwrite it
+            log(f"data: ignoring the unreadable cache file {path} ({e})")
+            arrays = None
+    if arrays is None:
+        arrays = _tokenize(records, tokenizer, system_prompt, num_proc, log)
+        _write_cache(path, arrays, log)
+    ids, mask, lengths = arrays
+    ids, mask, bounds = ids.tolist(), mask.tolist(), [0] + np.cumsum(lengths).tolist()
+    return [(ids[a:b], mask[a:b]) for a, b in zip(bounds, bounds[1:])]
+
+
+def _cache_key(records, tokenizer, system_prompt):
+    h = hashlib.sha256(json.dumps([_code_hash(), tokenizer.fingerprint(), tokenizer.chat_template,
+                                   system_prompt]).encode())
+    for _, row in records:
+        h.update(json.dumps(row, sort_keys=True, ensure_ascii=False, default=str).encode() + b"\n")
+    return h.hexdigest()[:32]
+
+
+@lru_cache(maxsize=1)
+def _code_hash():
+    """A hash of the code that turns rows into tokens (this file, the tokenizer's): editing it invalidates the cache."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    h = hashlib.sha256()
+    for path in (os.path.join(here, "data.py"), os.path.join(here, "model", "tokenizer.py")):
+        with open(path, "rb") as f:
+            h.update(f.read())
+    return h.hexdigest()
+
+
+def _write_cache(path, arrays, log):
+    tmp = f"{path}.{os.getpid()}.tmp"
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(tmp, "wb") as f:
+            np.savez(f, ids=arrays[0], mask=arrays[1], lengths=arrays[2])
+        os.replace(tmp, path)  # atomic: a reader never sees half a file
+    except OSError as e:  # a read-only or full disk costs only the cache
+        log(f"data: could not cache the tokenized examples in {path} ({e}); continuing without")
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+
+
+def _tokenize(records, tokenizer, system_prompt, num_proc, log):
+    """(ids, mask, lengths) arrays of every record's encode_example, concatenated; in a pool of
+    processes when there is more than one chunk of work, with a progress line every PROGRESS_EVERY s."""
+    chunks = [records[i:i + CHUNK] for i in range(0, len(records), CHUNK)]
+    procs = min(num_proc, len(chunks))
+    t0 = last = time.time()
+    parts, done = [], 0
+    pool = multiprocessing.Pool(procs, _init_worker, (tokenizer, system_prompt)) if procs > 1 else None
+    with pool or contextlib.nullcontext():
+        results = (pool.imap(_encode_chunk, chunks) if pool is not None
+                   else (_encode_records(chunk, tokenizer, system_prompt) for chunk in chunks))
+        for part in results:
+            parts.append(part)
+            done += len(part[2])
+            now = time.time()
+            if now - last >= PROGRESS_EVERY and done < len(records):
+                rate = done / (now - t0)
+                log(f"data: tokenized {done}/{len(records)} examples ({rate:.0f}/s, "
+                    f"about {(len(records) - done) / rate:.0f} s left)")
+                last = now
+    seconds = time.time() - t0
+    log(f"data: tokenized {len(records)} examples in {seconds:.1f} s ({len(records) / max(seconds, 1e-9):.0f}/s, "
+        f"{procs} process{'es' if procs > 1 else ''})")
+    return tuple(np.concatenate(arrays) for arrays in zip(*parts))
+
+
+def _encode_records(records, tokenizer, system_prompt):
+    ids, mask, lengths = [], [], []
+    for where, row in records:
+        i, m = encode_example(row, tokenizer, system_prompt=system_prompt, where=where)
+        ids += i
+        mask += m
+        lengths.append(len(i))
+    return np.array(ids, dtype=np.int32), np.array(mask, dtype=bool), np.array(lengths, dtype=np.int64)
+
+
+_worker = {}  # a pool process's tokenizer and system prompt, set once by _init_worker
+
+
+def _init_worker(tokenizer, system_prompt):
+    _worker.update(tokenizer=tokenizer, system_prompt=system_prompt)
+
+
+def _encode_chunk(records):
+    return _encode_records(records, _worker["tokenizer"], _worker["system_prompt"])
 
 # ----------------------------------------------------------------------------- batching
 

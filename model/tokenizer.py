@@ -5,10 +5,12 @@ Hugging Face model folders keep the vocabulary and merges in `tokenizer.json`
 template in `tokenizer_config.json`. This wrapper reads both, so the rest of
 nanotune needs no transformers at run time.
 """
+import dataclasses
+import hashlib
 import json
 import os
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cached_property, lru_cache
 
 import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -42,6 +44,40 @@ class Tokenizer:
         if add_special_tokens and self.add_bos and self.bos_id is not None:
             ids = [self.bos_id] + ids
         return ids
+
+    def encode_offsets(self, text, *, parse_special=True):
+        """(ids, offsets): the tokens of `text` and each one's (start, end) character span in it.
+        parse_special=False encodes text that spells a special token ('</s>', '<|im_end|>') as
+        ordinary characters, for text that comes from data rather than from a template. Added
+        tokens that are not special (Qwen's '<think>') are matched either way."""
+        enc = (self.tok if parse_special else self._tok_plain).encode(text, add_special_tokens=False)
+        return enc.ids, enc.offsets
+
+    @cached_property
+    def _tok_plain(self):
+        tok = _HFTokenizer.from_str(self.tok.to_str())
+        tok.encode_special_tokens = True
+        return tok
+
+    @cached_property
+    def special_tokens(self):
+        """{id: text} of the special (control) tokens: BOS, EOS, the chat markers."""
+        return {i: t.content for i, t in self.tok.get_added_tokens_decoder().items() if t.special}
+
+    def fingerprint(self):
+        """A hash of everything that decides how text is tokenized (vocabulary, merges, normalizer,
+        special tokens, BOS/EOS use), for caches of tokenized data. The chat template is not in it."""
+        state = json.dumps([self.tok.to_str(), self.bos_id, self.eos_id, self.pad_id, self.add_bos])
+        return hashlib.sha256(state.encode()).hexdigest()
+
+    def with_chat_template(self, template, source="the chat template"):
+        """A copy of this tokenizer that renders chats with `template` (Jinja text) instead; a
+        template that does not compile is a ValueError naming `source`."""
+        try:
+            _compile(template)
+        except jinja2.TemplateSyntaxError as e:
+            raise ValueError(f"{source} is not a valid Jinja template: {e.message} (line {e.lineno})") from None
+        return dataclasses.replace(self, chat_template=template)
 
     def decode(self, ids, skip_special_tokens=True):
         return self.tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
@@ -83,6 +119,21 @@ def _render(template, messages, add_generation_prompt, **special):
     return _compile(template).render(messages=messages, add_generation_prompt=add_generation_prompt, **special)
 
 
+def _read_json(path):
+    """The JSON object in `path`, or {} when there is no such file; a damaged file is a ValueError naming it."""
+    if not os.path.isfile(path):
+        return {}
+    try:
+        with open(path, encoding="utf-8") as f:
+            value = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path} is not valid JSON ({e}); the file is damaged: download the model's "
+                         "tokenizer files again") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{path} should hold a JSON object, not a {type(value).__name__}; download it again")
+    return value
+
+
 def load_tokenizer(path):
     """Load `tokenizer.json` (+ `tokenizer_config.json` if present) from a local model folder."""
     tj = os.path.join(path, "tokenizer.json")
@@ -90,17 +141,15 @@ def load_tokenizer(path):
         raise FileNotFoundError(
             f"no tokenizer.json in {path!r}. nanotune reads the fast-tokenizer file that Hugging Face "
             "model folders ship; save one with transformers' tokenizer.save_pretrained(path)")
-    tok = _HFTokenizer.from_file(tj)
-    cfg = {}
-    tc = os.path.join(path, "tokenizer_config.json")
-    if os.path.isfile(tc):
-        with open(tc) as f:
-            cfg = json.load(f)
-    special = {}
-    stm = os.path.join(path, "special_tokens_map.json")
-    if os.path.isfile(stm):
-        with open(stm) as f:
-            special = json.load(f)
+    if os.path.getsize(tj) == 0:
+        raise ValueError(f"{tj} is empty (0 bytes), as an interrupted download leaves it: download it again")
+    try:
+        tok = _HFTokenizer.from_file(tj)
+    except Exception as e:  # the tokenizers library raises a bare Exception for every parse error
+        raise ValueError(f"{tj} cannot be read ({e}); it is cut short or damaged, as an interrupted "
+                         "download leaves it: download it again") from None
+    cfg = _read_json(os.path.join(path, "tokenizer_config.json"))
+    special = _read_json(os.path.join(path, "special_tokens_map.json"))
 
     def tid(key):
         text = _token_text(cfg.get(key)) or _token_text(special.get(key))

@@ -14,3 +14,10 @@ def run_model(tmp_path_factory):
     """A tiny TinyLlama-shaped model folder with a tokenizer, that train.py runs on (built once)."""
     from tests.tiny_models import make_run_folder
     return make_run_folder(str(tmp_path_factory.mktemp("tinyllama")), family="tinyllama")
+
+
+@pytest.fixture(autouse=True)
+def _own_dataset_cache(tmp_path, monkeypatch):
+    """Each test tokenizes into a cache of its own: none writes to ~/.cache, and none reads data another
+    test tokenized (with other code patched in)."""
+    monkeypatch.setenv("NANOTUNE_CACHE", str(tmp_path / "nanotune-cache"))

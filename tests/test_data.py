@@ -1,4 +1,5 @@
-"""Tests for data.py: formats and loss masks, packing, loading errors, batching, the builtin dataset."""
+"""Tests for data.py: formats and loss masks, packing, loading errors, batching, the builtin dataset; damaged
+tokenizer files."""
 import hashlib
 import json
 import re
@@ -128,11 +129,14 @@ def test_eos_is_a_target_even_when_pad_is_eos(make_tok, example):
         assert num_targets(batch) == sum(sum(mask[1:]) for _, mask in encoded)
 
 
-def test_template_that_rewrites_earlier_turns_is_refused(make_tok):
+def test_template_that_rewrites_earlier_turns_trains_its_final_render(make_tok):
+    """A template whose rendering of a chat is not an extension of its rendering of the chat's start
+    (it marks the last message) is read from its one full rendering."""
     tok = make_tok(chat_template="{% for m in messages %}{% if loop.last %}[last]{% endif %}{{ m['content'] }}"
                                  "{% endfor %}")
-    with pytest.raises(ValueError, match="not prefix-stable"):
-        encode_example(CHAT, tok)
+    ids, mask = encode_example(CHAT, tok)
+    assert text_of(tok, ids) == "<s>Be brief.hihello2+2?[last]4</s>"
+    assert target_runs(tok, ids, mask) == ["hello", "4</s>"]
 
 
 def test_messages_need_a_chat_template(base):
@@ -311,13 +315,20 @@ def write(tmp_path, name, content):
     ("broken.jsonl", '{"text": "a"}\n{"text": \n', ValueError, "line 2 is not valid JSON"),
     ("broken.json", '[{"text": "a"},\n oops]', ValueError, "not valid JSON at line 2"),
     ("lines.json", '{"text": "a"}\n{"text": "b"}\n', ValueError, "name it .jsonl"),
-    ("table.csv", "text\nhello\n", ValueError, "unsupported file type '.csv'.*.jsonl"),
+    ("table.xlsx", "text\nhello\n", ValueError, "unsupported file type '.xlsx'.*.jsonl"),
     ("scalar.jsonl", '{"text": "a"}\n["a"]\n', ValueError, "line 2: expected a JSON object"),
     ("dict.json", '{"rows": []}', ValueError, "expected a JSON list"),
-    ("fields.jsonl", '{"prompt": "a", "completion": "b"}', ValueError,
-     r"line 1: no known fields \(found \['completion', 'prompt'\]\).*'text'.*'instruction'.*'output'.*'messages'"),
+    ("fields.jsonl", '{"question": "a", "answer": "b"}', ValueError,
+     r"line 1: no known fields \(found \['answer', 'question'\]\).*'text'.*'instruction'.*'output'.*'messages'"),
     ("noanswer.jsonl", '{"instruction": "a"}', ValueError, "no known fields"),
-    ("sharegpt.jsonl", '{"messages": [{"from": "human", "value": "hi"}]}', ValueError, "'role' and 'content'"),
+    ("roleless.jsonl", '{"messages": [{"content": "hi"}]}', ValueError,
+     r"messages\[0\] needs string 'role' and 'content'"),
+    ("sharegpt.jsonl", '{"conversations": [{"from": "human", "value": "hi"}]}', ValueError,
+     r"'conversations' has no message with role 'assistant'"),
+    ("badfrom.jsonl", '{"conversations": [{"from": "bot", "value": "hi"}]}', ValueError,
+     r"conversations\[0\] is from 'bot'; ShareGPT's roles are human, gpt and system"),
+    ("mixed.jsonl", '{"prompt": "a", "completion": [{"role": "assistant", "content": "b"}]}', ValueError,
+     "'prompt' and 'completion' must both be strings, or both lists of messages"),
     ("noassistant.json", '[{"messages": [{"role": "user", "content": "hi"}]}]', ValueError,
      re.escape("item 0: 'messages' has no message with role 'assistant'")),
     ("badtype.jsonl", '{"text": 5}', ValueError, "'text' must be a string"),
@@ -341,12 +352,14 @@ def test_hub_spec_fetches_the_dataset_file(tmp_path, monkeypatch):
     local = write(tmp_path, "train.jsonl", '{"text": "hi"}\n')
     calls = []
 
-    def fake_download(repo_id, filename, *, repo_type=None):
-        calls.append((repo_id, filename, repo_type))
+    def fake_download(repo_id, filename, *, repo_type=None, revision=None):
+        calls.append((repo_id, filename, repo_type, revision))
         return local
     monkeypatch.setattr(huggingface_hub, "hf_hub_download", fake_download)
     assert load_examples("someone/some-data:sub/train.jsonl") == [{"text": "hi"}]
-    assert calls == [("someone/some-data", "sub/train.jsonl", "dataset")]
+    assert load_examples("someone/some-data@v2:train.jsonl") == [{"text": "hi"}]
+    assert calls == [("someone/some-data", "sub/train.jsonl", "dataset", None),
+                     ("someone/some-data", "train.jsonl", "dataset", "v2")]
 
 
 def test_hub_failure_names_repo_and_file(monkeypatch):
@@ -422,3 +435,23 @@ def test_answer_accuracy(packing):
     not_target = (batch["targets"] == IGNORE_INDEX).nonzero()[0].tolist()  # non-targets do not count
     logits[not_target[0], not_target[1]] = 0.0
     assert answer_accuracy(logits, batch) == (5, 6)
+
+# ----------------------------------------------------------------------------- damaged tokenizer files
+
+
+@pytest.mark.parametrize("damage, message", [
+    (lambda d: (d / "tokenizer.json").write_text(""), r"tokenizer\.json is empty \(0 bytes\).*download it again"),
+    (lambda d: (d / "tokenizer.json").write_text((d / "tokenizer.json").read_text()[:5000]),
+     r"tokenizer\.json cannot be read \(.*\); it is cut short or damaged.*download it again"),
+    (lambda d: (d / "tokenizer_config.json").write_text('{"bos_token": "<s>",'),
+     r"tokenizer_config\.json is not valid JSON .*download the model's tokenizer files again"),
+    (lambda d: (d / "tokenizer_config.json").write_text('["<s>"]'), r"tokenizer_config\.json should hold a JSON object"),
+    (lambda d: (d / "special_tokens_map.json").write_bytes(b'{"bos_token": "\xff"}'),
+     r"special_tokens_map\.json is not valid JSON"),
+])
+def test_damaged_tokenizer_files_are_named(tmp_path, damage, message):
+    folder = tmp_path / "tok"
+    make_test_tokenizer(folder)
+    damage(folder)
+    with pytest.raises(ValueError, match=message):
+        load_tokenizer(str(folder))

@@ -140,9 +140,9 @@ DATASETS = {  # a bad --data -> what the error says
     "empty": (lambda d: _write(d / "e.jsonl", "\n"), r"e\.jsonl is empty: it needs at least one example"),
     "not-json": (lambda d: _write(d / "t.jsonl", '{"text": "a"}\nhello\n'),
                  r"t\.jsonl: line 2 is not valid JSON .*one JSON object per line"),
-    "not-a-json-file": (lambda d: _write(d / "t.csv", "text\nhello\n"), r"unsupported file type '\.csv'"),
-    "unknown-fields": (lambda d: _write(d / "u.jsonl", json.dumps({"prompt": "a", "completion": "b"}) + "\n"),
-                       r"line 1: no known fields \(found \['completion', 'prompt'\]\)\. Known formats: 'text'"),
+    "not-a-data-file": (lambda d: _write(d / "t.xlsx", "text\nhello\n"), r"unsupported file type '\.xlsx'"),
+    "unknown-fields": (lambda d: _write(d / "u.jsonl", json.dumps({"question": "a", "answer": "b"}) + "\n"),
+                       r"line 1: no known fields \(found \['answer', 'question'\]\)\. Known formats: 'text'"),
 }
 
 
