@@ -2,7 +2,8 @@
 batches, time steps (warm-up, then synchronized steps), measure peak memory and GPU kernel time.
 
     step = nanotune_step(folder, "cuda", ckpt="off")
-    result = time_steps(step, repeat(fixed_batch(step.vocab_size, 4, 2048, "cuda")), warmup=3, steps=10)
+    batches = repeat(fixed_batch(step.vocab_size, 4, 2048, "cuda"))  # or padded_batches(...): a new shape each step
+    result = time_steps(step, batches, warmup=3, steps=10, device="cuda")
 
 `nanotune_step` is the one place that builds nanotune's step for every benchmark, so a new way
 to run the step (another training option) is switched on there and reaches them all.
