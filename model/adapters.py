@@ -23,8 +23,8 @@ import shutil
 import torch
 from safetensors.torch import load_file, save_file
 
-from model.load import resolve
-from model.lora import ALL_TARGETS, LoRAConfig, LoRALinear, lora_parameters
+from model.hub import resolve
+from model.lora import ALL_TARGETS, LoRAConfig, LoRALinear, lora_parameters, merged_weight
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"
@@ -111,15 +111,6 @@ def load_adapter(model, folder):
     with torch.no_grad():
         for key, p in params.items():
             p.copy_(tensors[key])
-
-
-def merged_weight(linear: LoRALinear):
-    """W + s·B·A in W's dtype (NF4 dequantized first), summed in fp32."""
-    w = linear.base_weight()
-    if not linear.r:
-        return w
-    delta = linear.scale * (linear.lora_B.float() @ linear.lora_A.float())  # (out, in)
-    return (w.float() + delta).to(w.dtype)
 
 
 def merged_tensors(model):

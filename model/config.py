@@ -5,7 +5,9 @@ those fields and never a family name. `from_hf_config` is the one place where a
 Hugging Face `config.json` (whose keys differ per architecture and per
 transformers version) is translated into those fields.
 """
+import json
 import math
+import os
 from dataclasses import dataclass, field, asdict
 
 # Short name -> Hugging Face hub repo id. Looked up exactly; unknown names list these.
@@ -85,6 +87,26 @@ class ModelConfig:
         return asdict(self)
 
 
+# config.json keys every supported architecture has; the others have defaults.
+REQUIRED_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+
+
+def read_hf_config(folder: str) -> dict:
+    """A model folder's config.json as a dict."""
+    path = os.path.join(folder, "config.json")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"no config.json in {folder!r}: a model folder needs config.json and "
+                                "*.safetensors (as written by transformers' save_pretrained)")
+    with open(path) as f:
+        try:
+            hf = json.load(f)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path} is not valid JSON ({e}); restore it from where the model came from") from e
+    if not isinstance(hf, dict):
+        raise ValueError(f"{path} holds a JSON {type(hf).__name__}, not the object of a transformers config")
+    return hf
+
+
 def _rope_params(hf):
     """(theta, local_theta, scaling) from either the transformers<5 keys
     (`rope_theta`, `rope_scaling`, `rope_local_base_freq`) or the v5 `rope_parameters`."""
@@ -105,8 +127,9 @@ def _rope_params(hf):
     return hf.get("rope_theta", 10000.0), hf.get("rope_local_base_freq"), scaling
 
 
-def from_hf_config(hf: dict) -> ModelConfig:
-    """Translate a Hugging Face config.json (as a dict) into a ModelConfig."""
+def from_hf_config(hf: dict, source: str = "config.json") -> ModelConfig:
+    """Translate a Hugging Face config.json (as a dict) into a ModelConfig. `source` names the
+    file in error messages."""
     archs = hf.get("architectures") or []
     arch = archs[0] if archs else None
     mtype = hf.get("model_type")
@@ -122,6 +145,10 @@ def from_hf_config(hf: dict) -> ModelConfig:
             raise ValueError(
                 f"unsupported architecture {archs or mtype!r}; nanotune supports "
                 f"{sorted(SUPPORTED)} (model_type {sorted(by_type)})")
+    missing = [k for k in REQUIRED_KEYS if k not in hf]
+    if missing:
+        raise ValueError(f"{source} has no {missing[0]!r}, which every {arch} config.json sets: the file is "
+                         "incomplete; restore it from where the model came from")
     family = SUPPORTED[arch]
     H, nh = hf["hidden_size"], hf["num_attention_heads"]
     head_dim = hf.get("head_dim") or H // nh
@@ -134,7 +161,7 @@ def from_hf_config(hf: dict) -> ModelConfig:
     act = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh",
            "gelu": "gelu"}.get(act_name)
     if act is None:
-        raise ValueError(f"unsupported activation {act_name!r} (supported: silu, gelu, gelu_pytorch_tanh)")
+        raise ValueError(f"{source}: unsupported activation {act_name!r} (supported: silu, gelu, gelu_pytorch_tanh)")
     cfg = dict(
         vocab_size=hf["vocab_size"], hidden_size=H, intermediate_size=hf["intermediate_size"],
         n_layers=n_layers, n_heads=nh, n_kv_heads=hf.get("num_key_value_heads") or nh, head_dim=head_dim,

@@ -47,12 +47,11 @@ from gguf import GGMLQuantizationType as QType
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as _HFTokenizer
 
-from model.adapters import merged_weight
 from model.config import ModelConfig
-from model.load import CheckpointError, check_complete, expected_tensors, finish_model, place_tensor
-from model.lora import LoRAConfig, LoRALinear
+from model.lora import LoRAConfig, LoRALinear, merged_weight
 from model.tokenizer import Tokenizer
 from model.transformer import Transformer, rope_inv_freq
+from model.weights import CheckpointError, check_complete, check_quantize, expected_tensors, finish_model, place_tensor
 
 
 @dataclass
@@ -224,7 +223,12 @@ def scaling_from_rope_freqs(cfg: ModelConfig, factors: torch.Tensor) -> dict | N
     return scaling
 
 
-def read_config(reader) -> ModelConfig:
+def read_gguf_config(path) -> ModelConfig:
+    """The ModelConfig of a GGUF file."""
+    return gguf_config(_open(path))
+
+
+def gguf_config(reader) -> ModelConfig:
     """A ModelConfig from GGUF metadata (`{arch}.*`, `tokenizer.ggml.*`) and the tensors present."""
     arch = _meta(reader, "general.architecture")
     if arch not in FAMILIES:
@@ -274,17 +278,18 @@ def read_config(reader) -> ModelConfig:
 
 
 def load_gguf(path, dtype=torch.float32, device="cpu", lora: LoRAConfig | None = None, quantize=None,
-              use_kernels=False, lora_seed=0, fused_lora=True):
+              use_kernels=False, lora_seed=0, fused_lora=True, gradient_checkpointing=False,
+              offload_activations=False):
     """Build the model from a GGUF file and load its weights, dequantized to `dtype` (and requantized
     to NF4 with quantize="nf4"). Returns (model, config), like model.load.load_model, which routes
     *.gguf paths here."""
-    if quantize not in (None, "nf4"):
-        raise ValueError(f"quantize must be None or 'nf4', got {quantize!r}")
+    check_quantize(quantize)
     reader = _open(path)
-    cfg = read_config(reader)
+    cfg = gguf_config(reader)
     fam = FAMILIES[_meta(reader, "general.architecture")]
     with torch.device("meta"):
-        model = Transformer(cfg, lora=lora, use_kernels=use_kernels, fused_lora=fused_lora)
+        model = Transformer(cfg, lora=lora, use_kernels=use_kernels, fused_lora=fused_lora,
+                            gradient_checkpointing=gradient_checkpointing, offload_activations=offload_activations)
     expected, nf4_keys = expected_tensors(model, cfg, quantize)
     seen = set()
     for t in reader.tensors:
@@ -380,7 +385,7 @@ def export_tensors(model):
             if pname == "bias" and mod.bias is None:
                 continue
             if isinstance(mod, LoRALinear) and pname == "weight":
-                w = merged_weight(mod).float()  # W + s·B·A (an NF4 W dequantized)
+                w = merged_weight(mod, torch.float32)  # W + s·B·A (an NF4 W dequantized)
             else:
                 w = getattr(mod, pname).detach().float()
             if name.endswith("norm.weight"):

@@ -30,7 +30,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from kernels.swiglu import swiglu, swiglu_reference  # noqa: E402
-from model.lora import LoRAConfig, LoRALinear, lora_mlp, make_glu  # noqa: E402
+from model.lora import LoRAConfig, LoRALinear, lora_mlp  # noqa: E402
+from model.transformer import Ops  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -55,7 +56,7 @@ def nanotune_case(args, fused, nf4=False, dropout=0.0):
         projs.append(m.train())
     gate, up, down = projs
     if fused:
-        glu = make_glu("silu", use_kernels)
+        glu = Ops(use_kernels).glu("silu")
         fn = lambda x: lora_mlp(x, projs, glu)  # noqa: E731
     else:
         act = swiglu if use_kernels else swiglu_reference

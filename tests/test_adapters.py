@@ -10,8 +10,7 @@ from safetensors.torch import load_file, save_file
 from model import LoRAConfig, load_model
 from model.adapters import load_adapter, merge_and_save, read_adapter_config, save_adapter
 from model.lora import lora_parameters
-from tests.helpers import rel_err
-from tests.test_lora import randomize_lora
+from tests.helpers import randomize_lora_b, rel_err
 from tests.tiny_models import FAMILIES, save_tiny
 from tests.tiny_tokenizer import make_test_tokenizer
 
@@ -33,7 +32,7 @@ def adapted(request, tmp_path_factory):
     save_tiny(family, folder)
     kw = {"targets": TARGETS[family]} if family in TARGETS else {}
     model, _ = load_model(folder, lora=LoRAConfig(r=4, alpha=8.0, rslora=family == "gemma", **kw))
-    randomize_lora(model)
+    randomize_lora_b(model, std=0.1)
     save_adapter(model, str(root / "adapter"), base_model=folder)
     return family, folder, model, str(root / "adapter")
 
@@ -99,7 +98,7 @@ def test_merge_nf4_model(tmp_path):
     folder = str(tmp_path / "base")
     save_tiny("llama", folder)
     model, _ = load_model(folder, lora=LoRAConfig(r=4), quantize="nf4")
-    randomize_lora(model)
+    randomize_lora_b(model, std=0.1)
     merge_and_save(model, None, str(tmp_path / "merged"))
     ids = ids_for(model)
     with torch.no_grad():

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from model import CheckpointError, load_model
+from model import NAMED_MODELS, CheckpointError, base_model_id, load_model, read_config, resolve
 from model.config import from_hf_config
 from tests.helpers import rel_err
 from tests.tiny_models import FAMILIES, save_tiny
@@ -191,3 +191,48 @@ def test_hub_errors_say_what_to_do(monkeypatch, error, says):
     with pytest.raises(ValueError, match=says) as info:
         load_model("someone/no-such-model")
     assert "'someone/no-such-model'" in str(info.value) and "--model /path/to/folder" in str(info.value)
+
+
+def test_config_json_errors_name_the_file(tmp_path):
+    save_tiny("llama", str(tmp_path))
+    path = tmp_path / "config.json"
+    hf = json.loads(path.read_text())
+    del hf["hidden_size"]
+    path.write_text(json.dumps(hf))
+    with pytest.raises(ValueError, match=f"{path} has no 'hidden_size'") as info:
+        load_model(str(tmp_path))
+    assert "\n" not in str(info.value)
+    path.write_text('{"architectures": ["LlamaForCausalLM"],')
+    with pytest.raises(ValueError, match=f"{path} is not valid JSON"):
+        read_config(str(tmp_path))
+
+
+def test_quantize_is_checked_first():
+    """A quantize value other than None / 'nf4' is refused before the model is looked up."""
+    with pytest.raises(ValueError, match="quantize must be None or 'nf4'.*'nf8'"):
+        load_model("no-such-model", quantize="nf8")
+
+
+def test_resolve_read_config_and_base_model_id(monkeypatch, tmp_path):
+    """Short names and hub ids resolve through the hub (here a fake one), local folders and .gguf
+    paths to themselves; base_model_id gives what a hub user or PEFT can load the base by."""
+    import huggingface_hub
+    repo = NAMED_MODELS["tinyllama"]
+    snapshot = tmp_path / "hub" / f"models--{repo.replace('/', '--')}" / "snapshots" / "0123abc"
+    save_tiny("llama", str(snapshot))
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", lambda r, **kw: str(snapshot) if r == repo else 1 / 0)
+    assert resolve("tinyllama") == resolve(repo) == str(snapshot)
+    assert read_config("tinyllama") == read_config(str(snapshot)) == from_hf_config(
+        json.loads((snapshot / "config.json").read_text()))
+    assert base_model_id("tinyllama") == base_model_id(repo) == base_model_id(resolve("tinyllama")) == repo
+    local = tmp_path / "local"
+    local.mkdir()
+    assert resolve(str(local)) == str(local)
+    assert base_model_id(os.path.relpath(local)) == str(local)
+    gguf = tmp_path / "m.gguf"
+    with pytest.raises(FileNotFoundError, match="no GGUF file at"):
+        resolve(str(gguf))
+    gguf.write_bytes(b"")
+    assert resolve(str(gguf)) == str(gguf) and base_model_id(str(gguf)) == str(gguf)
+    with pytest.raises(ValueError, match="Known short names"):
+        base_model_id("no-such-model")
