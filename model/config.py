@@ -205,3 +205,35 @@ def from_hf_config(hf: dict, source: str = "config.json") -> ModelConfig:
     if family == "gemma3_text":
         cfg.update(qk_norm=True, rope_local_theta=local_theta or 10000.0)
     return ModelConfig(**cfg)
+
+
+# config.json's activation name for ModelConfig.act
+HF_ACTIVATIONS = {"silu": "silu", "gelu_tanh": "gelu_pytorch_tanh", "gelu": "gelu"}
+
+
+def to_hf_config(cfg: ModelConfig) -> dict:
+    """A Hugging Face config.json (as a dict) for a Llama, Qwen2 or Gemma config, e.g. one read
+    from a GGUF file; `from_hf_config` of it gives `cfg` back (checked). Other configs are refused."""
+    model_type = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "GemmaForCausalLM": "gemma"}
+    if cfg.architecture not in model_type:
+        raise ValueError(f"cannot write a config.json for {cfg.architecture}: nanotune writes one for "
+                         f"{sorted(model_type)} (a model loaded from a folder keeps its own config.json)")
+    hf = dict(
+        architectures=[cfg.architecture], model_type=model_type[cfg.architecture], vocab_size=cfg.vocab_size,
+        hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size, num_hidden_layers=cfg.n_layers,
+        num_attention_heads=cfg.n_heads, num_key_value_heads=cfg.n_kv_heads, head_dim=cfg.head_dim,
+        rms_norm_eps=cfg.rms_eps, max_position_embeddings=cfg.max_position_embeddings, rope_theta=cfg.rope_theta,
+        rope_scaling=cfg.rope_scaling, hidden_act=HF_ACTIVATIONS[cfg.act], tie_word_embeddings=cfg.tie_embeddings,
+        bos_token_id=cfg.bos_token_id, eos_token_id=cfg.eos_token_id, pad_token_id=cfg.pad_token_id,
+    )
+    if hf["model_type"] == "llama":
+        hf.update(attention_bias=cfg.qkv_bias, mlp_bias=cfg.mlp_bias)
+    elif hf["model_type"] == "qwen2":
+        hf.update(use_sliding_window=False)
+    else:
+        hf.update(hidden_activation=HF_ACTIVATIONS[cfg.act])
+    if from_hf_config(hf) != cfg:
+        differ = {k: v for k, v in from_hf_config(hf).to_dict().items() if v != getattr(cfg, k)}
+        raise ValueError(f"cannot write this {cfg.architecture} config as config.json: it would read back with "
+                         f"{differ}")
+    return hf

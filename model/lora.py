@@ -195,6 +195,11 @@ def merged_weight(linear: LoRALinear, dtype=None):
     return (w.float() + delta).to(dtype)
 
 
+def quantization(model) -> str | None:
+    """How the model's projection weights are stored: "nf4" (QLoRA) or None (the model dtype)."""
+    return "nf4" if any(isinstance(m, LoRALinear) and m.nf4 is not None for m in model.modules()) else None
+
+
 def fusable(projs):
     """The fused Functions return no gradient for W and b: use them only while those are frozen."""
     return not any(t is not None and t.requires_grad for p in projs for t in (p.weight, p.bias))

@@ -362,3 +362,26 @@ class Transformer(nn.Module):
         return self.ops.linear_cross_entropy(
             h.reshape(-1, h.shape[-1]), self.lm_head.weight, targets.reshape(-1),
             ignore_index=ignore_index, softcap=self.config.final_softcap, reduction="mean", num_targets=num_targets)
+
+    def score(self, input_ids, position_ids, doc_ids, targets, ignore_index=-100, chunk_bytes=1 << 28):
+        """(token_loss (B, T) fp32, hit (B, T) bool) for evaluation, without B×T×V logits.
+
+        input_ids, position_ids, doc_ids: as for `forward` (position_ids, doc_ids may be None);
+        targets (B, T), shifted as for `forward`.
+        token_loss[b, t]: the cross-entropy of targets[b, t] (0 where it is ignore_index);
+        hit[b, t]: whether the argmax of the logits is targets[b, t] (False where ignored).
+        The logits are made for a chunk of rows at a time, as many as fit in `chunk_bytes` of
+        fp32 (about 2000 rows at V = 32000, 260 at V = 256000), so memory is O(chunk × V), not
+        O(B × T × V). The numbers equal cross-entropy and argmax over `forward`'s logits.
+        """
+        h = self.hidden_states(input_ids, position_ids, doc_ids)  # (B, T, H)
+        B, T, _ = h.shape
+        h, targets = h.reshape(B * T, -1), targets.reshape(-1)
+        rows = max(1, chunk_bytes // (4 * self.config.vocab_size))
+        losses, hits = [], []
+        for i in range(0, B * T, rows):
+            logits = self.logits(h[i:i + rows]).float()  # (rows, V)
+            t = targets[i:i + rows]
+            losses.append(F.cross_entropy(logits, t, ignore_index=ignore_index, reduction="none"))
+            hits.append(logits.argmax(-1) == t)
+        return torch.cat(losses).view(B, T), torch.cat(hits).view(B, T)

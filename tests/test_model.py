@@ -236,3 +236,40 @@ def test_resolve_read_config_and_base_model_id(monkeypatch, tmp_path):
     assert resolve(str(gguf)) == str(gguf) and base_model_id(str(gguf)) == str(gguf)
     with pytest.raises(ValueError, match="Known short names"):
         base_model_id("no-such-model")
+
+
+@pytest.mark.parametrize("chunk_bytes", [1 << 28, 4 * 256 * 7], ids=["one-chunk", "7-row-chunks"])
+def test_score_matches_full_logits(pair, chunk_bytes):
+    """score(): per-token loss and argmax hits equal cross-entropy and argmax over the full logits
+    (Gemma 2: with its final softcap), computed a chunk of rows at a time."""
+    family, hf, ours, cfg = pair
+    ids = torch.randint(0, cfg.vocab_size, (B, T))
+    targets = torch.randint(0, cfg.vocab_size, (B, T))
+    targets[0, :5] = -100
+    with torch.no_grad():
+        logits = ours(ids)
+        targets[1, 3:9] = logits[1, 3:9].argmax(-1)  # some hits for sure
+        made = []  # the logits score() makes, chunk by chunk
+        hook = ours.lm_head.register_forward_hook(lambda m, args, out: made.append(tuple(out.shape)))
+        loss, hit = ours.score(ids, None, None, targets, chunk_bytes=chunk_bytes)
+        hook.remove()
+    assert max(rows for rows, _ in made) <= max(1, chunk_bytes // (4 * cfg.vocab_size))
+    assert sum(rows for rows, _ in made) == B * T
+    ref = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-100, reduction="none").view(B, T)
+    assert loss.dtype == torch.float32 and hit.dtype == torch.bool and loss.shape == hit.shape == (B, T)
+    assert rel_err(loss, ref) < 1e-6 and (loss[0, :5] == 0).all()
+    assert torch.equal(hit, (logits.argmax(-1) == targets)) and hit[1, 3:9].all() and not hit[0, :5].any()
+
+
+def test_config_json_written_back(tmp_path):
+    """to_hf_config: the inverse of from_hf_config for the families a GGUF holds, and a clear refusal
+    for a config that config.json cannot say."""
+    from dataclasses import replace
+
+    from model.config import to_hf_config
+    for family in ("llama", "qwen2", "gemma"):
+        save_tiny(family, str(tmp_path / family))
+        cfg = read_config(str(tmp_path / family))
+        assert from_hf_config(to_hf_config(cfg)) == cfg, family
+    with pytest.raises(ValueError, match="would read back with \\{'o_bias': True\\}"):
+        to_hf_config(replace(read_config(str(tmp_path / "llama")), qkv_bias=True))
