@@ -1,33 +1,52 @@
 """Save, load and merge LoRA adapters, in the formats PEFT and transformers read.
 
-    save_adapter(model, folder, base_model=None)     adapter_model.safetensors + adapter_config.json
-    read_adapter_config(folder) -> LoRAConfig        to build a model that fits a saved adapter
-    load_adapter(model, folder)                      copy a saved adapter into the model's LoRA weights
-    merge_and_save(model, tokenizer, out_folder)     a plain HF model folder with W + s·B·A folded in
+    save_adapter(model, folder, base_model="tinyllama")   adapter weights, adapter_config.json, model card
+    read_adapter_config(folder) -> LoRAConfig              to build a model that fits a saved adapter
+    load_adapter(model, folder)                            copy a saved adapter into the model's LoRA weights
+    load_with_adapter("tinyllama", folder)                 load_model + load_adapter, on the base it was trained on
+    merge_and_save(model, tokenizer, out_folder)           a plain HF model folder with W + s·B·A folded in
 
 The adapter folder is what `peft.PeftModel.save_pretrained` writes for a LoRA adapter on
-a causal LM, so `PeftModel.from_pretrained(hf_model, folder)` loads it, and an adapter
-PEFT trained loads here. Tensor keys are the nanotune parameter names under PEFT's
+a causal LM, so `PeftModel.from_pretrained(hf_model, folder)` loads it (and, since its
+base_model_name_or_path is a hub repo id or an absolute path,
+`AutoPeftModelForCausalLM.from_pretrained(folder)` finds the base by itself), and an
+adapter PEFT trained loads here. Tensor keys are the nanotune parameter names under PEFT's
 prefix, e.g.
 
     model.layers.0.self_attn.q_proj.lora_A  ->  base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight
 
-The merged folder (config.json, safetensors shards, tokenizer files) loads with
-`transformers.AutoModelForCausalLM.from_pretrained`. NF4 weights are dequantized before
-merging and written in the dtype they were quantized from.
+Beside PEFT's files, `nanotune.json` records how the base was stored while training
+({"quantize": "nf4"} for QLoRA). PEFT warns about keys it does not know in
+adapter_config.json, so they live apart. Every tool that merges or runs an adapter
+(`load_with_adapter`) loads the base as it was trained on: an adapter trained against NF4
+weights learned to correct those weights, not the full-precision ones.
+
+The merged folder (config.json, safetensors shards, tokenizer files, chat template) loads
+with `transformers.AutoModelForCausalLM.from_pretrained`. NF4 weights are dequantized
+before merging. A GGUF base has no config.json: one is written from its ModelConfig
+(Llama, Qwen2, Gemma), and its tokenizer from the GGUF metadata.
+
+Folders are written atomically (`atomic_folder`): a failed or interrupted write leaves the
+previous folder, or none, never a half-written one.
 """
 import json
 import os
 import shutil
+from contextlib import contextmanager
 
 import torch
 from safetensors.torch import load_file, save_file
 
-from model.load import resolve
-from model.lora import ALL_TARGETS, LoRAConfig, LoRALinear, lora_parameters
+from model.config import to_hf_config
+from model.hub import base_model_id, model_card, resolve
+from model.load import load_model, load_tokenizer
+from model.lora import ALL_TARGETS, LoRAConfig, LoRALinear, lora_parameters, merged_weight, quantization
+from model.tokenizer import Tokenizer
+from model.weights import check_quantize, is_gguf
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"
+TRAINING_CONFIG = "nanotune.json"  # {"quantize": None | "nf4"}: the base weights the adapter was trained on
 PEFT_PREFIX = "base_model.model."  # PeftModelForCausalLM.base_model (LoraModel).model (the HF model)
 # Copied next to the merged weights when a tokenizer folder is given.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
@@ -36,6 +55,47 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 # sets one would silently mean something else here, so it is refused.
 UNSUPPORTED = ("use_dora", "fan_in_fan_out", "layers_to_transform", "rank_pattern", "alpha_pattern",
                "modules_to_save", "lora_bias")
+# --base-precision of the tools that load an adapter (generate, export_gguf, merge).
+BASE_PRECISIONS = ("as-trained", "full")
+BASE_PRECISION_HELP = ("the base weights the adapter is applied to: as-trained (default) uses the ones it was "
+                       "trained on, i.e. the dequantized NF4 weights for an adapter trained with --quantize nf4 "
+                       "(recorded in its nanotune.json); full uses the full-precision base")
+ADAPTER_USAGE = """```python
+from peft import AutoPeftModelForCausalLM
+model = AutoPeftModelForCausalLM.from_pretrained("<this repo or folder>")
+```"""
+
+
+def check_replaceable(folder, marker=None):
+    """An output folder may be written when it does not exist, is empty, or holds the file `marker`
+    (an earlier output of the same kind, which it replaces); anything else is refused."""
+    if not os.path.exists(folder) or (os.path.isdir(folder) and not os.listdir(folder)):
+        return
+    if marker is None or not os.path.isfile(os.path.join(folder, marker)):
+        what = f"is not an earlier output of this kind (it has no {marker})" if marker else "is not empty"
+        raise ValueError(f"{folder!r} exists and {what}; choose another output folder, or remove it")
+
+
+@contextmanager
+def atomic_folder(folder, marker=None):
+    """Yield a temporary folder beside `folder` to write into. When the block succeeds it takes
+    `folder`'s place whole (an older `folder` is removed); when it fails it is deleted. `folder`
+    must pass `check_replaceable(folder, marker)`."""
+    check_replaceable(folder, marker)
+    folder = os.path.abspath(folder)
+    tmp = f"{folder}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)  # left by a process of this id that was killed
+    os.makedirs(tmp)
+    try:
+        yield tmp
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    old = f"{folder}.old-{os.getpid()}"
+    if os.path.lexists(folder):
+        os.replace(folder, old)
+    os.replace(tmp, folder)
+    shutil.rmtree(old, ignore_errors=True)
 
 
 def adapter_key(name):
@@ -50,19 +110,48 @@ def _lora_config(model) -> LoRAConfig:
     return lora
 
 
-def save_adapter(model, folder, base_model=None):
-    """Write the LoRA weights (fp32) and a PEFT adapter_config.json into `folder`."""
+def save_adapter(model, folder, base_model=None, dataset=None, options=None, metrics=None):
+    """Write the LoRA weights (fp32), PEFT's adapter_config.json, nanotune.json and a model card
+    README.md into `folder`, atomically.
+
+    base_model: the model as the user named it (short name, hub repo id, folder or .gguf), recorded
+    as PEFT's base_model_name_or_path in a form that loads anywhere (`base_model_id`).
+    dataset, options (e.g. the training options), metrics (e.g. the final eval figures): for the card.
+    """
     lora = _lora_config(model)
+    base = base_model_id(base_model) if base_model is not None else None
     tensors = {adapter_key(n): p.detach().float().cpu().contiguous() for n, p in lora_parameters(model)}
     config = {
-        "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model,
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base,
         "r": lora.r, "lora_alpha": lora.alpha, "lora_dropout": lora.dropout, "use_rslora": lora.rslora,
         "target_modules": sorted(lora.targets), "bias": "none", "inference_mode": True,
     }
-    os.makedirs(folder, exist_ok=True)
-    save_file(tensors, os.path.join(folder, ADAPTER_WEIGHTS), metadata={"format": "pt"})
-    with open(os.path.join(folder, ADAPTER_CONFIG), "w") as f:
-        json.dump(config, f, indent=2)
+    quantize = quantization(model)
+    precision = {None: "full precision", "nf4": "4-bit NF4 (QLoRA)"}[quantize]
+    card = model_card(base, "adapter", library_name="peft", dataset=dataset,
+                      options={"base weights": precision, "LoRA rank": lora.r, "LoRA alpha": lora.alpha,
+                               "LoRA targets": ", ".join(sorted(lora.targets)), **(options or {})},
+                      metrics=metrics, usage=ADAPTER_USAGE)
+    with atomic_folder(folder, marker=ADAPTER_CONFIG) as tmp:
+        save_file(tensors, os.path.join(tmp, ADAPTER_WEIGHTS), metadata={"format": "pt"})
+        with open(os.path.join(tmp, ADAPTER_CONFIG), "w") as f:
+            json.dump(config, f, indent=2)
+        with open(os.path.join(tmp, TRAINING_CONFIG), "w") as f:
+            json.dump({"quantize": quantize}, f, indent=2)
+        with open(os.path.join(tmp, "README.md"), "w") as f:
+            f.write(card)
+
+
+def adapter_quantization(folder) -> str | None:
+    """How the base was stored when the adapter in `folder` was trained: None (full precision) or
+    "nf4". An adapter without nanotune.json (e.g. one PEFT trained) counts as full precision."""
+    path = os.path.join(folder, TRAINING_CONFIG)
+    if not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        quantize = json.load(f).get("quantize")
+    check_quantize(quantize)
+    return quantize
 
 
 def read_adapter_config(folder) -> LoRAConfig:
@@ -113,13 +202,26 @@ def load_adapter(model, folder):
             p.copy_(tensors[key])
 
 
-def merged_weight(linear: LoRALinear):
-    """W + s·B·A in W's dtype (NF4 dequantized first), summed in fp32."""
-    w = linear.base_weight()
-    if not linear.r:
-        return w
-    delta = linear.scale * (linear.lora_B.float() @ linear.lora_A.float())  # (out, in)
-    return (w.float() + delta).to(w.dtype)
+def load_with_adapter(name_or_path, adapter=None, base_precision="as-trained", **load_options):
+    """load_model(name_or_path, **load_options) with the adapter saved in folder `adapter` loaded
+    into it (no adapter: the base alone). base_precision="as-trained" loads the base as the adapter
+    was trained on it (NF4 for a QLoRA adapter); "full" loads the full-precision base. Returns (model, config)."""
+    if base_precision not in BASE_PRECISIONS:
+        raise ValueError(f"base_precision must be one of {BASE_PRECISIONS}, got {base_precision!r}")
+    if adapter is None:
+        return load_model(name_or_path, **load_options)
+    lora = read_adapter_config(adapter)
+    quantize = adapter_quantization(adapter) if base_precision == "as-trained" else None
+    if quantize == "nf4":
+        try:
+            import bitsandbytes  # noqa: F401
+        except ImportError as e:
+            raise ValueError(f"the adapter in {adapter!r} was trained on an NF4 base (QLoRA); loading that base "
+                             "needs bitsandbytes (pip install bitsandbytes), or pass --base-precision full to use "
+                             "the full-precision base") from e
+    model, cfg = load_model(name_or_path, lora=lora, quantize=quantize, **load_options)
+    load_adapter(model, adapter)
+    return model, cfg
 
 
 def merged_tensors(model):
@@ -127,7 +229,7 @@ def merged_tensors(model):
     tied = model.config.tie_embeddings
     for name, m in model.named_modules():
         if isinstance(m, LoRALinear):
-            yield f"{name}.weight", merged_weight(m)
+            yield f"{name}.weight", merged_weight(m, torch.float32)
             if m.bias is not None:
                 yield f"{name}.bias", m.bias
             continue
@@ -136,46 +238,70 @@ def merged_tensors(model):
                 yield f"{name}.{pname}", p
 
 
-def merge_and_save(model, tokenizer_folder, out_folder, max_shard_bytes=2 << 30):
-    """Write a Hugging Face model folder with the adapter merged into the base weights.
+def save_tokenizer(tokenizer: Tokenizer, folder):
+    """Write `tokenizer` as a Hugging Face tokenizer: tokenizer.json, tokenizer_config.json (special
+    tokens, chat template) and chat_template.jinja, which transformers and model/tokenizer.py read."""
+    tokenizer.tok.save(os.path.join(folder, "tokenizer.json"))
 
-    tokenizer_folder: a folder (or a name load_model accepts) whose tokenizer files and
-    generation_config.json are copied, or None. The model itself is left unchanged.
+    def text(i):
+        return None if i is None else tokenizer.id_to_token(i)
+
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": text(tokenizer.bos_id),
+              "eos_token": text(tokenizer.eos_id), "pad_token": text(tokenizer.pad_id),
+              "add_bos_token": tokenizer.add_bos, "add_eos_token": False}
+    if tokenizer.chat_template:
+        config["chat_template"] = tokenizer.chat_template
+        with open(os.path.join(folder, "chat_template.jinja"), "w") as f:
+            f.write(tokenizer.chat_template)
+    with open(os.path.join(folder, "tokenizer_config.json"), "w") as f:
+        json.dump(config, f, indent=2, ensure_ascii=False)
+
+
+def merge_and_save(model, tokenizer_from, out_folder, max_shard_bytes=2 << 30, dtype=None, card=None):
+    """Write a Hugging Face model folder with the adapter merged into the base weights, atomically.
+
+    tokenizer_from: a model folder (or a name load_model accepts) whose tokenizer files and
+    generation_config.json are copied, a .gguf file whose tokenizer is written out, or None.
+    dtype: of the written weights (default: the model's); merges are summed in fp32 first.
+    card: the README.md to write, or None. out_folder must not exist, or be empty. The model
+    itself is left unchanged.
     """
-    hf_config = getattr(model, "hf_config", None)
-    if hf_config is None:
-        raise ValueError("merge_and_save writes back the config.json the model was loaded from (model.hf_config, "
-                         "set by load_model); this model has none")
-    os.makedirs(out_folder, exist_ok=True)
-    # Shards are written as they fill (host memory stays near one shard) and renamed at the
-    # end, once their count is known.
-    written, weight_map, shard, size, total = [], {}, {}, 0, 0
-    for name, t in merged_tensors(model):
-        t = t.detach().cpu().contiguous()
-        if shard and size + t.nbytes > max_shard_bytes:
-            written.append(_write_shard(shard, out_folder, len(written)))
-            shard, size = {}, 0
-        shard[name], size, total = t, size + t.nbytes, total + t.nbytes
-        weight_map[name] = len(written)
-    written.append(_write_shard(shard, out_folder, len(written)))
-    n = len(written)
-    names = ["model.safetensors"] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
-    for tmp, final in zip(written, names):
-        os.replace(tmp, os.path.join(out_folder, final))
-    if n > 1:
-        index = {"metadata": {"total_size": total}, "weight_map": {k: names[i] for k, i in weight_map.items()}}
-        with open(os.path.join(out_folder, "model.safetensors.index.json"), "w") as f:
-            json.dump(index, f, indent=2)
-    config = dict(hf_config)
-    dtype = model.model.embed_tokens.weight.dtype  # every base tensor was loaded in this dtype
-    config["dtype" if "dtype" in config else "torch_dtype"] = str(dtype).removeprefix("torch.")
-    with open(os.path.join(out_folder, "config.json"), "w") as f:
-        json.dump(config, f, indent=2)
-    if tokenizer_folder is not None:
-        src = resolve(tokenizer_folder)
-        for fname in TOKENIZER_FILES:
-            if os.path.isfile(os.path.join(src, fname)):
-                shutil.copy(os.path.join(src, fname), os.path.join(out_folder, fname))
+    hf_config = getattr(model, "hf_config", None) or to_hf_config(model.config)  # a GGUF has no config.json
+    dtype = dtype or model.model.embed_tokens.weight.dtype  # every base tensor was loaded in this dtype
+    with atomic_folder(out_folder) as tmp:
+        # Shards are written as they fill (host memory stays near one shard) and renamed at the
+        # end, once their count is known.
+        written, weight_map, shard, size, total = [], {}, {}, 0, 0
+        for name, t in merged_tensors(model):
+            t = t.detach().to("cpu", dtype).contiguous()
+            if shard and size + t.nbytes > max_shard_bytes:
+                written.append(_write_shard(shard, tmp, len(written)))
+                shard, size = {}, 0
+            shard[name], size, total = t, size + t.nbytes, total + t.nbytes
+            weight_map[name] = len(written)
+        written.append(_write_shard(shard, tmp, len(written)))
+        n = len(written)
+        names = ["model.safetensors"] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+        for part, final in zip(written, names):
+            os.replace(part, os.path.join(tmp, final))
+        if n > 1:
+            index = {"metadata": {"total_size": total}, "weight_map": {k: names[i] for k, i in weight_map.items()}}
+            with open(os.path.join(tmp, "model.safetensors.index.json"), "w") as f:
+                json.dump(index, f, indent=2)
+        config = dict(hf_config)
+        config["dtype" if "dtype" in config else "torch_dtype"] = str(dtype).removeprefix("torch.")
+        with open(os.path.join(tmp, "config.json"), "w") as f:
+            json.dump(config, f, indent=2)
+        if is_gguf(tokenizer_from):
+            save_tokenizer(load_tokenizer(tokenizer_from), tmp)
+        elif tokenizer_from is not None:
+            src = resolve(tokenizer_from)
+            for fname in TOKENIZER_FILES:
+                if os.path.isfile(os.path.join(src, fname)):
+                    shutil.copy(os.path.join(src, fname), os.path.join(tmp, fname))
+        if card is not None:
+            with open(os.path.join(tmp, "README.md"), "w") as f:
+                f.write(card)
 
 
 def _write_shard(tensors, folder, i):

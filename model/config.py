@@ -5,7 +5,9 @@ those fields and never a family name. `from_hf_config` is the one place where a
 Hugging Face `config.json` (whose keys differ per architecture and per
 transformers version) is translated into those fields.
 """
+import json
 import math
+import os
 from dataclasses import dataclass, field, asdict
 
 # Short name -> Hugging Face hub repo id. Looked up exactly; unknown names list these.
@@ -85,6 +87,26 @@ class ModelConfig:
         return asdict(self)
 
 
+# config.json keys every supported architecture has; the others have defaults.
+REQUIRED_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+
+
+def read_hf_config(folder: str) -> dict:
+    """A model folder's config.json as a dict."""
+    path = os.path.join(folder, "config.json")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"no config.json in {folder!r}: a model folder needs config.json and "
+                                "*.safetensors (as written by transformers' save_pretrained)")
+    with open(path) as f:
+        try:
+            hf = json.load(f)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path} is not valid JSON ({e}); restore it from where the model came from") from e
+    if not isinstance(hf, dict):
+        raise ValueError(f"{path} holds a JSON {type(hf).__name__}, not the object of a transformers config")
+    return hf
+
+
 def _rope_params(hf):
     """(theta, local_theta, scaling) from either the transformers<5 keys
     (`rope_theta`, `rope_scaling`, `rope_local_base_freq`) or the v5 `rope_parameters`."""
@@ -105,8 +127,9 @@ def _rope_params(hf):
     return hf.get("rope_theta", 10000.0), hf.get("rope_local_base_freq"), scaling
 
 
-def from_hf_config(hf: dict) -> ModelConfig:
-    """Translate a Hugging Face config.json (as a dict) into a ModelConfig."""
+def from_hf_config(hf: dict, source: str = "config.json") -> ModelConfig:
+    """Translate a Hugging Face config.json (as a dict) into a ModelConfig. `source` names the
+    file in error messages."""
     archs = hf.get("architectures") or []
     arch = archs[0] if archs else None
     mtype = hf.get("model_type")
@@ -122,6 +145,10 @@ def from_hf_config(hf: dict) -> ModelConfig:
             raise ValueError(
                 f"unsupported architecture {archs or mtype!r}; nanotune supports "
                 f"{sorted(SUPPORTED)} (model_type {sorted(by_type)})")
+    missing = [k for k in REQUIRED_KEYS if k not in hf]
+    if missing:
+        raise ValueError(f"{source} has no {missing[0]!r}, which every {arch} config.json sets: the file is "
+                         "incomplete; restore it from where the model came from")
     family = SUPPORTED[arch]
     H, nh = hf["hidden_size"], hf["num_attention_heads"]
     head_dim = hf.get("head_dim") or H // nh
@@ -134,7 +161,7 @@ def from_hf_config(hf: dict) -> ModelConfig:
     act = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh",
            "gelu": "gelu"}.get(act_name)
     if act is None:
-        raise ValueError(f"unsupported activation {act_name!r} (supported: silu, gelu, gelu_pytorch_tanh)")
+        raise ValueError(f"{source}: unsupported activation {act_name!r} (supported: silu, gelu, gelu_pytorch_tanh)")
     cfg = dict(
         vocab_size=hf["vocab_size"], hidden_size=H, intermediate_size=hf["intermediate_size"],
         n_layers=n_layers, n_heads=nh, n_kv_heads=hf.get("num_key_value_heads") or nh, head_dim=head_dim,
@@ -178,3 +205,35 @@ def from_hf_config(hf: dict) -> ModelConfig:
     if family == "gemma3_text":
         cfg.update(qk_norm=True, rope_local_theta=local_theta or 10000.0)
     return ModelConfig(**cfg)
+
+
+# config.json's activation name for ModelConfig.act
+HF_ACTIVATIONS = {"silu": "silu", "gelu_tanh": "gelu_pytorch_tanh", "gelu": "gelu"}
+
+
+def to_hf_config(cfg: ModelConfig) -> dict:
+    """A Hugging Face config.json (as a dict) for a Llama, Qwen2 or Gemma config, e.g. one read
+    from a GGUF file; `from_hf_config` of it gives `cfg` back (checked). Other configs are refused."""
+    model_type = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "GemmaForCausalLM": "gemma"}
+    if cfg.architecture not in model_type:
+        raise ValueError(f"cannot write a config.json for {cfg.architecture}: nanotune writes one for "
+                         f"{sorted(model_type)} (a model loaded from a folder keeps its own config.json)")
+    hf = dict(
+        architectures=[cfg.architecture], model_type=model_type[cfg.architecture], vocab_size=cfg.vocab_size,
+        hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size, num_hidden_layers=cfg.n_layers,
+        num_attention_heads=cfg.n_heads, num_key_value_heads=cfg.n_kv_heads, head_dim=cfg.head_dim,
+        rms_norm_eps=cfg.rms_eps, max_position_embeddings=cfg.max_position_embeddings, rope_theta=cfg.rope_theta,
+        rope_scaling=cfg.rope_scaling, hidden_act=HF_ACTIVATIONS[cfg.act], tie_word_embeddings=cfg.tie_embeddings,
+        bos_token_id=cfg.bos_token_id, eos_token_id=cfg.eos_token_id, pad_token_id=cfg.pad_token_id,
+    )
+    if hf["model_type"] == "llama":
+        hf.update(attention_bias=cfg.qkv_bias, mlp_bias=cfg.mlp_bias)
+    elif hf["model_type"] == "qwen2":
+        hf.update(use_sliding_window=False)
+    else:
+        hf.update(hidden_activation=HF_ACTIVATIONS[cfg.act])
+    if from_hf_config(hf) != cfg:
+        differ = {k: v for k, v in from_hf_config(hf).to_dict().items() if v != getattr(cfg, k)}
+        raise ValueError(f"cannot write this {cfg.architecture} config as config.json: it would read back with "
+                         f"{differ}")
+    return hf

@@ -47,12 +47,11 @@ from gguf import GGMLQuantizationType as QType
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as _HFTokenizer
 
-from model.adapters import merged_weight
 from model.config import ModelConfig
-from model.load import CheckpointError, check_complete, expected_tensors, finish_model, place_tensor
-from model.lora import LoRAConfig, LoRALinear
+from model.lora import LoRAConfig, LoRALinear, merged_weight
 from model.tokenizer import Tokenizer
 from model.transformer import Transformer, rope_inv_freq
+from model.weights import CheckpointError, check_complete, check_quantize, expected_tensors, finish_model, place_tensor
 
 
 @dataclass
@@ -92,6 +91,9 @@ LAYER_NAMES = {  # blk.{i}.<key> -> model.layers.{i}.<value>
     "ffn_down.weight": "mlp.down_proj.weight", "ffn_down.bias": "mlp.down_proj.bias",
 }
 ROPE_FREQS = "rope_freqs.weight"  # Llama 3.1+: per-frequency divisors, read into cfg.rope_scaling
+
+# general.* metadata that save_gguf writes itself; every other general.* key of a loaded file is kept.
+OWN_GENERAL_KEYS = ("general.architecture", "general.file_type", "general.quantization_version", "general.alignment")
 
 # Export types: --ftype name -> (ggml type of 2-D weights, llama.cpp's file type).
 FILE_TYPES = {
@@ -142,6 +144,17 @@ def _meta(reader, key, default=_REQUIRED):
             raise CheckpointError(f"GGUF metadata key {key!r} is missing; it is needed to build the model")
         return default
     return f.contents()
+
+
+def general_metadata(reader) -> dict:
+    """The file's `general.*` metadata (name, license, author, tags, ...) that export writes back:
+    key -> (value, GGUF value type, item type of an array or None)."""
+    out = {}
+    for key, f in reader.fields.items():
+        if key.startswith("general.") and key not in OWN_GENERAL_KEYS:
+            array = f.types[0] == gguf.GGUFValueType.ARRAY
+            out[key] = (f.contents(), f.types[0], f.types[-1] if array else None)
+    return out
 
 
 def hf_name(gguf_name: str) -> str:
@@ -224,7 +237,12 @@ def scaling_from_rope_freqs(cfg: ModelConfig, factors: torch.Tensor) -> dict | N
     return scaling
 
 
-def read_config(reader) -> ModelConfig:
+def read_gguf_config(path) -> ModelConfig:
+    """The ModelConfig of a GGUF file."""
+    return gguf_config(_open(path))
+
+
+def gguf_config(reader) -> ModelConfig:
     """A ModelConfig from GGUF metadata (`{arch}.*`, `tokenizer.ggml.*`) and the tensors present."""
     arch = _meta(reader, "general.architecture")
     if arch not in FAMILIES:
@@ -274,17 +292,18 @@ def read_config(reader) -> ModelConfig:
 
 
 def load_gguf(path, dtype=torch.float32, device="cpu", lora: LoRAConfig | None = None, quantize=None,
-              use_kernels=False, lora_seed=0, fused_lora=True):
+              use_kernels=False, lora_seed=0, fused_lora=True, gradient_checkpointing=False,
+              offload_activations=False):
     """Build the model from a GGUF file and load its weights, dequantized to `dtype` (and requantized
     to NF4 with quantize="nf4"). Returns (model, config), like model.load.load_model, which routes
     *.gguf paths here."""
-    if quantize not in (None, "nf4"):
-        raise ValueError(f"quantize must be None or 'nf4', got {quantize!r}")
+    check_quantize(quantize)
     reader = _open(path)
-    cfg = read_config(reader)
+    cfg = gguf_config(reader)
     fam = FAMILIES[_meta(reader, "general.architecture")]
     with torch.device("meta"):
-        model = Transformer(cfg, lora=lora, use_kernels=use_kernels, fused_lora=fused_lora)
+        model = Transformer(cfg, lora=lora, use_kernels=use_kernels, fused_lora=fused_lora,
+                            gradient_checkpointing=gradient_checkpointing, offload_activations=offload_activations)
     expected, nf4_keys = expected_tensors(model, cfg, quantize)
     seen = set()
     for t in reader.tensors:
@@ -308,6 +327,7 @@ def load_gguf(path, dtype=torch.float32, device="cpu", lora: LoRAConfig | None =
         seen.add(name)
     check_complete(expected, seen, repr(path))
     finish_model(model, cfg, device, lora_seed)
+    model.gguf_metadata = general_metadata(reader)  # written back by save_gguf
     return model, cfg
 
 
@@ -380,7 +400,7 @@ def export_tensors(model):
             if pname == "bias" and mod.bias is None:
                 continue
             if isinstance(mod, LoRALinear) and pname == "weight":
-                w = merged_weight(mod).float()  # W + s·B·A (an NF4 W dequantized)
+                w = merged_weight(mod, torch.float32)  # W + s·B·A (an NF4 W dequantized)
             else:
                 w = getattr(mod, pname).detach().float()
             if name.endswith("norm.weight"):
@@ -453,13 +473,18 @@ def _write_tokenizer(w, tokenizer: Tokenizer, vocab_size: int):
 @torch.no_grad()
 def save_gguf(model, tokenizer: Tokenizer, path, ftype="f16"):
     """Write `model` (any LoRA merged into its weights: W + scale * B @ A) and `tokenizer` as a
-    GGUF file that llama.cpp and `load_gguf` read. ftype: f32, f16, bf16 or q8_0 for 2-D weights."""
+    GGUF file that llama.cpp and `load_gguf` read. ftype: f32, f16, bf16 or q8_0 for 2-D weights.
+    A model loaded from a GGUF file keeps that file's general.* metadata (name, license, ...).
+    The file is written under a temporary name and renamed when complete."""
     if ftype not in FILE_TYPES:
         raise ValueError(f"ftype must be one of {sorted(FILE_TYPES)}, got {ftype!r}")
     cfg = model.config
     arch = _gguf_arch(cfg)
     qtype, file_type = FILE_TYPES[ftype]
-    w = gguf.GGUFWriter(path, arch)
+    tmp = f"{path}.tmp-{os.getpid()}"
+    w = gguf.GGUFWriter(tmp, arch)
+    for key, (value, vtype, item_type) in getattr(model, "gguf_metadata", {}).items():
+        w.add_key_value(key, value, vtype, sub_type=item_type)
     w.add_file_type(file_type)
     w.add_quantization_version(gguf.GGML_QUANT_VERSION)
     w.add_context_length(cfg.max_position_embeddings)
@@ -481,8 +506,15 @@ def save_gguf(model, tokenizer: Tokenizer, path, ftype="f16"):
     for name, t in export_tensors(model):
         data, raw = _encode(t.cpu(), qtype)
         w.add_tensor(name, data, raw_dtype=raw)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    try:
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
+    except BaseException:
+        w.close()
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
+    os.replace(tmp, path)
     return path

@@ -68,16 +68,11 @@ Functions has its dtype asserted.
 """
 import math
 from dataclasses import dataclass
-from functools import partial
 from typing import Callable, NamedTuple
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-
-from kernels.geglu import geglu_backward, geglu_forward
-from kernels.references import geglu_reference, swiglu_reference
-from kernels.swiglu import swiglu_backward, swiglu_forward
 
 ALL_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 COMPUTE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)  # float64: gradcheck only
@@ -128,16 +123,15 @@ class LoRALinear(nn.Module):
 
     @torch.no_grad()
     def reset_parameters(self):
-        """nn.Linear's init for the base; PEFT's for the adapter (B = 0: it starts as a no-op).
-        On the meta device there is nothing to fill: load_model loads W and seeds A."""
+        """nn.Linear's init for the base, `init_lora_` for the adapter. On the meta device there
+        is nothing to fill: load_model loads W and initializes the adapter (model/weights.py)."""
         if self.weight.is_meta:
             return
         nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))
         if self.bias is not None:
             nn.init.uniform_(self.bias, -self.in_features ** -0.5, self.in_features ** -0.5)
         if self.r:
-            nn.init.kaiming_uniform_(self.lora_A, a=math.sqrt(5))
-            nn.init.zeros_(self.lora_B)
+            init_lora_(self.lora_A, self.lora_B)
 
     def base_weight(self):
         """W [out, in] in its stored dtype. An NF4 weight is dequantized into a new tensor:
@@ -172,17 +166,38 @@ def make_linear(in_features, out_features, bias, name, lora: LoRAConfig | None):
     return LoRALinear(in_features, out_features, bias, lora if adapted else None, name=name)
 
 
+def is_lora_param(name: str) -> bool:
+    """Whether parameter `name` (as model.named_parameters() spells it) is a LoRA weight."""
+    return name.endswith((".lora_A", ".lora_B"))
+
+
 def lora_parameters(model):
     """(name, parameter) of every LoRA weight in `model`."""
-    return [(n, p) for n, p in model.named_parameters() if n.endswith((".lora_A", ".lora_B"))]
+    return [(n, p) for n, p in model.named_parameters() if is_lora_param(n)]
 
 
-def mark_trainable(model, train_embeddings=False):
-    """requires_grad on the LoRA weights only (plus embed/lm_head if asked)."""
-    for n, p in model.named_parameters():
-        is_lora = n.endswith(".lora_A") or n.endswith(".lora_B")
-        is_embed = n in ("model.embed_tokens.weight", "lm_head.weight")
-        p.requires_grad_(is_lora or (train_embeddings and is_embed))
+@torch.no_grad()
+def init_lora_(a, b, generator=None):
+    """PEFT's adapter init, in place: A [r, in] kaiming-uniform with a = sqrt(5) as nn.Linear
+    draws it, i.e. U(-1/sqrt(in), 1/sqrt(in)); B [out, r] zeros, so the adapter starts as a no-op."""
+    bound = 1.0 / a.shape[1] ** 0.5
+    a.uniform_(-bound, bound, generator=generator)
+    b.zero_()
+
+
+def merged_weight(linear: LoRALinear, dtype=None):
+    """W + s·B·A, summed in fp32 (an NF4 W is dequantized first), returned in `dtype` (default: W's)."""
+    w = linear.base_weight()
+    dtype = dtype or w.dtype
+    if not linear.r:
+        return w.to(dtype)
+    delta = linear.scale * (linear.lora_B.float() @ linear.lora_A.float())  # (out, in)
+    return (w.float() + delta).to(dtype)
+
+
+def quantization(model) -> str | None:
+    """How the model's projection weights are stored: "nf4" (QLoRA) or None (the model dtype)."""
+    return "nf4" if any(isinstance(m, LoRALinear) and m.nf4 is not None for m in model.modules()) else None
 
 
 def fusable(projs):
@@ -193,30 +208,19 @@ def fusable(projs):
 # ----------------------------------------------------------------------------- gated activation
 
 class GLU(NamedTuple):
-    """The MLP activation H = act(G) ⊙ U as a forward/backward pair, for `lora_mlp`."""
-    forward: Callable  # (gate, up) -> h
+    """The MLP activation H = act(G) ⊙ U, built by `model.transformer.Ops.glu`: a differentiable
+    function for the unfused path, and a forward/backward pair for `lora_mlp`."""
+    function: Callable  # (gate, up) -> h, with its own autograd
+    forward: Callable  # (gate, up) -> h, no graph
     backward: Callable  # (dh, gate, up) -> (dgate, dup)
     inplace: bool  # backward writes dgate, dup over gate, up (saves two [N, I] buffers)
 
 
-def _autograd_backward(fn, dh, gate, up):
-    """(dgate, dup) of fn(gate, up) by autograd: the torch reference's own gradient."""
+def autograd_backward(fn, dh, gate, up):
+    """(dgate, dup) of fn(gate, up) by autograd: a torch reference's own gradient, as a GLU backward."""
     with torch.enable_grad():
         gate, up = gate.detach().requires_grad_(), up.detach().requires_grad_()
         return torch.autograd.grad(fn(gate, up), (gate, up), dh)
-
-
-def make_glu(act: str, use_kernels: bool) -> GLU:
-    """The Triton kernels' forward/backward helpers (backward in place), or the torch
-    reference and its autograd."""
-    if act == "silu":
-        fwd, bwd, ref = swiglu_forward, swiglu_backward, swiglu_reference
-    else:
-        approx = "tanh" if act == "gelu_tanh" else "none"
-        fwd, bwd, ref = (partial(f, approximate=approx) for f in (geglu_forward, geglu_backward, geglu_reference))
-    if use_kernels:
-        return GLU(fwd, partial(bwd, inplace=True), inplace=True)
-    return GLU(ref, partial(_autograd_backward, ref), inplace=False)
 
 
 # ----------------------------------------------------------------------------- fused Functions

@@ -17,6 +17,7 @@ document id of its own and never produces NaN.
 """
 import math
 from contextlib import nullcontext
+from functools import partial
 
 import torch
 import torch.nn as nn
@@ -25,29 +26,42 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 from torch.utils.checkpoint import checkpoint
 
-from kernels.fused_linear_cross_entropy import fused_linear_cross_entropy
-from kernels.geglu import geglu
 from kernels.references import (fused_linear_cross_entropy_reference, geglu_reference, rms_norm_reference,
                                 rope_reference, swiglu_reference)
-from kernels.rms_norm import rms_norm
-from kernels.rope import apply_rope
-from kernels.swiglu import swiglu
 from model.config import ModelConfig
-from model.lora import LoRAConfig, fusable, lora_mlp, lora_projections, make_glu, make_linear
+from model.lora import GLU, LoRAConfig, autograd_backward, fusable, lora_mlp, lora_projections, make_linear
 
 
 class Ops:
-    """The numerical building blocks, Triton or pure torch. Chosen once, when the model is built."""
+    """The numerical building blocks, Triton or pure torch. Chosen once, when the model is built;
+    the Triton kernels are imported only for a model that uses them."""
 
     def __init__(self, use_kernels: bool, fused_lora: bool = True):
         self.use_kernels = use_kernels
         self.fused_lora = fused_lora  # projections through model/lora.py's fused autograd Functions
-        self.rms_norm = rms_norm if use_kernels else rms_norm_reference
-        self.rope = apply_rope if use_kernels else rope_reference
-        self.swiglu = swiglu if use_kernels else swiglu_reference
-        self.geglu = geglu if use_kernels else geglu_reference
-        self.linear_cross_entropy = (fused_linear_cross_entropy if use_kernels
-                                     else fused_linear_cross_entropy_reference)
+        if use_kernels:
+            from kernels.fused_linear_cross_entropy import fused_linear_cross_entropy
+            from kernels.geglu import geglu, geglu_backward, geglu_forward
+            from kernels.rms_norm import rms_norm
+            from kernels.rope import apply_rope
+            from kernels.swiglu import swiglu, swiglu_backward, swiglu_forward
+            self.rms_norm, self.rope, self.swiglu, self.geglu = rms_norm, apply_rope, swiglu, geglu
+            self.linear_cross_entropy = fused_linear_cross_entropy
+            self._glu_pairs = {"silu": (swiglu_forward, swiglu_backward), "gelu": (geglu_forward, geglu_backward)}
+        else:
+            self.rms_norm, self.rope, self.swiglu, self.geglu = (rms_norm_reference, rope_reference,
+                                                                 swiglu_reference, geglu_reference)
+            self.linear_cross_entropy = fused_linear_cross_entropy_reference
+
+    def glu(self, act: str) -> GLU:
+        """The gated activation of ModelConfig.act ("silu": SwiGLU; "gelu_tanh", "gelu": GeGLU): the
+        kernels' forward/backward pair (backward in place), or the torch reference and its autograd."""
+        kw = {} if act == "silu" else {"approximate": "tanh" if act == "gelu_tanh" else "none"}
+        function = partial(self.swiglu if act == "silu" else self.geglu, **kw)
+        if not self.use_kernels:
+            return GLU(function, function, partial(autograd_backward, function), inplace=False)
+        forward, backward = self._glu_pairs["silu" if act == "silu" else "gelu"]
+        return GLU(function, partial(forward, **kw), partial(backward, inplace=True, **kw), inplace=True)
 
 
 class RMSNorm(nn.Module):
@@ -93,13 +107,18 @@ def rope_cos_sin(position_ids, inv_freq, dtype):
 
 # ----------------------------------------------------------------------------- attention
 
-def attention_mask(doc_ids, window):
-    """Boolean [B, 1, T, T]: causal, same document, and (if window) distance < window."""
-    T = doc_ids.shape[1]
-    i = torch.arange(T, device=doc_ids.device)
-    keep = i[None, :] <= i[:, None]  # (T, T) causal
+def attention_mask(T, window, device, doc_ids=None, start=0):
+    """Boolean [B or 1, 1, T, start + T] for T queries at positions start..start+T-1 against every
+    key so far: causal, same document (doc_ids (B, T); None: one document per row), and (if
+    window) distance < window. With start > 0 (decoding after a KV cache) doc_ids must be None."""
+    q = torch.arange(start, start + T, device=device)
+    k = torch.arange(start + T, device=device)
+    keep = k[None, :] <= q[:, None]  # (T, S) causal
     if window is not None:
-        keep = keep & (i[:, None] - i[None, :] < window)
+        keep = keep & (q[:, None] - k[None, :] < window)
+    if doc_ids is None:
+        return keep[None, None]  # (1, 1, T, S): the same for every row
+    assert start == 0, "a KV cache keeps no document ids: decode one document per row"
     same_doc = doc_ids[:, :, None] == doc_ids[:, None, :]  # (B, T, T)
     return (keep & same_doc)[:, None]
 
@@ -119,20 +138,19 @@ def flex_block_mask(doc_ids, window):
 # FlexAttention is fast only when compiled: one fused kernel for any mask and score_mod.
 _flex_attention = torch.compile(flex_attention, dynamic=False)
 
-# SDPA backends in the order tried (the first that supports the inputs runs). torch 2.11 picks
-# cuDNN first on H100, whose every call with a mask costs about 2.7 ms of CPU time (measured,
-# docs/perf-notes.md): padded batches ran 2x slower with it. Flash takes plain causal attention,
-# memory-efficient attention a dense mask. (On full 2048-token causal rows flash and cuDNN measured
-# within 20% of each other, either way depending on model and run: docs/benchmarks.md, section 7.)
+# SDPA backends in order of preference (the first that supports the inputs runs). Flash takes
+# plain causal attention, memory-efficient attention a dense mask. cuDNN comes after them because
+# its calls with a mask cost far more CPU time per call, which a CPU-bound step pays for in full
+# (docs/perf-notes.md, "SDPA backend order").
 SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION,
                  SDPBackend.MATH]
 
 
 def attend(q, k, v, mask, scale, softcap):
-    """Softmax attention. q (B, Hq, T, D); k, v (B, Hk, T, D).
+    """Softmax attention. q (B, Hq, T, D); k, v (B, Hk, S, D), S >= T (S > T after a KV cache).
 
-    mask: None (plain causal), a bool (B, 1, T, T) tensor, or a FlexAttention BlockMask (GPU).
-    SDPA is used wherever it is exact. Softcapping (Gemma 2) is a non-linearity on the scores
+    mask: None (plain causal, S = T), a bool (B or 1, 1, T, S) tensor, or a FlexAttention BlockMask
+    (GPU). SDPA is used wherever it is exact. Softcapping (Gemma 2) is a non-linearity on the scores
     that SDPA cannot express (transformers' sdpa path silently drops it; this one never does),
     so those scores are computed explicitly.
     """
@@ -146,7 +164,7 @@ def attend(q, k, v, mask, scale, softcap):
     if softcap is None:
         with sdpa_kernel(SDPA_BACKENDS, set_priority=True):
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
-    s = (q @ k.transpose(-1, -2)) * scale  # (B, Hq, T, T)
+    s = (q @ k.transpose(-1, -2)) * scale  # (B, Hq, T, S)
     s = softcap * torch.tanh(s / softcap)
     if mask is None:
         T = q.shape[2]
@@ -157,7 +175,7 @@ def attend(q, k, v, mask, scale, softcap):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_idx: int, ops: Ops, lora: LoRAConfig | None):
+    def __init__(self, cfg: ModelConfig, ops: Ops, lora: LoRAConfig | None):
         super().__init__()
         H, nh, nkv, d = cfg.hidden_size, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         self.nh, self.nkv, self.d = nh, nkv, d
@@ -173,7 +191,9 @@ class Attention(nn.Module):
         self.softcap = cfg.attn_softcap
         self.ops = ops
 
-    def forward(self, x, cos, sin, mask):
+    def forward(self, x, cos, sin, mask, cache=None):
+        """x (B, T, H). cache: this layer's `LayerCache` (model/generate.py) or None; with one, the
+        keys and values of x are appended to it and the queries attend to all it holds."""
         B, T, _ = x.shape
         qkv = (self.q_proj, self.k_proj, self.v_proj)
         fused = self.ops.fused_lora and fusable(qkv + (self.o_proj,))
@@ -184,7 +204,10 @@ class Attention(nn.Module):
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.ops.rope(q, k, cos, sin)  # (B, T, nh, d), (B, T, nkv, d)
-        y = attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask, self.scale, self.softcap)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, heads, T, d)
+        if cache is not None:
+            k, v = cache.update(k, v)  # (B, nkv, S, d): the cached positions, then these
+        y = attend(q, k, v, mask, self.scale, self.softcap)  # (B, nh, T, d)
         y = y.transpose(1, 2).reshape(B, T, self.nh * self.d)
         return lora_projections(y, (self.o_proj,))[0] if fused else self.o_proj(y)
 
@@ -196,28 +219,22 @@ class MLP(nn.Module):
         self.gate_proj = make_linear(H, I, cfg.mlp_bias, "gate_proj", lora)
         self.up_proj = make_linear(H, I, cfg.mlp_bias, "up_proj", lora)
         self.down_proj = make_linear(I, H, cfg.mlp_bias, "down_proj", lora)
-        self.act = cfg.act
         self.ops = ops
-        self.glu = make_glu(cfg.act, ops.use_kernels)  # forward/backward pair for the fused path
+        self.glu = ops.glu(cfg.act)
 
     def forward(self, x):
         projs = (self.gate_proj, self.up_proj, self.down_proj)
         if self.ops.fused_lora and fusable(projs):
             return lora_mlp(x, projs, self.glu)
-        gate, up = self.gate_proj(x), self.up_proj(x)
-        if self.act == "silu":
-            h = self.ops.swiglu(gate, up)
-        else:
-            h = self.ops.geglu(gate, up, approximate="tanh" if self.act == "gelu_tanh" else "none")
-        return self.down_proj(h)
+        return self.down_proj(self.glu.function(self.gate_proj(x), self.up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_idx: int, ops: Ops, lora: LoRAConfig | None):
+    def __init__(self, cfg: ModelConfig, layer_type: str, ops: Ops, lora: LoRAConfig | None):
         super().__init__()
         H = cfg.hidden_size
-        self.layer_type = cfg.layer_types[layer_idx]
-        self.self_attn = Attention(cfg, layer_idx, ops, lora)
+        self.layer_type = layer_type  # "full" or "sliding"
+        self.self_attn = Attention(cfg, ops, lora)
         self.mlp = MLP(cfg, ops, lora)
         self.input_layernorm = RMSNorm(H, cfg, ops)
         self.post_attention_layernorm = RMSNorm(H, cfg, ops)
@@ -226,11 +243,11 @@ class DecoderLayer(nn.Module):
             self.pre_feedforward_layernorm = RMSNorm(H, cfg, ops)
             self.post_feedforward_layernorm = RMSNorm(H, cfg, ops)
 
-    def forward(self, x, cos, sin, mask):
+    def forward(self, x, cos, sin, mask, cache=None):
         if self.sandwich:
-            x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), cos, sin, mask))
+            x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), cos, sin, mask, cache))
             return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask)
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, cache)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -242,13 +259,13 @@ class Backbone(nn.Module):
         # As in the reference, the pad token's row receives no gradient (when embeddings are trained).
         pad = cfg.pad_token_id if cfg.pad_token_id is not None and 0 <= cfg.pad_token_id < cfg.vocab_size else None
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, padding_idx=pad)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, ops, lora) for i in range(cfg.n_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, t, ops, lora) for t in cfg.layer_types)
         self.norm = RMSNorm(cfg.hidden_size, cfg, ops)
 
 
 class Transformer(nn.Module):
     def __init__(self, cfg: ModelConfig, lora: LoRAConfig | None = None, use_kernels: bool = False,
-                 fused_lora: bool = True):
+                 fused_lora: bool = True, gradient_checkpointing: bool = False, offload_activations: bool = False):
         super().__init__()
         self.config = cfg
         self.lora_config = lora  # written into adapter_config.json by model/adapters.py
@@ -257,56 +274,76 @@ class Transformer(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-        self.gradient_checkpointing = False  # recompute each layer in backward
-        self.offload_activations = False  # with checkpointing: keep layer inputs in pinned CPU memory
+        self.gradient_checkpointing = gradient_checkpointing  # recompute each layer in backward
+        self.offload_activations = offload_activations  # with checkpointing: keep layer inputs in pinned CPU memory
 
-    def hidden_states(self, input_ids, position_ids=None, doc_ids=None):
-        """Final-norm hidden states (B, T, H)."""
+    def layer_mask(self, layer_type, doc_ids, shape, start, device):
+        """The attention mask of one layer type for input_ids of `shape` (B, T), in the form
+        `attend` runs fastest."""
+        cfg = self.config
+        B, T = shape
+        window = cfg.sliding_window if layer_type == "sliding" else None
+        window = window if window is not None and window < start + T else None  # None: it masks nothing
+        if start > 0:  # queries after a KV cache's positions: an explicit mask
+            return attention_mask(T, window, device, start=start)
+        # FlexAttention for document/window masks on GPU. Not with a softcap: a softcap score_mod
+        # inside gradient checkpointing does not trace (docs/perf-notes.md), so those layers take
+        # the explicit path in `attend`. FlexAttention's compiled kernel works in blocks of 128
+        # tokens: other lengths (padded batches) take SDPA with a dense mask, O(T^2) bools but
+        # no O(T^2) scores.
+        if (device.type == "cuda" and cfg.attn_softcap is None and T % 128 == 0
+                and (doc_ids is not None or window is not None)):
+            docs = doc_ids if doc_ids is not None else torch.zeros(B, T, dtype=torch.long, device=device)
+            return flex_block_mask(docs, window)
+        if doc_ids is None and window is None:
+            return None  # plain causal: SDPA's fast (flash) path
+        return attention_mask(T, window, device, doc_ids)
+
+    def hidden_states(self, input_ids, position_ids=None, doc_ids=None, cache=None):
+        """Final-norm hidden states (B, T, H).
+
+        cache: a `KVCache` (model/generate.py) holding the earlier positions of these rows, or None.
+        With one, input_ids continue those positions (position_ids default to them) and their
+        keys and values are appended to it."""
         cfg = self.config
         B, T = input_ids.shape
         dev = input_ids.device
+        start = cache.length if cache is not None else 0
         if position_ids is None:
-            position_ids = torch.arange(T, device=dev).expand(B, T)
+            position_ids = torch.arange(start, start + T, device=dev).expand(B, T)
         x = self.model.embed_tokens(input_ids)  # (B, T, H)
         if cfg.embed_scale != 1.0:  # Gemma; rounded to the activation dtype as in the reference
             x = x * torch.tensor(cfg.embed_scale, dtype=x.dtype)
         tables, masks = {}, {}
         for t in set(cfg.layer_types):
             tables[t] = rope_cos_sin(position_ids, rope_inv_freq(cfg, t, dev), x.dtype)
-            window = cfg.sliding_window if t == "sliding" and cfg.sliding_window is not None else None
-            window = window if window is not None and window < T else None
-            docs = doc_ids if doc_ids is not None else torch.zeros_like(input_ids)
-            # FlexAttention for document/window masks on GPU. Not with a softcap: a softcap score_mod
-            # inside gradient checkpointing fails to trace in torch 2.11 ("FX to symbolically trace a
-            # dynamo-optimized function"); those layers take the explicit path below. Retry with a newer torch.
-            # FlexAttention's compiled kernel works in blocks of 128 tokens: other lengths (padded
-            # batches) take SDPA with a dense mask, O(T^2) bools but no O(T^2) scores.
-            if (x.is_cuda and cfg.attn_softcap is None and T % 128 == 0
-                    and (doc_ids is not None or window is not None)):
-                masks[t] = flex_block_mask(docs, window)
-            elif doc_ids is None and window is None:
-                masks[t] = None  # plain causal: SDPA's fast (flash) path
-            else:
-                masks[t] = attention_mask(docs, window)
-        recompute = self.gradient_checkpointing and torch.is_grad_enabled()
+            masks[t] = self.layer_mask(t, doc_ids, (B, T), start, dev)
+        # Recomputing a layer would append its keys and values to a cache a second time.
+        recompute = self.gradient_checkpointing and torch.is_grad_enabled() and cache is None
         if recompute and not x.requires_grad:
             # The reentrant checkpoint builds a graph only for a layer whose input requires grad.
             x.requires_grad_()
-        for layer in self.model.layers:
+        for i, layer in enumerate(self.model.layers):
             cos, sin = tables[layer.layer_type]
             args = (x, cos, sin, masks[layer.layer_type])
             if recompute:
-                # Reentrant: it saves a layer's inputs once. The non-reentrant checkpoint puts every
-                # tensor saved inside the layer (about 40) through Python hooks, which cost ~35 ms of
-                # CPU per TinyLlama step (docs/perf-notes.md): this loop is CPU-bound at batch 4.
+                # Reentrant: it saves a layer's inputs once, where the non-reentrant checkpoint puts
+                # every tensor saved inside the layer through Python hooks, a CPU cost that a
+                # CPU-bound step pays in full (docs/perf-notes.md, "reentrant checkpointing").
                 with torch.autograd.graph.save_on_cpu(pin_memory=x.is_cuda) if self.offload_activations else nullcontext():
                     x = checkpoint(layer, *args, use_reentrant=True)
             else:
-                x = layer(*args)
+                x = layer(*args, cache=None if cache is None else cache.layers[i])
         return self.model.norm(x)
 
+    def logits(self, h):
+        """Logits (..., V) of final-norm hidden states h (..., H), softcapped where the model is."""
+        logits = self.lm_head(h)
+        c = self.config.final_softcap
+        return logits if c is None else c * torch.tanh(logits / c)
+
     def forward(self, input_ids, position_ids=None, doc_ids=None, targets=None, num_targets=None,
-                ignore_index=-100):
+                ignore_index=-100, cache=None):
         """Logits (B, T, V) when `targets` is None.
 
         With `targets` (B, T), already shifted (targets[b, t] is the token that position t
@@ -314,14 +351,34 @@ class Transformer(nn.Module):
         Σ token losses / num_targets without materializing the logits. `num_targets`
         defaults to the count in this batch; the training loop passes the count of the
         whole optimizer step so that micro-batches are weighted by tokens.
+        cache: see `hidden_states` (generation, model/generate.py).
         """
-        h = self.hidden_states(input_ids, position_ids, doc_ids)
-        cfg = self.config
+        h = self.hidden_states(input_ids, position_ids, doc_ids, cache)
         if targets is None:
-            logits = self.lm_head(h)
-            if cfg.final_softcap is not None:
-                logits = cfg.final_softcap * torch.tanh(logits / cfg.final_softcap)
-            return logits
+            return self.logits(h)
         return self.ops.linear_cross_entropy(
             h.reshape(-1, h.shape[-1]), self.lm_head.weight, targets.reshape(-1),
-            ignore_index=ignore_index, softcap=cfg.final_softcap, reduction="mean", num_targets=num_targets)
+            ignore_index=ignore_index, softcap=self.config.final_softcap, reduction="mean", num_targets=num_targets)
+
+    def score(self, input_ids, position_ids, doc_ids, targets, ignore_index=-100, chunk_bytes=1 << 28):
+        """(token_loss (B, T) fp32, hit (B, T) bool) for evaluation, without B×T×V logits.
+
+        input_ids, position_ids, doc_ids: as for `forward` (position_ids, doc_ids may be None);
+        targets (B, T), shifted as for `forward`.
+        token_loss[b, t]: the cross-entropy of targets[b, t] (0 where it is ignore_index);
+        hit[b, t]: whether the argmax of the logits is targets[b, t] (False where ignored).
+        The logits are made for a chunk of rows at a time, as many as fit in `chunk_bytes` of
+        fp32 (about 2000 rows at V = 32000, 260 at V = 256000), so memory is O(chunk × V), not
+        O(B × T × V). The numbers equal cross-entropy and argmax over `forward`'s logits.
+        """
+        h = self.hidden_states(input_ids, position_ids, doc_ids)  # (B, T, H)
+        B, T, _ = h.shape
+        h, targets = h.reshape(B * T, -1), targets.reshape(-1)
+        rows = max(1, chunk_bytes // (4 * self.config.vocab_size))
+        losses, hits = [], []
+        for i in range(0, B * T, rows):
+            logits = self.logits(h[i:i + rows]).float()  # (rows, V)
+            t = targets[i:i + rows]
+            losses.append(F.cross_entropy(logits, t, ignore_index=ignore_index, reduction="none"))
+            hits.append(logits.argmax(-1) == t)
+        return torch.cat(losses).view(B, T), torch.cat(hits).view(B, T)

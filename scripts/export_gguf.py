@@ -1,7 +1,7 @@
 """Export a model, with a LoRA adapter merged in, as a GGUF file for llama.cpp, Ollama or LM Studio.
 
     python scripts/export_gguf.py --model smollm2.gguf --adapter out/adapter --out tuned.q8_0.gguf --ftype q8_0
-    python scripts/export_gguf.py --model ./my-llama --out my-llama.f16.gguf
+    python scripts/export_gguf.py --model ./my-llama --out my-llama.f16.gguf --push-to-hub me/my-llama-gguf
     llama-cli -m tuned.q8_0.gguf -p "Hello" -cnv          # or: python scripts/generate.py --model tuned.q8_0.gguf
 
 --model is whatever train.py accepted (a folder, a short name, a hub id or a .gguf file);
@@ -9,8 +9,10 @@
 is written as W + (alpha / r) · B @ A, in fp32 and then converted to --ftype: f16 and bf16
 round each weight once; q8_0 stores blocks of 32 int8 weights with one fp16 scale (8.5 bits
 a weight, llama.cpp's near-lossless type). Norms and biases stay f32, as llama.cpp keeps
-them. The tokenizer (byte-level BPE) and chat template of --model are written with it.
-Supported: Llama, Qwen2 and Gemma architectures (see model/gguf.py).
+them. The tokenizer (byte-level BPE) and chat template of --model are written with it, and a
+.gguf --model's general.* metadata (name, license, ...). An adapter trained with --quantize
+nf4 is merged into the same dequantized NF4 weights it was trained on, unless
+--base-precision full. Supported: Llama, Qwen2 and Gemma architectures (see model/gguf.py).
 """
 import argparse
 import os
@@ -18,31 +20,45 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root, for `model`
 
-from model import load_model, load_tokenizer  # noqa: E402
-from model.adapters import load_adapter, read_adapter_config  # noqa: E402
+from model import load_tokenizer  # noqa: E402
+from model.adapters import BASE_PRECISION_HELP, BASE_PRECISIONS, load_with_adapter  # noqa: E402
 from model.gguf import FILE_TYPES, save_gguf  # noqa: E402
+from model.hub import base_model_id, check_push, model_card, push  # noqa: E402
 
 
-def export(model_path, out, adapter=None, ftype="f16"):
+def export(model_path, out, adapter=None, ftype="f16", base_precision="as-trained"):
     """Load `model_path` in fp32 (plus `adapter`), and write it merged to `out` as GGUF. Returns `out`."""
-    lora = read_adapter_config(adapter) if adapter else None
-    model, _ = load_model(model_path, lora=lora)  # fp32: the merge is summed in full precision
-    if adapter:
-        load_adapter(model, adapter)
-    save_gguf(model, load_tokenizer(model_path), out, ftype=ftype)
-    return out
+    model, _ = load_with_adapter(model_path, adapter, base_precision)  # fp32: the merge is summed in full precision
+    return save_gguf(model, load_tokenizer(model_path), out, ftype=ftype)
 
 
-if __name__ == "__main__":
+def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True, help="base model: local folder, short name, hub repo id or .gguf file")
     p.add_argument("--adapter", default=None, help="LoRA adapter folder (PEFT format, e.g. out/adapter) to merge in")
     p.add_argument("--out", required=True, help="the .gguf file to write")
     p.add_argument("--ftype", default="f16", choices=sorted(FILE_TYPES),
-                   help="type of the 2-D weights: f16 (default), bf16, q8_0 (half the size of f16) or f32")
-    args = p.parse_args()
+                   help="type of the 2-D weights (default: %(default)s); q8_0 is half the size of f16")
+    p.add_argument("--base-precision", default="as-trained", choices=BASE_PRECISIONS, help=BASE_PRECISION_HELP)
+    p.add_argument("--push-to-hub", metavar="REPO", default=None,
+                   help="then upload the file, with a model card, to this hub model repo (user/name), created if "
+                        "needed")
+    args = p.parse_args(argv)
+    if not args.out.endswith(".gguf"):
+        raise ValueError(f"--out {args.out!r}: name the file *.gguf, as llama.cpp and nanotune expect")
+    if args.push_to_hub:
+        check_push(args.push_to_hub)
+    print(f"wrote {export(args.model, args.out, args.adapter, args.ftype, args.base_precision)}")
+    if args.push_to_hub:
+        card = model_card(base_model_id(args.model), "quantized", options={"file": os.path.basename(args.out),
+                                                                             "type": args.ftype},
+                          usage=f"```\nllama-cli -hf {args.push_to_hub} -cnv\n```")
+        print(f"pushed to {push(args.out, args.push_to_hub, card=card)}")
+
+
+if __name__ == "__main__":
     try:
-        print(f"wrote {export(args.model, args.out, args.adapter, args.ftype)}")
+        main()
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)

@@ -21,3 +21,31 @@ def _own_dataset_cache(tmp_path, monkeypatch):
     """Each test tokenizes into a cache of its own: none writes to ~/.cache, and none reads data another
     test tokenized (with other code patched in)."""
     monkeypatch.setenv("NANOTUNE_CACHE", str(tmp_path / "nanotune-cache"))
+
+
+@pytest.fixture(scope="session")
+def llama_folder(tmp_path_factory):
+    """A tiny Llama 3-shaped model folder (weights and config only), built once; tests only read it."""
+    from tests.tiny_models import save_tiny
+    folder = str(tmp_path_factory.mktemp("llama"))
+    save_tiny("llama", folder)
+    return folder
+
+
+@pytest.fixture
+def hub(monkeypatch):
+    """A logged-in machine whose huggingface_hub.HfApi uploads only record their calls:
+    the list of (method, args, kwargs) it returns fills as they come."""
+    import huggingface_hub
+    calls = []
+
+    def record(name):
+        def call(self, *args, **kwargs):
+            calls.append((name, args, kwargs))
+            return f"https://huggingface.co/{args[0] if args else kwargs['repo_id']}"
+        return call
+
+    for name in ("create_repo", "upload_folder", "upload_file"):
+        monkeypatch.setattr(huggingface_hub.HfApi, name, record(name))
+    monkeypatch.setattr(huggingface_hub, "get_token", lambda: "hf_test")
+    return calls

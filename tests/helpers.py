@@ -38,3 +38,99 @@ def randomize_lora_b(model, std=0.05):
             if n.endswith("lora_B"):
                 gen = torch.Generator().manual_seed(zlib.crc32(n.encode()))
                 p.copy_(torch.randn(p.shape, generator=gen) * std)
+
+
+# ----------------------------------------------------------------------------- LoRA projections, function level
+
+RTOL = {torch.float32: 1e-5, torch.bfloat16: 1.6e-2, torch.float16: 2e-3}
+H, I, R = 48, 80, 4  # function-level shapes: hidden, intermediate, rank
+P = 0.25  # LoRA dropout of the function-level tests
+
+
+def glu(act, use_kernels=False):
+    """The gated activation a model with these settings runs (model.transformer.Ops)."""
+    from model.transformer import Ops
+    return Ops(use_kernels).glu(act)
+
+
+def make_proj(in_f, out_f, bias, r, dtype, name, seed):
+    """A LoRALinear with base weights in `dtype`, fp32 LoRA weights (B nonzero), in train mode."""
+    import torch.nn as nn
+    from model.lora import LoRAConfig, LoRALinear
+    torch.manual_seed(seed)
+    lora = LoRAConfig(r=r, alpha=2.0 * r, dropout=P) if r else None
+    m = LoRALinear(in_f, out_f, bias, lora, name=name)
+    m.weight = nn.Parameter(m.weight.detach().to(dtype), requires_grad=False)
+    if bias:
+        m.bias = nn.Parameter(m.bias.detach().to(dtype), requires_grad=False)
+    if r:
+        with torch.no_grad():
+            m.lora_B.normal_(0, 0.1)
+    return m.train()
+
+
+def attention_projs(dtype):
+    """q, k, v with a bias (Qwen2), k without an adapter; o without bias."""
+    qkv = tuple(make_proj(H, out, True, 0 if n == "k_proj" else R, dtype, n, seed)
+                for seed, (n, out) in enumerate([("q_proj", 64), ("k_proj", 32), ("v_proj", 32)]))
+    return qkv, make_proj(64, H, False, R, dtype, "o_proj", 3)
+
+
+def mlp_projs(dtype, adapted=("gate_proj", "up_proj", "down_proj")):
+    return tuple(make_proj(i, o, True, R if n in adapted else 0, dtype, n, seed) for seed, (n, i, o) in
+                 enumerate([("gate_proj", H, I), ("up_proj", H, I), ("down_proj", I, H)]))
+
+
+def unfused_mlp(x, projs, act):
+    gate, up, down = projs
+    return down(glu(act).function(gate(x), up(x)))
+
+
+def run(fn, x, projs, seed=0):
+    """(outputs, dx, LoRA grads) of fn(x) under one seed, for one fixed upstream gradient."""
+    x = x.detach().requires_grad_()
+    params = [p for m in projs for p in (m.lora_A, m.lora_B) if p is not None]
+    for p in params:
+        p.grad = None
+    torch.manual_seed(seed)
+    outs = fn(x)
+    outs = outs if isinstance(outs, tuple) else (outs,)
+    gen = torch.Generator().manual_seed(seed + 1)
+    dys = [torch.randn(o.shape, generator=gen).to(o.device, o.dtype) for o in outs]
+    torch.autograd.backward(outs, dys)
+    return outs, x.grad, [p.grad for p in params]
+
+
+def compare(fused, unfused, dtype, what):
+    """Outputs, dx and LoRA grads of two `run`s agree to dtype's tolerance, in the same dtypes."""
+    (outs, dx, grads), (ref_outs, ref_dx, ref_grads) = fused, unfused
+    rtol = RTOL[dtype]
+    for i, (o, r) in enumerate(zip(outs, ref_outs)):
+        assert o.dtype == r.dtype, f"{what}: output {i} is {o.dtype}, unfused gives {r.dtype}"
+        assert_close(o, r, atol=rtol * r.abs().max().item(), rtol=rtol, name=f"{what} output {i}")
+    assert dx.dtype == ref_dx.dtype
+    assert_close(dx, ref_dx, atol=rtol * ref_dx.abs().max().item(), rtol=rtol, name=f"{what} dx")
+    for i, (g, r) in enumerate(zip(grads, ref_grads)):
+        assert g.dtype == torch.float32, f"{what}: LoRA grad {i} is {g.dtype}, the fp32 master needs fp32"
+        assert_close(g, r, atol=rtol * r.abs().max().item(), rtol=rtol, name=f"{what} LoRA grad {i}")
+
+
+# ----------------------------------------------------------------------------- running the scripts
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run_script(name, *args):
+    """`python scripts/<name> args` from the repository root, as a user runs it: the CompletedProcess."""
+    import subprocess
+    import sys
+    return subprocess.run([sys.executable, os.path.join(ROOT, "scripts", name), *map(str, args)], cwd=ROOT,
+                          capture_output=True, text=True)
+
+
+def run_script_here(monkeypatch, name, *args):
+    """The same in this process, so that monkeypatches (the hub) hold inside it."""
+    import runpy
+    import sys
+    monkeypatch.setattr(sys, "argv", [name, *map(str, args)])
+    runpy.run_path(os.path.join(ROOT, "scripts", name), run_name="__main__")

