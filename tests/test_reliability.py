@@ -18,6 +18,7 @@ from collections import namedtuple
 import pytest
 import torch
 
+import checkpoint
 import data
 import train
 from tests.helpers import read_metrics
@@ -295,15 +296,15 @@ def test_killed_mid_checkpoint_keeps_the_previous_one(run_model, dataset, tmp_pa
     takes it (not the half-written *.tmp, which already holds a state.pt)."""
     out = tmp_path / "out"
     stall_second_save = (
-        "import sys, time, train\n"
-        "real, calls = train.save_adapter, []\n"
+        "import sys, time, checkpoint, train\n"
+        "real, calls = checkpoint.save_adapter, []\n"
         "def save_adapter(*a, **k):\n"
         "    calls.append(1)\n"
         "    if len(calls) == 2:\n"
         "        print('stalled mid-save', flush=True)\n"
         "        time.sleep(300)\n"
         "    real(*a, **k)\n"
-        "train.save_adapter = save_adapter\n"
+        "checkpoint.save_adapter = save_adapter\n"
         "sys.exit(train.cli(sys.argv[1:]))\n")
     p = subprocess.Popen([sys.executable, "-c", stall_second_save,
                           *args(run_model, dataset, out, "--save-every", "2", "--max-steps", "10")],
@@ -322,7 +323,7 @@ def test_killed_mid_checkpoint_keeps_the_previous_one(run_model, dataset, tmp_pa
     assert sorted(os.listdir(ckpts)) == ["step-0000002", "step-0000004.tmp"]
     assert (ckpts / "step-0000004.tmp" / "state.pt").exists()
     assert (ckpts / "step-0000002" / "adapter" / "adapter_model.safetensors").exists()
-    assert train.checkpoints(str(out))[-1] == str(ckpts / "step-0000002")
+    assert checkpoint.RunFolder(train.TrainConfig(out_dir=str(out))).checkpoints()[-1] == str(ckpts / "step-0000002")
 
     assert train.cli(args(run_model, dataset, out, "--save-every", "2", "--max-steps", "3", "--resume", "auto")) == 0
     assert f"resumed from {ckpts / 'step-0000002'} at step 2" in capsys.readouterr().out
