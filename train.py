@@ -426,7 +426,7 @@ def main(cfg: TrainConfig):
         params = [p for _, p in lora_parameters(model)]
         log(describe(cfg, mcfg, params, train_enc, eval_enc, batches))
         optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.999),
-                                      fused=False)
+                                      **({"fused": True} if device.type == "cuda" else {"foreach": True}))
         scaler = LossScaler(cfg.loss_scale, cfg.scale_growth_interval, enabled=dtype == torch.float16)
         step = run.restore(ck, model, optimizer, scaler, batches)
         ddp = torch.nn.parallel.DistributedDataParallel(
