@@ -5,9 +5,10 @@
     torchrun --nproc_per_node=2 train.py --model tinyllama  # data-parallel on 2 GPUs
 
 The loop, top to bottom: set the lr -> checkpoint / evaluate -> micro-steps (forward,
-backward) -> unscale, clip, step, zero_grad -> log. Ctrl-C finishes the step, checkpoints
-and exits; `--resume auto` then continues exactly (weights, optimizer, loss scale, data
-position, RNG). Bad input fails before the weights load, with one line that says the fix.
+backward) -> unscale, clip, step, zero_grad -> log. Ctrl-C (or SIGTERM) finishes the step,
+saves a checkpoint and exits with status 130 (143); `--resume auto` then continues exactly
+(weights, optimizer, loss scale, data position, RNG). Bad input fails before the weights
+load, with one line that says the fix. The run folder and its checkpoints: checkpoint.py.
 
 Loss normalization: the loss of an optimizer step is Σ token losses over all its
 micro-batches (and all ranks) / Σ target tokens over all of them. The count is taken
@@ -19,6 +20,7 @@ import dataclasses
 import math
 import os
 import random
+import re
 import signal
 import sys
 import time
@@ -29,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 import data
-from checkpoint import RunFolder, UserError
+from checkpoint import RunFolder, UserError, fingerprint, position, rewind
 from model import LoRAConfig, load_model, load_tokenizer
 from model.config import from_hf_config
 from model.load import read_hf_config, resolve
@@ -57,7 +59,8 @@ class TrainConfig:
     batch_size: int = field(default=4, metadata={"help": "rows per micro-batch (per GPU)"})
     grad_accum: int = field(default=1, metadata={"help": "micro-batches per optimizer step"})
     max_steps: int = field(default=60, metadata={"help": "optimizer steps"})
-    lr: float = field(default=2e-4, metadata={"help": "peak learning rate (typical for LoRA)"})
+    lr: float = field(default=2e-4, metadata={"help": "peak learning rate (typical for LoRA; at most 1: AdamW moves "
+                                                      "each weight by about lr per step)"})
     min_lr_ratio: float = field(default=0.1, metadata={"help": "the cosine decays to lr * this"})
     warmup_steps: int = field(default=5, metadata={"help": "linear warm-up steps before the cosine"})
     weight_decay: float = field(default=0.0, metadata={"help": "AdamW weight decay on the LoRA weights"})
@@ -76,26 +79,56 @@ class TrainConfig:
     eval_every: int = field(default=20, metadata={"help": "evaluate every N steps (0: only at the end)"})
     eval_batches: int = field(default=8, metadata={"help": "at most this many eval batches"})
     save_every: int = field(default=50, metadata={"help": "checkpoint every N steps (0: only at the end)"})
-    keep_checkpoints: int = field(default=2, metadata={"help": "how many checkpoints to keep"})
+    keep_checkpoints: int = field(default=2, metadata={"help": "how many checkpoints to keep, the newest (0: keep all)"})
     log_every: int = field(default=1, metadata={"help": "print a progress line every N steps"})
-    resume: str | None = field(default=None, metadata={"help": "a checkpoint folder, or 'auto' for the latest in out_dir"})
+    resume: str | None = field(default=None, metadata={"help": "a checkpoint folder, or 'auto': the newest in out_dir "
+                                                               "(none there: a new run)"})
+    resume_anyway: bool = field(default=False, metadata={"help": "with --resume: continue even if options that decide "
+                                "the trajectory (batch size, grad accum, max steps, the lr schedule, seed, packing, "
+                                "max len, dropout, the data) differ from the checkpoint's; the run then differs from "
+                                "an uninterrupted one"})
     overwrite: bool = field(default=False, metadata={"help": "reuse an out_dir that holds a previous run"})
     device: str = field(default="auto", metadata={"help": "auto | cpu | cuda | cuda:N"})
 
     def __post_init__(self):
-        """Every option is checked here, once, before anything loads or is written."""
-        for name in ("batch_size", "max_len", "grad_accum", "max_steps"):
+        """Every option is checked here, once, before anything loads or is written: one line that says the fix."""
+        for f in dataclasses.fields(self):
+            if f.type is float and not math.isfinite(getattr(self, f.name)):
+                raise UserError(f"--{f.name.replace('_', '-')} must be a finite number, got {getattr(self, f.name)}")
+        for name in ("batch_size", "max_len", "grad_accum", "max_steps", "log_every", "scale_growth_interval"):
             if getattr(self, name) <= 0:
                 raise UserError(f"--{name.replace('_', '-')} must be > 0, got {getattr(self, name)}")
-        if not self.lr > 0:
-            raise UserError(f"--lr must be > 0, got {self.lr}")
-        if self.lora_r <= 0:
-            raise UserError(f"--lora-r must be > 0, got {self.lora_r}")
+        for name in ("warmup_steps", "eval_every", "eval_batches", "save_every", "keep_checkpoints",
+                     "max_skipped_steps", "weight_decay", "grad_clip"):
+            if getattr(self, name) < 0:
+                raise UserError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
+        checks = [  # (holds, the error line)
+            (self.lr > 0, f"--lr must be > 0, got {self.lr}"),
+            (self.lr <= 1, f"--lr must be at most 1 (AdamW moves each weight by about lr per step; LoRA uses "
+                           f"1e-5 to 1e-3), got {self.lr:g}"),
+            (self.lora_alpha > 0, f"--lora-alpha must be > 0 (the update is scaled by alpha / r), got {self.lora_alpha}"),
+            (0 <= self.eval_fraction < 1, f"--eval-fraction must be at least 0 and below 1 (the share of a user "
+                                          f"dataset held out for eval), got {self.eval_fraction}"),
+            (0 <= self.min_lr_ratio <= 1, f"--min-lr-ratio must be between 0 and 1 (the cosine decays to lr times "
+                                          f"this; below 0 the lr turns negative), got {self.min_lr_ratio}"),
+            (self.loss_scale >= 1, f"--loss-scale must be >= 1, got {self.loss_scale}"),
+            (re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device), f"--device must be auto, cpu, cuda or cuda:N, got "
+                                                                  f"{self.device!r}"),
+            (self.resume or not self.resume_anyway, "--resume-anyway goes with --resume (auto or a checkpoint folder)"),
+            (not (self.resume and self.overwrite), "--overwrite replaces the run that --resume continues: pass one"),
+        ]
+        for holds, error in checks:
+            if not holds:
+                raise UserError(error)
         targets = [t for t in self.lora_targets.split(",") if t]
         unknown = [t for t in targets if t not in ALL_TARGETS]
         if unknown or not targets:
             raise UserError(f"--lora-targets: unknown module(s) {unknown or '(none given)'}; this model has "
                             f"{','.join(ALL_TARGETS)}")
+        try:
+            self.lora()  # LoRAConfig checks the rank and the dropout
+        except ValueError as e:
+            raise UserError(f"{e} (--lora-r, --lora-dropout)") from e
         if self.quantize not in (None, "nf4"):
             raise UserError(f"--quantize must be nf4 (or left out), got {self.quantize!r}")
         if self.quantize == "nf4":
@@ -142,7 +175,7 @@ class LossScaler:
             torch._foreach_div_(grads, self.scale)
 
     def update(self, finite):
-        """After each step: count it; on inf/NaN halve the scale (the step was skipped)."""
+        """After each step: an applied one counts toward doubling the scale, a skipped one (inf/NaN) halves it."""
         if not self.enabled:
             return
         if finite:
@@ -165,19 +198,30 @@ class LossScaler:
 # ----------------------------------------------------------------------------- setup
 
 
-def setup_distributed(cfg):
-    """(rank, world_size, device). torchrun sets RANK/LOCAL_RANK/WORLD_SIZE; otherwise one process."""
+@contextmanager
+def distributed(cfg):
+    """(rank, world_size, device) of this process. torchrun sets RANK/LOCAL_RANK/WORLD_SIZE and the process
+    group lives until the run ends; otherwise one process."""
+    if cfg.device.startswith("cuda") and not torch.cuda.is_available():
+        raise UserError(f"--device {cfg.device}: torch sees no CUDA GPU (a CPU-only torch build, no driver, or "
+                        "CUDA_VISIBLE_DEVICES hides them); use --device cpu, or auto")
+    if cfg.device.startswith("cuda:") and int(cfg.device[5:]) >= torch.cuda.device_count():
+        raise UserError(f"--device {cfg.device}: this machine has {torch.cuda.device_count()} GPU(s), cuda:0 to "
+                        f"cuda:{torch.cuda.device_count() - 1}")
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world == 1:
-        if cfg.device == "auto":
-            return 0, 1, torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        return 0, 1, torch.device(cfg.device)
+        auto = "cuda" if torch.cuda.is_available() else "cpu"
+        yield 0, 1, torch.device(auto if cfg.device == "auto" else cfg.device)
+        return
     local = int(os.environ["LOCAL_RANK"])
     use_cuda = torch.cuda.is_available() and cfg.device != "cpu"
     if use_cuda:
         torch.cuda.set_device(local)
     dist.init_process_group("nccl" if use_cuda else "gloo")
-    return dist.get_rank(), world, torch.device(f"cuda:{local}" if use_cuda else "cpu")
+    try:
+        yield dist.get_rank(), world, torch.device(f"cuda:{local}" if use_cuda else "cpu")
+    finally:
+        dist.destroy_process_group()
 
 
 def choose_dtype(cfg, device):
@@ -203,7 +247,7 @@ def load_inputs(cfg):
     """(tokenizer, training examples, eval examples), tokenized and checked against the model's config."""
     tokenizer = load_tokenizer(cfg.model)
     if not cfg.model.endswith(".gguf"):  # config.json alone; a .gguf holds its tokenizer and weights together
-        check_vocab(tokenizer, from_hf_config(read_hf_config(resolve(cfg.model))))
+        check_model_fit(cfg, from_hf_config(read_hf_config(resolve(cfg.model))), tokenizer)
     train_enc, eval_enc = load_data(cfg, tokenizer)
     return tokenizer, train_enc, eval_enc
 
@@ -216,8 +260,50 @@ def build_model(cfg, device, dtype, use_kernels, rank):
                              use_kernels=use_kernels, lora_seed=cfg.seed)
     model.gradient_checkpointing = cfg.gradient_checkpointing
     model.offload_activations = cfg.offload_activations
+    if cfg.model.endswith(".gguf"):  # its config comes with its weights
+        check_model_fit(cfg, mcfg)
     assert all(p.dtype == torch.float32 for _, p in lora_parameters(model)), "LoRA master weights are fp32"
     return model, mcfg
+
+
+def activation_bytes(cfg, mcfg, dtype, use_kernels):
+    """A rough estimate of one micro-batch's activation memory on the GPU: the layer inputs kept for backward
+    (every layer's with checkpointing, none with offload), one layer's activations with their gradients
+    (every layer's without checkpointing), and the logits (the fused cross-entropy kernel keeps a chunk of
+    at most 256 MiB and the fp32 gradient of its input; the torch reference keeps them in the compute dtype
+    and in fp32, with their fp32 gradient)."""
+    n, size = cfg.batch_size * cfg.max_len, torch.finfo(dtype).bits // 8  # tokens, bytes per activation
+    h, q, kv = mcfg.hidden_size, mcfg.n_heads * mcfg.head_dim, mcfg.n_kv_heads * mcfg.head_dim
+    layer = n * size * (4 * h + 2 * q + 2 * kv + 3 * mcfg.intermediate_size)  # norms, residuals, q k v o, MLP
+    if mcfg.attn_softcap:  # explicit attention: fp32 scores and probabilities, (B, heads, T, T) each
+        layer += 2 * 4 * cfg.batch_size * mcfg.n_heads * cfg.max_len ** 2
+    if cfg.gradient_checkpointing:
+        kept = 0 if cfg.offload_activations else mcfg.n_layers * n * h * size
+        total = kept + 2 * layer
+    else:
+        total = (mcfg.n_layers + 1) * layer
+    logits = (256 << 20) + n * h * 4 if use_kernels else n * mcfg.vocab_size * (size + 8)
+    return total + logits
+
+
+def memory_warning(cfg, mcfg, dtype, use_kernels, device):
+    """A warning line when a micro-batch's activations (estimated) exceed the free GPU memory, else None."""
+    if device.type != "cuda":
+        return None
+    need, free = activation_bytes(cfg, mcfg, dtype, use_kernels), torch.cuda.mem_get_info(device)[0]
+    if need <= free:
+        return None
+    return (f"warning: a micro-batch of {cfg.batch_size} x {cfg.max_len} tokens needs about {need / 2**30:.1f} GiB "
+            f"of activations, but {free / 2**30:.1f} GiB of GPU memory is free: expect out-of-memory. "
+            f"To fit: {memory_fixes(cfg)}")
+
+
+def memory_fixes(cfg):
+    """What lowers the activation memory, among what this run does not do yet."""
+    fixes = "lower --batch-size (a larger --grad-accum keeps the step's size) or --max-len"
+    if not cfg.gradient_checkpointing:
+        return fixes + ", or turn on --gradient-checkpointing (and --offload-activations)"
+    return fixes + ("" if cfg.offload_activations else ", or add --offload-activations")
 
 
 def describe(cfg, mcfg, params, train_enc, eval_enc, batches):
@@ -226,10 +312,16 @@ def describe(cfg, mcfg, params, train_enc, eval_enc, batches):
             f"examples, {len(batches)} batches per epoch{' (packed)' if cfg.packing else ' (padded)'}")
 
 
-def check_vocab(tokenizer, model_cfg):
-    if tokenizer.vocab_size > model_cfg.vocab_size:
+def check_model_fit(cfg, mcfg, tokenizer=None):
+    """The tokenizer and --max-len against the model's config."""
+    if tokenizer is not None and tokenizer.vocab_size > mcfg.vocab_size:
         raise UserError(f"the tokenizer has {tokenizer.vocab_size} tokens but the model's embedding has "
-                        f"{model_cfg.vocab_size} rows: they do not belong together. Use the tokenizer of this model")
+                        f"{mcfg.vocab_size} rows: they do not belong together. Use the tokenizer of this model")
+    if cfg.max_len > mcfg.max_position_embeddings:
+        raise UserError(f"--max-len {cfg.max_len} is longer than this model's context of "
+                        f"{mcfg.max_position_embeddings} tokens (max_position_embeddings in its config): positions "
+                        f"past it were never trained, and memory grows with the length. Use --max-len "
+                        f"{mcfg.max_position_embeddings} or less")
 
 
 def load_data(cfg, tokenizer):
@@ -361,8 +453,12 @@ def apply_step(optimizer, scaler, loss, norm, step, cfg, run, log):
     if finite:
         optimizer.step()
     elif not scaler.enabled:
-        raise UserError(f"the loss or gradient is NaN/inf at step {step} (loss {loss:g}, grad norm {norm:g}). "
-                        f"{run.next_steps('lower --lr (or check the data)')}")
+        # No optimizer step yet (AdamW's state is created by the first): the adapter is as initialized, so
+        # the learning rate cannot be the cause.
+        cause = ("This is before any update of the adapter, so the learning rate is not the cause: the input "
+                 "holds a NaN/inf. Check the base model's weights, the data and the options (e.g. --lora-alpha), "
+                 "then start again" if not optimizer.state else run.next_steps("lower --lr (or check the data)"))
+        raise UserError(f"the loss or gradient is NaN/inf at step {step} (loss {loss:g}, grad norm {norm:g}). {cause}")
     scaler.update(finite)
     if not finite:
         log(f"step {step}: inf/NaN gradients in fp16, skipped; loss scale -> {scaler.scale:g}")
@@ -382,17 +478,74 @@ def log_step(run, log, rec, max_steps, fp16):
     run.log(rec)
 
 
-@contextmanager
-def stop_on_sigint():
-    """A flag that SIGINT (Ctrl-C) sets instead of raising KeyboardInterrupt, so the loop can finish its step
-    and checkpoint. Repeats only set it again (torchrun sends its workers one more); on exit the previous
-    handler is back."""
-    stop = {"requested": False}
-    previous = signal.signal(signal.SIGINT, lambda *_: stop.update(requested=True))
-    try:
-        yield stop
-    finally:
-        signal.signal(signal.SIGINT, previous)
+class StopSignals:
+    """SIGINT (Ctrl-C) and SIGTERM (schedulers, `timeout`, container stops), handled alike. Before training
+    (stage "setup") one interrupts at once: there is nothing to save yet. From then on they stop the run
+    between steps, never inside a step or a save: the first asks the loop to stop after its step and save a
+    checkpoint; the second says to wait (torchrun passes each Ctrl-C on to its workers, so they see two);
+    the third aborts, losing the save in progress (the checkpoints before it stay whole). In stage "saving"
+    (the final checkpoint, eval and adapter) they only say to wait, up to the third. The lines go straight
+    to stderr: a handler that printed through sys.stdout could land inside a print in progress."""
+
+    def __init__(self, say):
+        self.say = say  # whether this process prints (rank 0)
+        self.stage = "setup"  # then "training", then "saving"
+        self.count, self.signum = 0, None
+        self.step = 0  # the step in progress (the loop sets it), for the first message
+        self.previous = {}
+
+    def __enter__(self):
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            self.previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *_):
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
+
+    @property
+    def requested(self):
+        return self.count > 0
+
+    def exit_status(self):
+        """128 + the signal's number, as a shell reports a process that a signal ended: 130 for Ctrl-C."""
+        return 128 + (self.signum or signal.SIGINT)
+
+    def _handle(self, signum, frame):
+        self.count += 1
+        self.signum = self.signum or signum
+        if self.stage == "setup" or self.count >= 3:
+            raise KeyboardInterrupt(signum)
+        if self.count == 1 and self.stage == "training":
+            line = (f"{signal.Signals(signum).name}: stopping after step {self.step}, then saving a checkpoint "
+                    "(two more Ctrl-C abort without saving)")
+        else:
+            line = "saving, please wait" + (" (one more Ctrl-C aborts: the save in progress is lost)"
+                                            if self.count == 2 else "")
+        if self.say:
+            os.write(2, (line + "\n").encode())
+
+
+def save_after_failure(e, cfg, run, step, model, optimizer, scaler, batches, start):
+    """The one-line error for a write that failed (disk full) or a step that ran out of GPU memory, after a
+    checkpoint of the last complete step where one can be saved: by a single process (with several, the
+    others are not in the save), with finite weights. An out-of-memory step is first rewound to the data
+    position and random state it started from, so that the checkpoint resumes exactly."""
+    if isinstance(e, torch.OutOfMemoryError):
+        optimizer.zero_grad(set_to_none=True)
+        torch.cuda.empty_cache()
+        if start is not None:
+            rewind(batches, start)
+        what = f"out of GPU memory in step {step + 1} (micro-batches of {cfg.batch_size} x {cfg.max_len} tokens)"
+        fix = memory_fixes(cfg) + " (a resume with other sizes needs --resume-anyway)"
+    else:
+        what, fix = f"cannot write {e.filename} ({e.strerror or e})", f"free disk space in {cfg.out_dir}"
+    if step > run.saved_step and run.world == 1:
+        try:
+            run.save(step, model, optimizer, scaler, batches)
+        except UserError:
+            what += "; no checkpoint of it could be written either"
+    return UserError(f"{what}. {run.next_steps(fix)}")
 
 
 def any_rank(flag, world, device):
@@ -407,24 +560,27 @@ def any_rank(flag, world, device):
 # ----------------------------------------------------------------------------- main
 
 
-def main(cfg: TrainConfig):
-    rank, world, device = setup_distributed(cfg)
-    master = rank == 0
-    log = print if master else (lambda *a, **k: None)
-    dtype, why = choose_dtype(cfg, device)
-    use_kernels = device.type == "cuda" if cfg.kernels is None else cfg.kernels
-    log(f"device {device}, dtype {dtype}: {why}; kernels {'on' if use_kernels else 'off (torch references)'}")
-    with RunFolder(cfg, rank, world) as run:
+def main(cfg: TrainConfig) -> int:
+    """Train; returns the exit status: 0 when the run is complete, 128 + the signal's number (130 for Ctrl-C)
+    when a signal stopped it early, after its checkpoint."""
+    with (distributed(cfg) as (rank, world, device), RunFolder(cfg, rank, world) as run,
+          StopSignals(say=rank == 0) as signals):
+        log = print if rank == 0 else (lambda *a, **k: None)
+        dtype, why = choose_dtype(cfg, device)
+        use_kernels = device.type == "cuda" if cfg.kernels is None else cfg.kernels
+        log(f"device {device}, dtype {dtype}: {why}; kernels {'on' if use_kernels else 'off (torch references)'}")
         # Every input is checked before the slow work (the weights, the training), on every rank alike, and
         # nothing is written until all checks have passed.
         run.check()
-        ck = run.find()
         tokenizer, train_enc, eval_enc = load_inputs(cfg)
+        ck = run.find(fingerprint(train_enc))
         model, mcfg = build_model(cfg, device, dtype, use_kernels, rank)
         run.check_free_disk(model)
         batches, eval_sets = make_batches(cfg, tokenizer, train_enc, eval_enc, rank, world)
         params = [p for _, p in lora_parameters(model)]
         log(describe(cfg, mcfg, params, train_enc, eval_enc, batches))
+        if device.type == "cuda" and (warning := memory_warning(cfg, mcfg, dtype, use_kernels, device)):
+            log(warning)
         optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.999),
                                       **({"fused": True} if device.type == "cuda" else {"foreach": True}))
         scaler = LossScaler(cfg.loss_scale, cfg.scale_growth_interval, enabled=dtype == torch.float16)
@@ -435,9 +591,11 @@ def main(cfg: TrainConfig):
         run.open(step)
 
         model.train()
-        t_last, tokens = time.time(), 0
-        with stop_on_sigint() as stop:  # Ctrl-C: finish the step, checkpoint, exit
+        t_last, tokens, start = time.time(), 0, None
+        signals.stage = "training"  # a signal now stops the run after its step
+        try:
             while step < cfg.max_steps:
+                signals.step, start = step + 1, position(batches)  # where an out-of-memory step rewinds to
                 lr = set_lr(optimizer, lr_at(cfg, step))
                 if cfg.save_every and step % cfg.save_every == 0 and step > run.saved_step:
                     run.save(step, model, optimizer, scaler, batches)
@@ -459,7 +617,7 @@ def main(cfg: TrainConfig):
                 tokens += sum(b["input_ids"].numel() for b in micro) * world
 
                 scaler.unscale_(params)
-                grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip if cfg.grad_clip > 0 else float("inf"))
+                grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip or float("inf"))
                 loss, norm = step_stats(loss_sum, grad_norm, world)
                 applied = apply_step(optimizer, scaler, loss, norm, step + 1, cfg, run, log)
                 optimizer.zero_grad(set_to_none=True)
@@ -472,31 +630,40 @@ def main(cfg: TrainConfig):
                         "loss_scale": scaler.scale, "target_tokens": n_targets, "skipped": not applied},
                         cfg.max_steps, scaler.enabled)
                     t_last, tokens = time.time(), 0
-                if any_rank(stop["requested"], world, device):
+                if any_rank(signals.requested, world, device):
                     break
 
-        if step > run.saved_step:
-            run.save(step, model, optimizer, scaler, batches)
-        if step < cfg.max_steps:
-            log(f"interrupted after step {step}: saved {run.last}. To continue, run the same command with "
-                "--resume auto")
-        else:
+            signals.stage = "saving"  # a signal from here on only says to wait
+            if step > run.saved_step:
+                run.save(step, model, optimizer, scaler, batches)
+            if step < cfg.max_steps:
+                log(f"interrupted after step {step}: saved {run.last}. To continue, run the same command with "
+                    "--resume auto")
+                return signals.exit_status()
             if eval_sets:
                 log_eval(step, evaluate(model, eval_sets, device), run, log)
-            adapter = run.save_adapter(model)
-            log(f"done: adapter in {adapter} (PEFT format), checkpoint {run.last}")
-    if world > 1:
-        dist.destroy_process_group()
+            log(f"done: adapter in {run.save_adapter(model)} (PEFT format), checkpoint {run.last}")
+            return 0
+        except (OSError, torch.OutOfMemoryError) as e:  # a write that failed (disk full), or a step too big
+            raise save_after_failure(e, cfg, run, step, model, optimizer, scaler, batches, start) from e
 
 
 def cli(argv=None):
-    """The command line: bad input is one `error: ...` line and exit status 2, no traceback."""
+    """The command line: bad input is one `error: ...` line and exit status 2, no traceback. A run that a
+    signal stopped exits with 128 + its number (130 for Ctrl-C), also when a third one aborted its save."""
+    cfg = None
     try:
-        main(parse_args(argv))
+        cfg = parse_args(argv)
+        return main(cfg)
     except (UserError, ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    return 0
+    except KeyboardInterrupt as e:
+        saved = RunFolder(cfg).checkpoints() if cfg is not None else []
+        where = (f"the newest checkpoint is {saved[-1]}: continue from it with --resume auto" if saved else
+                 "no checkpoint was saved")
+        print(f"interrupted: {where}", file=sys.stderr)
+        return 128 + (e.args[0] if e.args else signal.SIGINT)
 
 
 if __name__ == "__main__":
