@@ -431,11 +431,14 @@ def peak_mem(device):
 
 
 def count_targets(micro, world, device):
-    """The target tokens of a step: over its micro-batches and all ranks (every rank joins, even one without)."""
-    n = torch.tensor(sum(data.num_targets(b) for b in micro), device=device)
+    """The target tokens of a step: over its micro-batches (counted on the CPU) and all ranks (every rank joins,
+    even one without)."""
+    n = sum(data.num_targets(b) for b in micro)
     if world > 1:
-        dist.all_reduce(n)
-    return int(n)
+        t = torch.tensor(n, device=device)
+        dist.all_reduce(t)
+        n = int(t)
+    return n
 
 
 def step_stats(loss_sum, grad_norm, world):
@@ -539,7 +542,7 @@ def save_after_failure(e, cfg, run, step, model, optimizer, scaler, batches, sta
         what = f"out of GPU memory in step {step + 1} (micro-batches of {cfg.batch_size} x {cfg.max_len} tokens)"
         fix = memory_fixes(cfg) + " (a resume with other sizes needs --resume-anyway)"
     else:
-        what, fix = f"cannot write {e.filename} ({e.strerror or e})", f"free disk space in {cfg.out_dir}"
+        what, fix = f"cannot write {e.filename or 'to disk'} ({e.strerror or e})", f"free disk space in {cfg.out_dir}"
     if step > run.saved_step and run.world == 1:
         try:
             run.save(step, model, optimizer, scaler, batches)

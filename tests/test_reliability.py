@@ -842,3 +842,27 @@ def test_activation_memory_estimate(run_model, monkeypatch):
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (2 * base, 80 << 30))
     assert train.memory_warning(cfg, mcfg, torch.bfloat16, False, torch.device("cuda")) is None
     assert train.memory_warning(cfg, mcfg, torch.bfloat16, False, torch.device("cpu")) is None
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_real_cuda_out_of_memory(run_model, dataset, tmp_path, capsys, monkeypatch):
+    """What the CUDA allocator raises (step 2 asks for 1 PiB) is caught: one line, after a checkpoint of step 1;
+    the estimate warns before the first step for a micro-batch far past the free memory."""
+    real, calls = train.micro_step, []
+
+    def micro_step(*a):
+        calls.append(1)
+        if len(calls) == 2:
+            torch.empty(1 << 50, dtype=torch.uint8, device="cuda")
+        return real(*a)
+
+    monkeypatch.setattr(train, "micro_step", micro_step)
+    out = tmp_path / "out"
+    assert train.cli(args(run_model, dataset, out, "--device", "cuda", "--dtype", "bf16", "--kernels")) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: out of GPU memory in step 2 "), err
+    assert (out / "checkpoints" / "step-0000001" / "state.pt").exists()
+    mcfg = train.from_hf_config(train.read_hf_config(run_model))
+    cfg = train.TrainConfig(model=run_model, max_len=256, batch_size=10 ** 6)
+    assert "expect out-of-memory" in train.memory_warning(cfg, mcfg, torch.bfloat16, True, torch.device("cuda"))
