@@ -582,7 +582,7 @@ def main(cfg: TrainConfig) -> int:
         batches, eval_sets = make_batches(cfg, tokenizer, train_enc, eval_enc, rank, world)
         params = [p for _, p in lora_parameters(model)]
         log(describe(cfg, mcfg, params, train_enc, eval_enc, batches))
-        if device.type == "cuda" and (warning := memory_warning(cfg, mcfg, dtype, use_kernels, device)):
+        if warning := memory_warning(cfg, mcfg, dtype, use_kernels, device):  # CUDA only
             log(warning)
         optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.999),
                                       **({"fused": True} if device.type == "cuda" else {"foreach": True}))
