@@ -5,9 +5,10 @@
     torchrun --nproc_per_node=2 train.py --model tinyllama  # data-parallel on 2 GPUs
 
 The loop, top to bottom: set the lr -> checkpoint / evaluate -> micro-steps (forward,
-backward) -> unscale, clip, step, zero_grad -> log. Ctrl-C finishes the step, checkpoints
-and exits; `--resume auto` then continues exactly (weights, optimizer, loss scale, data
-position, RNG). Bad input fails before the weights load, with one line that says the fix.
+backward) -> unscale, clip, step, zero_grad -> log. Ctrl-C (or SIGTERM) finishes the step,
+saves a checkpoint and exits with status 130 (143); `--resume auto` then continues exactly
+(weights, optimizer, loss scale, data position, RNG). Bad input fails before the weights
+load, with one line that says the fix. The run folder and its checkpoints: checkpoint.py.
 
 Loss normalization: the loss of an optimizer step is Σ token losses over all its
 micro-batches (and all ranks) / Σ target tokens over all of them. The count is taken
@@ -16,14 +17,12 @@ whatever the padding or packing.
 """
 import argparse
 import dataclasses
-import json
 import math
 import os
 import random
-import shutil
+import re
 import signal
 import sys
-import tempfile
 import time
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
@@ -32,8 +31,8 @@ import torch
 import torch.distributed as dist
 
 import data
+from checkpoint import RunFolder, UserError, fingerprint, position, rewind
 from model import LoRAConfig, load_model, load_tokenizer
-from model.adapters import save_adapter
 from model.config import from_hf_config
 from model.load import read_hf_config, resolve
 from model.lora import ALL_TARGETS, lora_parameters
@@ -60,7 +59,8 @@ class TrainConfig:
     batch_size: int = field(default=4, metadata={"help": "rows per micro-batch (per GPU)"})
     grad_accum: int = field(default=1, metadata={"help": "micro-batches per optimizer step"})
     max_steps: int = field(default=60, metadata={"help": "optimizer steps"})
-    lr: float = field(default=2e-4, metadata={"help": "peak learning rate (typical for LoRA)"})
+    lr: float = field(default=2e-4, metadata={"help": "peak learning rate (typical for LoRA; at most 1: AdamW moves "
+                                                      "each weight by about lr per step)"})
     min_lr_ratio: float = field(default=0.1, metadata={"help": "the cosine decays to lr * this"})
     warmup_steps: int = field(default=5, metadata={"help": "linear warm-up steps before the cosine"})
     weight_decay: float = field(default=0.0, metadata={"help": "AdamW weight decay on the LoRA weights"})
@@ -79,18 +79,78 @@ class TrainConfig:
     eval_every: int = field(default=20, metadata={"help": "evaluate every N steps (0: only at the end)"})
     eval_batches: int = field(default=8, metadata={"help": "at most this many eval batches"})
     save_every: int = field(default=50, metadata={"help": "checkpoint every N steps (0: only at the end)"})
-    keep_checkpoints: int = field(default=2, metadata={"help": "how many checkpoints to keep"})
+    keep_checkpoints: int = field(default=2, metadata={"help": "how many checkpoints to keep, the newest (0: keep all)"})
     log_every: int = field(default=1, metadata={"help": "print a progress line every N steps"})
-    resume: str | None = field(default=None, metadata={"help": "a checkpoint folder, or 'auto' for the latest in out_dir"})
+    resume: str | None = field(default=None, metadata={"help": "a checkpoint folder, or 'auto': the newest in out_dir "
+                                                               "(none there: a new run)"})
+    resume_anyway: bool = field(default=False, metadata={"help": "with --resume: continue even if options that decide "
+                                "the trajectory (batch size, grad accum, max steps, the lr schedule, seed, packing, "
+                                "max len, dropout, the data) differ from the checkpoint's; the run then differs from "
+                                "an uninterrupted one"})
     overwrite: bool = field(default=False, metadata={"help": "reuse an out_dir that holds a previous run"})
     device: str = field(default="auto", metadata={"help": "auto | cpu | cuda | cuda:N"})
+
+    def __post_init__(self):
+        """Every option is checked here, once, before anything loads or is written: one line that says the fix."""
+        for f in dataclasses.fields(self):
+            if f.type is float and not math.isfinite(getattr(self, f.name)):
+                raise UserError(f"--{f.name.replace('_', '-')} must be a finite number, got {getattr(self, f.name)}")
+        for name in ("batch_size", "max_len", "grad_accum", "max_steps", "log_every", "scale_growth_interval"):
+            if getattr(self, name) <= 0:
+                raise UserError(f"--{name.replace('_', '-')} must be > 0, got {getattr(self, name)}")
+        for name in ("warmup_steps", "eval_every", "eval_batches", "save_every", "keep_checkpoints",
+                     "max_skipped_steps", "weight_decay", "grad_clip"):
+            if getattr(self, name) < 0:
+                raise UserError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
+        checks = [  # (holds, the error line)
+            (self.lr > 0, f"--lr must be > 0, got {self.lr}"),
+            (self.lr <= 1, f"--lr must be at most 1 (AdamW moves each weight by about lr per step; LoRA uses "
+                           f"1e-5 to 1e-3), got {self.lr:g}"),
+            (self.lora_alpha > 0, f"--lora-alpha must be > 0 (the update is scaled by alpha / r), got {self.lora_alpha}"),
+            (0 <= self.eval_fraction < 1, f"--eval-fraction must be at least 0 and below 1 (the share of a user "
+                                          f"dataset held out for eval), got {self.eval_fraction}"),
+            (0 <= self.min_lr_ratio <= 1, f"--min-lr-ratio must be between 0 and 1 (the cosine decays to lr times "
+                                          f"this; below 0 the lr turns negative), got {self.min_lr_ratio}"),
+            (self.loss_scale >= 1, f"--loss-scale must be >= 1, got {self.loss_scale}"),
+            (re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device), f"--device must be auto, cpu, cuda or cuda:N, got "
+                                                                  f"{self.device!r}"),
+            (self.resume or not self.resume_anyway, "--resume-anyway goes with --resume (auto or a checkpoint folder)"),
+            (not (self.resume and self.overwrite), "--overwrite replaces the run that --resume continues: pass one"),
+        ]
+        for holds, error in checks:
+            if not holds:
+                raise UserError(error)
+        targets = [t for t in self.lora_targets.split(",") if t]
+        unknown = [t for t in targets if t not in ALL_TARGETS]
+        if unknown or not targets:
+            raise UserError(f"--lora-targets: unknown module(s) {unknown or '(none given)'}; this model has "
+                            f"{','.join(ALL_TARGETS)}")
+        try:
+            self.lora()  # LoRAConfig checks the rank and the dropout
+        except ValueError as e:
+            raise UserError(f"{e} (--lora-r, --lora-dropout)") from e
+        if self.quantize not in (None, "nf4"):
+            raise UserError(f"--quantize must be nf4 (or left out), got {self.quantize!r}")
+        if self.quantize == "nf4":
+            try:
+                import bitsandbytes  # noqa: F401  (model/qlora.py needs it; fail now, not after the data is read)
+            except Exception as e:  # ImportError, or the error of a bitsandbytes whose native library fails to load
+                raise UserError(f"--quantize nf4 needs bitsandbytes, which cannot be imported ({type(e).__name__}: "
+                                f"{e}). Install it (pip install bitsandbytes), or leave out --quantize to train LoRA "
+                                "on the full-precision base") from e
+        if self.dtype not in ("auto", "bf16", "fp16", "fp32"):
+            raise UserError(f"--dtype must be auto, bf16, fp16 or fp32, got {self.dtype!r}")
+
+    def lora(self) -> LoRAConfig:
+        return LoRAConfig(r=self.lora_r, alpha=self.lora_alpha, dropout=self.lora_dropout,
+                          targets=tuple(t for t in self.lora_targets.split(",") if t), rslora=self.rslora)
 
 
 def parse_args(argv=None) -> TrainConfig:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     for f in dataclasses.fields(TrainConfig):
         flag = "--" + f.name.replace("_", "-")
-        if f.type in (bool, "bool", "bool | None") or f.type == (bool | None):
+        if f.type in (bool, bool | None):
             p.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=f.metadata["help"])
         else:
             typ = {int: int, float: float}.get(f.type, str)
@@ -98,59 +158,70 @@ def parse_args(argv=None) -> TrainConfig:
     return TrainConfig(**vars(p.parse_args(argv)))
 
 
-class UserError(Exception):
-    """Bad input: printed as one message, no traceback."""
+class LossScaler:
+    """fp16 dynamic loss scaling: the loss is multiplied by `scale` so that small gradients survive fp16, and
+    the gradients are divided by it again before clipping. A step with inf/NaN gradients is skipped and halves
+    the scale; `growth_interval` good steps in a row double it. Disabled (bf16, fp32): the scale stays 1."""
 
+    def __init__(self, scale, growth_interval, enabled):
+        self.enabled, self.growth_interval = enabled, growth_interval
+        self.scale = scale if enabled else 1.0
+        self.good_steps, self.skipped_in_row = 0, 0
 
-def fail(msg):
-    raise UserError(msg)
+    def unscale_(self, params):
+        """Divide the gradients by the scale, so that clipping sees the true gradient norm."""
+        grads = [p.grad for p in params if p.grad is not None]
+        if self.scale != 1.0 and grads:
+            torch._foreach_div_(grads, self.scale)
 
+    def update(self, finite):
+        """After each step: an applied one counts toward doubling the scale, a skipped one (inf/NaN) halves it."""
+        if not self.enabled:
+            return
+        if finite:
+            self.good_steps, self.skipped_in_row = self.good_steps + 1, 0
+            if self.good_steps % self.growth_interval == 0:
+                self.scale *= 2
+        else:
+            self.scale = max(self.scale / 2, 1.0)
+            self.good_steps, self.skipped_in_row = 0, self.skipped_in_row + 1
 
-def check_dtype(t, dtype, name):
-    if t.dtype != dtype:
-        fail(f"dtype drift: {name} is {t.dtype}, expected {dtype}")
+    def state_dict(self):
+        return {"scale": self.scale, "good_steps": self.good_steps, "skipped_in_row": self.skipped_in_row}
+
+    def load_state_dict(self, state):
+        if self.enabled:  # a checkpoint of an fp16 run, resumed in bf16/fp32, keeps the scale at 1
+            self.scale = state["scale"]
+        self.good_steps, self.skipped_in_row = state["good_steps"], state["skipped_in_row"]
 
 
 # ----------------------------------------------------------------------------- setup
 
 
-def validate(cfg: TrainConfig):
-    for name in ("batch_size", "max_len", "grad_accum", "max_steps"):
-        if getattr(cfg, name) <= 0:
-            fail(f"--{name.replace('_', '-')} must be > 0, got {getattr(cfg, name)}")
-    if not cfg.lr > 0:
-        fail(f"--lr must be > 0, got {cfg.lr}")
-    if cfg.lora_r <= 0:
-        fail(f"--lora-r must be > 0, got {cfg.lora_r}")
-    targets = [t for t in cfg.lora_targets.split(",") if t]
-    unknown = [t for t in targets if t not in ALL_TARGETS]
-    if unknown or not targets:
-        fail(f"--lora-targets: unknown module(s) {unknown or '(none given)'}; this model has {','.join(ALL_TARGETS)}")
-    if cfg.quantize not in (None, "nf4"):
-        fail(f"--quantize must be nf4 (or left out), got {cfg.quantize!r}")
-    if cfg.quantize == "nf4":
-        try:
-            import bitsandbytes  # noqa: F401  (model/qlora.py needs it; fail now, not after the data is read)
-        except Exception as e:  # ImportError, or the error of a bitsandbytes whose native library fails to load
-            fail(f"--quantize nf4 needs bitsandbytes, which cannot be imported ({type(e).__name__}: {e}). Install "
-                 "it (pip install bitsandbytes), or leave out --quantize to train LoRA on the full-precision base")
-    if cfg.dtype not in ("auto", "bf16", "fp16", "fp32"):
-        fail(f"--dtype must be auto, bf16, fp16 or fp32, got {cfg.dtype!r}")
-
-
-def setup_distributed(cfg):
-    """(rank, world_size, device). torchrun sets RANK/LOCAL_RANK/WORLD_SIZE; otherwise one process."""
+@contextmanager
+def distributed(cfg):
+    """(rank, world_size, device) of this process. torchrun sets RANK/LOCAL_RANK/WORLD_SIZE and the process
+    group lives until the run ends; otherwise one process."""
+    if cfg.device.startswith("cuda") and not torch.cuda.is_available():
+        raise UserError(f"--device {cfg.device}: torch sees no CUDA GPU (a CPU-only torch build, no driver, or "
+                        "CUDA_VISIBLE_DEVICES hides them); use --device cpu, or auto")
+    if cfg.device.startswith("cuda:") and int(cfg.device[5:]) >= torch.cuda.device_count():
+        raise UserError(f"--device {cfg.device}: this machine has {torch.cuda.device_count()} GPU(s), cuda:0 to "
+                        f"cuda:{torch.cuda.device_count() - 1}")
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world == 1:
-        if cfg.device == "auto":
-            return 0, 1, torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        return 0, 1, torch.device(cfg.device)
+        auto = "cuda" if torch.cuda.is_available() else "cpu"
+        yield 0, 1, torch.device(auto if cfg.device == "auto" else cfg.device)
+        return
     local = int(os.environ["LOCAL_RANK"])
     use_cuda = torch.cuda.is_available() and cfg.device != "cpu"
     if use_cuda:
         torch.cuda.set_device(local)
     dist.init_process_group("nccl" if use_cuda else "gloo")
-    return dist.get_rank(), world, torch.device(f"cuda:{local}" if use_cuda else "cpu")
+    try:
+        yield dist.get_rank(), world, torch.device(f"cuda:{local}" if use_cuda else "cpu")
+    finally:
+        dist.destroy_process_group()
 
 
 def choose_dtype(cfg, device):
@@ -164,70 +235,93 @@ def choose_dtype(cfg, device):
             return torch.float16, "fp16 with dynamic loss scaling: this GPU has no bf16"
         return torch.float32, "fp32: on CPU, bf16/fp16 matmuls are slow and fp16 is unsupported"
     if cfg.dtype == "bf16" and cuda and not bf16_ok:
-        fail(f"--dtype bf16: this GPU ({torch.cuda.get_device_name(device)}) has no bf16; use --dtype fp16 "
-             "(with loss scaling) or --dtype auto")
+        raise UserError(f"--dtype bf16: this GPU ({torch.cuda.get_device_name(device)}) has no bf16; use --dtype "
+                        "fp16 (with loss scaling) or --dtype auto")
     if cfg.dtype == "fp16" and not cuda:
-        fail("--dtype fp16 needs a CUDA GPU (fp16 matmuls are not supported on CPU); use --dtype fp32 on CPU")
+        raise UserError("--dtype fp16 needs a CUDA GPU (fp16 matmuls are not supported on CPU); use --dtype fp32 "
+                        "on CPU")
     return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[cfg.dtype], "as requested"
 
 
-def check_out_dir(cfg):
-    """Refuse to mix runs, and check that out_dir can be written, before any long work. Writes nothing."""
-    has_run = os.path.isdir(cfg.out_dir) and any(
-        os.path.exists(os.path.join(cfg.out_dir, f)) for f in ("metrics.jsonl", "checkpoints", "train_config.json"))
-    if has_run and not (cfg.overwrite or cfg.resume):
-        fail(f"{cfg.out_dir!r} already holds a run. Pass --resume auto to continue it, --overwrite to replace "
-             "it, or choose another --out-dir")
-    where = nearest_existing(cfg.out_dir)
-    try:  # os.access says yes to root even on a read-only mount: try for real (an unnamed file, gone on close)
-        tempfile.TemporaryFile(dir=where).close()
-    except OSError as e:
-        fail(f"cannot write to --out-dir {cfg.out_dir!r} ({e.strerror}: {where!r}); choose a writable folder")
+def load_inputs(cfg):
+    """(tokenizer, training examples, eval examples), tokenized and checked against the model's config."""
+    tokenizer = load_tokenizer(cfg.model)
+    if not cfg.model.endswith(".gguf"):  # config.json alone; a .gguf holds its tokenizer and weights together
+        check_model_fit(cfg, from_hf_config(read_hf_config(resolve(cfg.model))), tokenizer)
+    train_enc, eval_enc = load_data(cfg, tokenizer)
+    return tokenizer, train_enc, eval_enc
 
 
-def nearest_existing(path):
-    """`path`, or its closest ancestor that exists: where a folder not yet created will live."""
-    path = os.path.abspath(path)
-    while not os.path.exists(path):
-        path = os.path.dirname(path)
-    return path
+def build_model(cfg, device, dtype, use_kernels, rank):
+    """(the model with its LoRA adapters, its ModelConfig)."""
+    torch.manual_seed(cfg.seed + rank)  # dropout, different on each rank (the LoRA init has its own generator)
+    random.seed(cfg.seed + rank)
+    model, mcfg = load_model(cfg.model, dtype=dtype, device=device, lora=cfg.lora(), quantize=cfg.quantize,
+                             use_kernels=use_kernels, lora_seed=cfg.seed)
+    model.gradient_checkpointing = cfg.gradient_checkpointing
+    model.offload_activations = cfg.offload_activations
+    if cfg.model.endswith(".gguf"):  # its config comes with its weights
+        check_model_fit(cfg, mcfg)
+    assert all(p.dtype == torch.float32 for _, p in lora_parameters(model)), "LoRA master weights are fp32"
+    return model, mcfg
 
 
-def check_free_disk(cfg, model):
-    need = 3 * sum(p.numel() * 4 for _, p in lora_parameters(model)) + (64 << 20)  # weights + 2 Adam moments
-    free = shutil.disk_usage(nearest_existing(cfg.out_dir)).free
-    if free < 2 * need:
-        fail(f"only {free / 2**20:.0f} MiB free in {cfg.out_dir!r}, a checkpoint needs about "
-             f"{need / 2**20:.0f} MiB (twice that while the previous one is kept); free space or use another --out-dir")
+def activation_bytes(cfg, mcfg, dtype, use_kernels):
+    """A rough estimate of one micro-batch's activation memory on the GPU: the layer inputs kept for backward
+    (every layer's with checkpointing, none with offload), one layer's activations with their gradients
+    (every layer's without checkpointing), and the logits (the fused cross-entropy kernel keeps a chunk of
+    at most 256 MiB and the fp32 gradient of its input; the torch reference keeps them in the compute dtype
+    and in fp32, with their fp32 gradient)."""
+    n, size = cfg.batch_size * cfg.max_len, torch.finfo(dtype).bits // 8  # tokens, bytes per activation
+    h, q, kv = mcfg.hidden_size, mcfg.n_heads * mcfg.head_dim, mcfg.n_kv_heads * mcfg.head_dim
+    layer = n * size * (4 * h + 2 * q + 2 * kv + 3 * mcfg.intermediate_size)  # norms, residuals, q k v o, MLP
+    if mcfg.attn_softcap:  # explicit attention: fp32 scores and probabilities, (B, heads, T, T) each
+        layer += 2 * 4 * cfg.batch_size * mcfg.n_heads * cfg.max_len ** 2
+    if cfg.gradient_checkpointing:
+        kept = 0 if cfg.offload_activations else mcfg.n_layers * n * h * size
+        total = kept + 2 * layer
+    else:
+        total = (mcfg.n_layers + 1) * layer
+    logits = (256 << 20) + n * h * 4 if use_kernels else n * mcfg.vocab_size * (size + 8)
+    return total + logits
 
 
-def check_vocab(tokenizer, model_cfg):
-    if tokenizer.vocab_size > model_cfg.vocab_size:
-        fail(f"the tokenizer has {tokenizer.vocab_size} tokens but the model's embedding has {model_cfg.vocab_size} "
-             "rows: they do not belong together. Use the tokenizer of this model")
+def memory_warning(cfg, mcfg, dtype, use_kernels, device):
+    """A warning line when a micro-batch's activations (estimated) exceed the free GPU memory, else None."""
+    if device.type != "cuda":
+        return None
+    need, free = activation_bytes(cfg, mcfg, dtype, use_kernels), torch.cuda.mem_get_info(device)[0]
+    if need <= free:
+        return None
+    return (f"warning: a micro-batch of {cfg.batch_size} x {cfg.max_len} tokens needs about {need / 2**30:.1f} GiB "
+            f"of activations, but {free / 2**30:.1f} GiB of GPU memory is free: expect out-of-memory. "
+            f"To fit: {memory_fixes(cfg)}")
 
 
-def start_run_folder(cfg, step):
-    """Create out_dir (rank 0, once every check has passed). --overwrite clears the previous run, so a later
-    --resume auto cannot pick up its checkpoints; --resume drops the metrics past the checkpoint at `step`,
-    which the resumed run writes again (its train records after `step`, its evals from `step` on)."""
-    os.makedirs(cfg.out_dir, exist_ok=True)
-    metrics = os.path.join(cfg.out_dir, "metrics.jsonl")
-    if cfg.resume and os.path.exists(metrics):
-        with open(metrics) as f:
-            records = [json.loads(line) for line in f if line.endswith("\n")]  # a line cut by a kill has no \n
-        keep = [r for r in records if r["step"] < step or (r["step"] == step and "loss" in r)]
-        with open(metrics, "w") as f:
-            f.writelines(json.dumps(r) + "\n" for r in keep)
-    elif cfg.overwrite:
-        for name in ("metrics.jsonl", "checkpoints", "adapter"):
-            path = os.path.join(cfg.out_dir, name)
-            if os.path.isdir(path):
-                shutil.rmtree(path)
-            elif os.path.exists(path):
-                os.remove(path)
-    with open(os.path.join(cfg.out_dir, "train_config.json"), "w") as f:
-        json.dump(dataclasses.asdict(cfg), f, indent=2)
+def memory_fixes(cfg):
+    """What lowers the activation memory, among what this run does not do yet."""
+    fixes = "lower --batch-size (a larger --grad-accum keeps the step's size) or --max-len"
+    if not cfg.gradient_checkpointing:
+        return fixes + ", or turn on --gradient-checkpointing (and --offload-activations)"
+    return fixes + ("" if cfg.offload_activations else ", or add --offload-activations")
+
+
+def describe(cfg, mcfg, params, train_enc, eval_enc, batches):
+    return (f"model {cfg.model}: {mcfg.n_layers} layers, {sum(p.numel() for p in params) / 1e6:.2f}M trainable "
+            f"LoRA parameters (r={cfg.lora_r} on {cfg.lora_targets}); {len(train_enc)} train / {len(eval_enc)} eval "
+            f"examples, {len(batches)} batches per epoch{' (packed)' if cfg.packing else ' (padded)'}")
+
+
+def check_model_fit(cfg, mcfg, tokenizer=None):
+    """The tokenizer and --max-len against the model's config."""
+    if tokenizer is not None and tokenizer.vocab_size > mcfg.vocab_size:
+        raise UserError(f"the tokenizer has {tokenizer.vocab_size} tokens but the model's embedding has "
+                        f"{mcfg.vocab_size} rows: they do not belong together. Use the tokenizer of this model")
+    if cfg.max_len > mcfg.max_position_embeddings:
+        raise UserError(f"--max-len {cfg.max_len} is longer than this model's context of "
+                        f"{mcfg.max_position_embeddings} tokens (max_position_embeddings in its config): positions "
+                        f"past it were never trained, and memory grows with the length. Use --max-len "
+                        f"{mcfg.max_position_embeddings} or less")
 
 
 def load_data(cfg, tokenizer):
@@ -246,128 +340,24 @@ def load_data(cfg, tokenizer):
     fits = [e for e in enc if len(e[0]) <= cfg.max_len]
     if not fits:
         shortest = min(len(e[0]) for e in enc)
-        fail(f"every training example is longer than --max-len {cfg.max_len} (the shortest has {shortest} tokens); "
-             "raise --max-len or shorten the examples")
+        raise UserError(f"every training example is longer than --max-len {cfg.max_len} (the shortest has "
+                        f"{shortest} tokens); raise --max-len or shorten the examples")
     if not any(any(m[1:]) for _, m in fits):  # a target needs a preceding token
-        fail("no example has any target token (every label is masked): check the dataset's answers/assistant "
-             "turns, or pass --train-on-inputs")
+        raise UserError("no example has any target token (every label is masked): check the dataset's "
+                        "answers/assistant turns, or pass --train-on-inputs")
     if len(fits) < len(enc):
         print(f"data: dropped {len(enc) - len(fits)} of {len(enc)} examples longer than --max-len {cfg.max_len}")
     return fits, eval_enc
 
 
-# ----------------------------------------------------------------------------- checkpoints
-
-
-# What a checkpoint's state.pt holds: save_checkpoint writes these keys, find_checkpoint checks for them.
-CHECKPOINT_KEYS = frozenset({"step", "config", "world_size", "lora", "optimizer", "state", "data", "rng"})
-
-
-def checkpoints(out_dir):
-    """The complete checkpoints of a run folder, oldest first."""
-    root = os.path.join(out_dir, "checkpoints")
-    if not os.path.isdir(root):
-        return []
-    steps = sorted(d for d in os.listdir(root) if d.startswith("step-") and not d.endswith(".tmp"))  # .tmp: incomplete
-    return [os.path.join(root, d) for d in steps]
-
-
-def save_checkpoint(cfg, model, optimizer, state, batches, step, rank, world):
-    """Write everything a resume needs into a temp folder, then rename it into place (atomic):
-    a save that is interrupted leaves only a stray *.tmp folder and every earlier checkpoint intact.
-    Every rank calls it (each sends its RNG state); rank 0 writes. Returns the path on every rank."""
-    rng = {"torch": torch.get_rng_state(), "python": random.getstate(),
-           "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
-    rngs = [rng] * world
-    if world > 1:  # each rank's own dropout stream, so a resume continues every one of them exactly
-        dist.all_gather_object(rngs, rng)
-    root = os.path.join(cfg.out_dir, "checkpoints")
-    final = os.path.join(root, f"step-{step:07d}")
-    if rank != 0:
-        return final
-    os.makedirs(root, exist_ok=True)
-    for d in os.listdir(root):
-        if d.endswith(".tmp"):  # left by a save that was killed: incomplete, never read
-            shutil.rmtree(os.path.join(root, d))
-    tmp = final + ".tmp"
-    try:
-        os.makedirs(tmp)  # the folder name says it is incomplete until the rename below
-        ck = {
-            "step": step,
-            "config": dataclasses.asdict(cfg),
-            "world_size": world,
-            "lora": {n: p.detach().cpu() for n, p in lora_parameters(model)},
-            "optimizer": optimizer.state_dict(),
-            "state": state,  # loss scale, good-step counter
-            "data": batches.state_dict(),  # the same on every rank: they step together
-            "rng": rngs,  # one per rank
-        }
-        assert ck.keys() == CHECKPOINT_KEYS, "CHECKPOINT_KEYS must name what a checkpoint holds"
-        torch.save(ck, os.path.join(tmp, "state.pt"))
-        save_adapter(model, os.path.join(tmp, "adapter"), base_model=cfg.model)
-    except (OSError, RuntimeError) as e:  # disk full, quota, permissions (torch.save raises RuntimeError)
-        shutil.rmtree(tmp, ignore_errors=True)
-        earlier = checkpoints(cfg.out_dir)
-        keep = (f"the last good checkpoint is {earlier[-1]}: continue from it with --resume auto once there is "
-                "room" if earlier else "no earlier checkpoint exists")
-        fail(f"cannot write checkpoint {final} ({e}). Free disk space in {cfg.out_dir} (or check its quota and "
-             f"permissions); {keep}")
-    if os.path.isdir(final):  # the same step saved again (a run resumed from an older checkpoint): replace it
-        shutil.rmtree(final)
-    os.replace(tmp, final)
-    for path in checkpoints(cfg.out_dir)[:-cfg.keep_checkpoints]:
-        shutil.rmtree(path, ignore_errors=True)
-    return final
-
-
-def find_checkpoint(cfg, world):
-    """The checkpoint that --resume names, read and checked against this run before any long work."""
-    candidates = checkpoints(cfg.out_dir)[::-1] if cfg.resume == "auto" else [cfg.resume]
-    candidates = [p for p in candidates if os.path.isfile(os.path.join(p, "state.pt"))]
-    if not candidates:
-        where = cfg.out_dir + "/checkpoints/step-*" if cfg.resume == "auto" else cfg.resume
-        fail(f"--resume {cfg.resume}: no checkpoint found (looked for {where}/state.pt)")
-    damaged = []
-    for path in candidates:  # newest first: a damaged checkpoint falls back to the one before it
-        try:
-            ck = torch.load(os.path.join(path, "state.pt"), map_location="cpu", weights_only=False)
-            if not CHECKPOINT_KEYS <= ck.keys():
-                raise KeyError("not a nanotune checkpoint: keys missing")
-            break
-        except Exception as e:  # a truncated or overwritten file: any unpickling error
-            damaged.append(f"{path} ({type(e).__name__}: {str(e)[:120]})")
-            print(f"warning: cannot read checkpoint {damaged[-1]}", file=sys.stderr)
-    else:
-        fail(f"--resume {cfg.resume}: no readable checkpoint: {'; '.join(damaged)}. Checkpoints are written "
-             "atomically, so something changed these files afterwards. Delete them and resume from an earlier "
-             "one (--resume PATH), or start again in a new --out-dir")
-    old = ck["config"]
-    for key in ("model", "quantize", "lora_r", "lora_alpha", "lora_targets", "rslora"):
-        if old[key] != getattr(cfg, key):
-            fail(f"--resume {path}: the checkpoint was trained with {key}={old[key]!r}, this run has "
-                 f"{getattr(cfg, key)!r}. Resume with the same model and LoRA settings, or start a new --out-dir")
-    if ck["world_size"] != world:
-        fail(f"--resume {path}: the checkpoint was written by {ck['world_size']} process(es), this run has "
-             f"{world}. Resume with the same number (torchrun --nproc_per_node={ck['world_size']}): each process "
-             "continues its own share of the data")
-    ck["path"] = path
-    return ck
-
-
-def restore(ck, model, optimizer, batches, rank, device):
-    """Load checkpoint `ck` (from find_checkpoint) into the run. Returns (step, loss-scaling state)."""
-    params = dict(lora_parameters(model))
-    with torch.no_grad():
-        for n, t in ck["lora"].items():
-            params[n].copy_(t.to(device))
-    optimizer.load_state_dict(ck["optimizer"])
-    batches.load_state_dict(ck["data"])
-    rng = ck["rng"][rank]
-    torch.set_rng_state(rng["torch"])
-    random.setstate(rng["python"])
-    if rng["cuda"] is not None and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(rng["cuda"])
-    return ck["step"], ck["state"]
+def make_batches(cfg, tokenizer, train_enc, eval_enc, rank, world):
+    """(the training batches of this rank, the eval batches)."""
+    pad = tokenizer.pad_id if tokenizer.pad_id is not None else tokenizer.eos_id
+    batches = data.Batches(train_enc, batch_size=cfg.batch_size, max_len=cfg.max_len, pad_id=pad,
+                           packing=cfg.packing, seed=cfg.seed, rank=rank, world_size=world)
+    eval_sets = data.eval_batches(eval_enc, batch_size=cfg.batch_size, max_len=cfg.max_len, pad_id=pad,
+                                  packing=cfg.packing)[:cfg.eval_batches]
+    return batches, eval_sets
 
 
 # ----------------------------------------------------------------------------- eval
@@ -396,12 +386,10 @@ def evaluate(model, eval_sets, device):
             "eval_token_accuracy": tok_right / max(n_tok, 1)}
 
 
-def log_eval(step, result, metrics, log):
+def log_eval(step, result, run, log):
     log(f"eval step {step}: loss {result['eval_loss']:.4f}, answer accuracy {result['eval_accuracy']:.1%}, "
         f"token accuracy {result['eval_token_accuracy']:.1%}")
-    if metrics is not None:
-        metrics.write(json.dumps({"step": step, **result}) + "\n")
-        metrics.flush()
+    run.log({"step": step, **result})
 
 
 def lr_at(cfg, step):
@@ -412,20 +400,155 @@ def lr_at(cfg, step):
     return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0))))
 
 
-# ----------------------------------------------------------------------------- main
+# ----------------------------------------------------------------------------- the step
 
 
-@contextmanager
-def stop_on_sigint():
-    """A flag that SIGINT (Ctrl-C) sets instead of raising KeyboardInterrupt, so the loop can finish its step
-    and checkpoint. Repeats only set it again (torchrun sends its workers one more); on exit the previous
-    handler is back."""
-    stop = {"requested": False}
-    previous = signal.signal(signal.SIGINT, lambda *_: stop.update(requested=True))
-    try:
-        yield stop
-    finally:
-        signal.signal(signal.SIGINT, previous)
+def micro_step(forward, batch, n_targets, loss_mult):
+    """Forward and backward of one micro-batch (on the device); returns its loss, Σ token losses / n_targets,
+    detached and without a host sync. Backward sees the loss times `loss_mult`: the fp16 loss scale times the
+    world size (DDP averages gradients over ranks, and the loss is already divided by the global count)."""
+    assert batch["input_ids"].dtype == torch.long
+    loss = forward(batch["input_ids"], batch["position_ids"], batch["doc_ids"], targets=batch["targets"],
+                   num_targets=n_targets)
+    assert loss.dtype == torch.float32, loss.dtype
+    (loss * loss_mult).backward()
+    return loss.detach()
+
+
+def set_lr(optimizer, lr):
+    for g in optimizer.param_groups:
+        g["lr"] = lr
+    return lr
+
+
+def to_device(batch, device):
+    return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+
+
+def peak_mem(device):
+    """GiB of GPU memory allocated at most so far (0 on CPU)."""
+    return torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else 0.0
+
+
+def count_targets(micro, world, device):
+    """The target tokens of a step: over its micro-batches (counted on the CPU) and all ranks (every rank joins,
+    even one without)."""
+    n = sum(data.num_targets(b) for b in micro)
+    if world > 1:
+        t = torch.tensor(n, device=device)
+        dist.all_reduce(t)
+        n = int(t)
+    return n
+
+
+def step_stats(loss_sum, grad_norm, world):
+    """(the step's loss summed over ranks, its grad norm) as floats: the step's one host sync."""
+    if world > 1:
+        dist.all_reduce(loss_sum)
+    loss, norm = torch.stack([loss_sum, grad_norm.to(loss_sum.dtype)]).tolist()
+    return loss, norm
+
+
+def apply_step(optimizer, scaler, loss, norm, step, cfg, run, log):
+    """optimizer.step() when the loss and grad norm are finite. fp16 skips a step that is not (the scaler backs
+    off) and stops after too many in a row; bf16 and fp32 stop at once. Returns whether the step was applied."""
+    finite = math.isfinite(loss) and math.isfinite(norm)  # the same on every rank
+    if finite:
+        optimizer.step()
+    elif not scaler.enabled:
+        # No optimizer step yet (AdamW's state is created by the first): the adapter is as initialized, so
+        # the learning rate cannot be the cause.
+        cause = ("This is before any update of the adapter, so the learning rate is not the cause: the input "
+                 "holds a NaN/inf. Check the base model's weights, the data and the options (e.g. --lora-alpha), "
+                 "then start again" if not optimizer.state else run.next_steps("lower --lr (or check the data)"))
+        raise UserError(f"the loss or gradient is NaN/inf at step {step} (loss {loss:g}, grad norm {norm:g}). {cause}")
+    scaler.update(finite)
+    if not finite:
+        log(f"step {step}: inf/NaN gradients in fp16, skipped; loss scale -> {scaler.scale:g}")
+        if scaler.skipped_in_row > cfg.max_skipped_steps:
+            fix = "lower --lr, or use --dtype bf16 where the GPU has it (or fp32),"
+            raise UserError(f"{scaler.skipped_in_row} fp16 steps in a row had inf/NaN gradients (up to step {step}; "
+                            f"loss scale now {scaler.scale:g}), more than --max-skipped-steps "
+                            f"{cfg.max_skipped_steps}. {run.next_steps(fix)}")
+    return finite
+
+
+def log_step(run, log, rec, max_steps, fp16):
+    """One progress line, and the step's record in metrics.jsonl."""
+    scale = f" | scale {rec['loss_scale']:g}" if fp16 else ""
+    log(f"step {rec['step']}/{max_steps} | loss {rec['loss']:.4f} | lr {rec['lr']:.2e} | grad norm "
+        f"{rec['grad_norm']:.3f} | {rec['tokens_per_s'] / 1e3:.1f}k tok/s{scale} | peak mem {rec['peak_mem_gib']:.2f} GiB")
+    run.log(rec)
+
+
+class StopSignals:
+    """SIGINT (Ctrl-C) and SIGTERM (schedulers, `timeout`, container stops), handled alike. Before training
+    (stage "setup") one interrupts at once: there is nothing to save yet. From then on they stop the run
+    between steps, never inside a step or a save: the first asks the loop to stop after its step and save a
+    checkpoint; the second says to wait (torchrun passes each Ctrl-C on to its workers, so they see two);
+    the third aborts, losing the save in progress (the checkpoints before it stay whole). In stage "saving"
+    (the final checkpoint, eval and adapter) they only say to wait, up to the third. The lines go straight
+    to stderr: a handler that printed through sys.stdout could land inside a print in progress."""
+
+    def __init__(self, say):
+        self.say = say  # whether this process prints (rank 0)
+        self.stage = "setup"  # then "training", then "saving"
+        self.count, self.signum = 0, None
+        self.step = 0  # the step in progress (the loop sets it), for the first message
+        self.previous = {}
+
+    def __enter__(self):
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            self.previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *_):
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
+
+    @property
+    def requested(self):
+        return self.count > 0
+
+    def exit_status(self):
+        """128 + the signal's number, as a shell reports a process that a signal ended: 130 for Ctrl-C."""
+        return 128 + (self.signum or signal.SIGINT)
+
+    def _handle(self, signum, frame):
+        self.count += 1
+        self.signum = self.signum or signum
+        if self.stage == "setup" or self.count >= 3:
+            raise KeyboardInterrupt(signum)
+        if self.count == 1 and self.stage == "training":
+            line = (f"{signal.Signals(signum).name}: stopping after step {self.step}, then saving a checkpoint "
+                    "(two more Ctrl-C abort without saving)")
+        else:
+            line = "saving, please wait" + (" (one more Ctrl-C aborts: the save in progress is lost)"
+                                            if self.count == 2 else "")
+        if self.say:
+            os.write(2, (line + "\n").encode())
+
+
+def save_after_failure(e, cfg, run, step, model, optimizer, scaler, batches, start):
+    """The one-line error for a write that failed (disk full) or a step that ran out of GPU memory, after a
+    checkpoint of the last complete step where one can be saved: by a single process (with several, the
+    others are not in the save), with finite weights. An out-of-memory step is first rewound to the data
+    position and random state it started from, so that the checkpoint resumes exactly."""
+    if isinstance(e, torch.OutOfMemoryError):
+        optimizer.zero_grad(set_to_none=True)
+        torch.cuda.empty_cache()
+        if start is not None:
+            rewind(batches, start)
+        what = f"out of GPU memory in step {step + 1} (micro-batches of {cfg.batch_size} x {cfg.max_len} tokens)"
+        fix = memory_fixes(cfg) + " (a resume with other sizes needs --resume-anyway)"
+    else:
+        what, fix = f"cannot write {e.filename or 'to disk'} ({e.strerror or e})", f"free disk space in {cfg.out_dir}"
+    if step > run.saved_step and run.world == 1:
+        try:
+            run.save(step, model, optimizer, scaler, batches)
+        except UserError:
+            what += "; no checkpoint of it could be written either"
+    return UserError(f"{what}. {run.next_steps(fix)}")
 
 
 def any_rank(flag, world, device):
@@ -437,183 +560,113 @@ def any_rank(flag, world, device):
     return bool(t)
 
 
-def next_steps(last_ckpt, fix):
-    """How to go on after the run stopped on NaN/inf: `fix`, then continue from the last good checkpoint."""
-    if last_ckpt is None:
-        return f"No checkpoint was saved yet: {fix} and start again"
-    return f"The last good checkpoint is {last_ckpt}: {fix} and continue from it with --resume {last_ckpt}"
+# ----------------------------------------------------------------------------- main
 
 
-def main(cfg: TrainConfig):
-    validate(cfg)
-    rank, world, device = setup_distributed(cfg)
-    master = rank == 0
-    log = print if master else (lambda *a, **k: None)
-    dtype, why = choose_dtype(cfg, device)
-    use_kernels = device.type == "cuda" if cfg.kernels is None else cfg.kernels
-    log(f"device {device}, dtype {dtype}: {why}; kernels {'on' if use_kernels else 'off (torch references)'}")
-    # Every input is checked before the slow work (the weights, the training), on every rank alike, and
-    # nothing is written until all checks have passed.
-    check_out_dir(cfg)
-    resume_from = find_checkpoint(cfg, world) if cfg.resume else None
-    tokenizer = load_tokenizer(cfg.model)
-    if not cfg.model.endswith(".gguf"):  # config.json alone; a .gguf holds its tokenizer and weights together
-        check_vocab(tokenizer, from_hf_config(read_hf_config(resolve(cfg.model))))
-    train_enc, eval_enc = load_data(cfg, tokenizer)
-    torch.manual_seed(cfg.seed + rank)  # dropout, different on each rank (the LoRA init has its own generator)
-    random.seed(cfg.seed + rank)
+def main(cfg: TrainConfig) -> int:
+    """Train; returns the exit status: 0 when the run is complete, 128 + the signal's number (130 for Ctrl-C)
+    when a signal stopped it early, after its checkpoint."""
+    with (distributed(cfg) as (rank, world, device), RunFolder(cfg, rank, world) as run,
+          StopSignals(say=rank == 0) as signals):
+        log = print if rank == 0 else (lambda *a, **k: None)
+        dtype, why = choose_dtype(cfg, device)
+        use_kernels = device.type == "cuda" if cfg.kernels is None else cfg.kernels
+        log(f"device {device}, dtype {dtype}: {why}; kernels {'on' if use_kernels else 'off (torch references)'}")
+        # Every input is checked before the slow work (the weights, the training), on every rank alike, and
+        # nothing is written until all checks have passed.
+        run.check()
+        tokenizer, train_enc, eval_enc = load_inputs(cfg)
+        ck = run.find(fingerprint(train_enc))
+        model, mcfg = build_model(cfg, device, dtype, use_kernels, rank)
+        run.check_free_disk(model)
+        batches, eval_sets = make_batches(cfg, tokenizer, train_enc, eval_enc, rank, world)
+        params = [p for _, p in lora_parameters(model)]
+        log(describe(cfg, mcfg, params, train_enc, eval_enc, batches))
+        if warning := memory_warning(cfg, mcfg, dtype, use_kernels, device):  # CUDA only
+            log(warning)
+        optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.999),
+                                      **({"fused": True} if device.type == "cuda" else {"foreach": True}))
+        scaler = LossScaler(cfg.loss_scale, cfg.scale_growth_interval, enabled=dtype == torch.float16)
+        step = run.restore(ck, model, optimizer, scaler, batches)
+        ddp = torch.nn.parallel.DistributedDataParallel(
+            model, device_ids=[device.index] if device.type == "cuda" else None) if world > 1 else None
+        forward = ddp if ddp is not None else model
+        run.open(step)
 
-    lora = LoRAConfig(r=cfg.lora_r, alpha=cfg.lora_alpha, dropout=cfg.lora_dropout,
-                      targets=tuple(t for t in cfg.lora_targets.split(",") if t), rslora=cfg.rslora)
-    model, mcfg = load_model(cfg.model, dtype=dtype, device=device, lora=lora, quantize=cfg.quantize,
-                             use_kernels=use_kernels, lora_seed=cfg.seed)
-    model.gradient_checkpointing = cfg.gradient_checkpointing
-    model.offload_activations = cfg.offload_activations
-    check_free_disk(cfg, model)
-    pad = tokenizer.pad_id if tokenizer.pad_id is not None else tokenizer.eos_id
-    batches = data.Batches(train_enc, batch_size=cfg.batch_size, max_len=cfg.max_len, pad_id=pad,
-                           packing=cfg.packing, seed=cfg.seed, rank=rank, world_size=world)
-    eval_sets = data.eval_batches(eval_enc, batch_size=cfg.batch_size, max_len=cfg.max_len, pad_id=pad,
-                                  packing=cfg.packing)[:cfg.eval_batches]
-    params = [p for _, p in lora_parameters(model)]
-    for p in params:
-        check_dtype(p, torch.float32, "LoRA master weight")
-    n_params = sum(p.numel() for p in params)
-    log(f"model {cfg.model}: {mcfg.n_layers} layers, {n_params / 1e6:.2f}M trainable LoRA parameters "
-        f"(r={cfg.lora_r} on {cfg.lora_targets}); {len(train_enc)} train / {len(eval_enc)} eval examples, "
-        f"{len(batches)} batches per epoch{' (packed)' if cfg.packing else ' (padded)'}")
-    optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.999), fused=False)
-    # fp16 dynamic loss scaling: multiply the loss by `scale` so small gradients survive fp16,
-    # divide the gradients by it before clipping; on inf/NaN skip the step and halve the scale.
-    state = {"scale": cfg.loss_scale if dtype == torch.float16 else 1.0, "good_steps": 0, "skipped_in_row": 0}
-    step, last_ckpt = 0, None
-    if resume_from:
-        step, state = restore(resume_from, model, optimizer, batches, rank, device)
-        last_ckpt = resume_from["path"]
-        if dtype != torch.float16:  # a checkpoint of an fp16 run, resumed in bf16/fp32: no loss scaling
-            state["scale"] = 1.0
-        log(f"resumed from {last_ckpt} at step {step}")
-    saved_step = step  # never re-save the checkpoint we start from
-    ddp = None
-    if world > 1:
-        ddp = torch.nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
-    forward = ddp if ddp is not None else model
-    if master:
-        start_run_folder(cfg, step)
-    metrics = open(os.path.join(cfg.out_dir, "metrics.jsonl"), "a") if master else None
+        model.train()
+        t_last, tokens, start = time.time(), 0, None
+        signals.stage = "training"  # a signal now stops the run after its step
+        try:
+            while step < cfg.max_steps:
+                signals.step, start = step + 1, position(batches)  # where an out-of-memory step rewinds to
+                lr = set_lr(optimizer, lr_at(cfg, step))
+                if cfg.save_every and step % cfg.save_every == 0 and step > run.saved_step:
+                    run.save(step, model, optimizer, scaler, batches)
+                if cfg.eval_every and step % cfg.eval_every == 0 and eval_sets:
+                    log_eval(step, evaluate(model, eval_sets, device), run, log)
 
-    model.train()
-    t_last, tokens_since = time.time(), 0
-    with stop_on_sigint() as stop:  # Ctrl-C: finish the step, checkpoint, exit
-        while step < cfg.max_steps:
-            lr = lr_at(cfg, step)
-            for g in optimizer.param_groups:
-                g["lr"] = lr
+                micro = [next(batches) for _ in range(cfg.grad_accum)]
+                n_targets = count_targets(micro, world, device)
+                if n_targets == 0:  # the same on every rank
+                    log(f"warning: step {step + 1} has no target tokens (every label masked); skipping it")
+                    step += 1
+                    continue
+                loss_sum = torch.zeros((), device=device)
+                for i, batch in enumerate(micro):
+                    # DDP all-reduces the gradients in the last micro-step's backward only. A rank without
+                    # targets here still runs backward (zero grads): the all-reduce needs every rank.
+                    with ddp.no_sync() if ddp is not None and i < len(micro) - 1 else nullcontext():
+                        loss_sum += micro_step(forward, to_device(batch, device), n_targets, scaler.scale * world)
+                tokens += sum(b["input_ids"].numel() for b in micro) * world
 
-            if cfg.save_every and step % cfg.save_every == 0 and step > saved_step:
-                last_ckpt, saved_step = save_checkpoint(cfg, model, optimizer, state, batches, step, rank, world), step
-            if cfg.eval_every and step % cfg.eval_every == 0 and eval_sets:
-                log_eval(step, evaluate(model, eval_sets, device), metrics, log)
-
-            micro = [next(batches) for _ in range(cfg.grad_accum)]
-            n_targets = torch.tensor(sum(data.num_targets(b) for b in micro), device=device)
-            if world > 1:  # every rank joins, even one whose micro-batches have no targets
-                dist.all_reduce(n_targets)
-            n_targets = int(n_targets)
-            if n_targets == 0:  # the same on every rank
-                log(f"warning: step {step + 1} has no target tokens (every label masked); skipping it")
+                scaler.unscale_(params)
+                grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip or float("inf"))
+                loss, norm = step_stats(loss_sum, grad_norm, world)
+                applied = apply_step(optimizer, scaler, loss, norm, step + 1, cfg, run, log)
+                optimizer.zero_grad(set_to_none=True)
                 step += 1
-                continue
-            loss_sum = torch.zeros((), device=device)
-            for i, batch in enumerate(micro):
-                b = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
-                check_dtype(b["input_ids"], torch.long, "input_ids")
-                sync = ddp.no_sync() if ddp is not None and i < len(micro) - 1 else nullcontext()
-                with sync:  # a rank without targets here still runs backward (zero grads): DDP's all-reduce needs it
-                    loss = forward(b["input_ids"], b["position_ids"], b["doc_ids"], targets=b["targets"],
-                                   num_targets=n_targets)  # Σ token losses of this micro-batch / n_targets
-                    check_dtype(loss, torch.float32, "loss")
-                    # DDP averages gradients over ranks; the loss is already divided by the global
-                    # count, so multiply by world to get the gradient of the global sum / count.
-                    (loss * (state["scale"] * world)).backward()
-                loss_sum += loss.detach()
-                tokens_since += b["input_ids"].numel() * world
 
-            for p in params:
-                if p.grad is not None:
-                    check_dtype(p.grad, torch.float32, "LoRA gradient")
-                    p.grad.div_(state["scale"])  # unscale before clipping, so the grad norm is the true one
-            grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip if cfg.grad_clip > 0 else float("inf"))
-            if world > 1:
-                dist.all_reduce(loss_sum)
-            loss_val = loss_sum.item()
-            finite = math.isfinite(grad_norm.item()) and math.isfinite(loss_val)  # the same on every rank
-            if dtype == torch.float16:
-                if finite:
-                    optimizer.step()
-                    state["good_steps"] += 1
-                    state["skipped_in_row"] = 0
-                    if state["good_steps"] % cfg.scale_growth_interval == 0:
-                        state["scale"] *= 2
-                else:
-                    state["scale"] = max(state["scale"] / 2, 1.0)
-                    state["good_steps"] = 0
-                    state["skipped_in_row"] += 1
-                    log(f"step {step + 1}: inf/NaN gradients in fp16, skipped; loss scale -> {state['scale']:g}")
-                    if state["skipped_in_row"] > cfg.max_skipped_steps:
-                        fix = "lower --lr, or use --dtype bf16 where the GPU has it (or fp32),"
-                        fail(f"{state['skipped_in_row']} fp16 steps in a row had inf/NaN gradients (up to step "
-                             f"{step + 1}; loss scale now {state['scale']:g}), more than --max-skipped-steps "
-                             f"{cfg.max_skipped_steps}. {next_steps(last_ckpt, fix)}")
-            elif not finite:
-                fail(f"the loss or gradient is NaN/inf at step {step + 1} (loss {loss_val:g}, grad norm "
-                     f"{grad_norm.item():g}). {next_steps(last_ckpt, 'lower --lr (or check the data)')}")
-            else:
-                optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            step += 1
+                if step % cfg.log_every == 0 or step == cfg.max_steps:
+                    log_step(run, log, {
+                        "step": step, "loss": loss, "lr": lr, "grad_norm": norm,
+                        "tokens_per_s": tokens / max(time.time() - t_last, 1e-9), "peak_mem_gib": peak_mem(device),
+                        "loss_scale": scaler.scale, "target_tokens": n_targets, "skipped": not applied},
+                        cfg.max_steps, scaler.enabled)
+                    t_last, tokens = time.time(), 0
+                if any_rank(signals.requested, world, device):
+                    break
 
-            if step % cfg.log_every == 0 or step == cfg.max_steps:
-                dt = time.time() - t_last
-                tok_s = tokens_since / max(dt, 1e-9)
-                mem = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else 0.0
-                rec = {"step": step, "loss": loss_val, "lr": lr, "grad_norm": grad_norm.item(), "tokens_per_s": tok_s,
-                       "peak_mem_gib": mem, "loss_scale": state["scale"], "target_tokens": n_targets,
-                       "skipped": not finite}
-                scale = f" | scale {state['scale']:g}" if dtype == torch.float16 else ""
-                log(f"step {step}/{cfg.max_steps} | loss {loss_val:.4f} | lr {lr:.2e} | grad norm {grad_norm.item():.3f} | "
-                    f"{tok_s / 1e3:.1f}k tok/s{scale} | peak mem {mem:.2f} GiB")
-                if master:
-                    metrics.write(json.dumps(rec) + "\n")
-                    metrics.flush()
-                t_last, tokens_since = time.time(), 0
-            if any_rank(stop["requested"], world, device):
-                break
-
-    if step > saved_step:
-        last_ckpt = save_checkpoint(cfg, model, optimizer, state, batches, step, rank, world)
-    if step < cfg.max_steps:
-        log(f"interrupted after step {step}: saved {last_ckpt}. To continue, run the same command with --resume auto")
-    else:
-        if eval_sets:
-            log_eval(step, evaluate(model, eval_sets, device), metrics, log)
-        if master:
-            save_adapter(model, os.path.join(cfg.out_dir, "adapter"), base_model=cfg.model)
-            log(f"done: adapter in {os.path.join(cfg.out_dir, 'adapter')} (PEFT format), checkpoint {last_ckpt}")
-    if master:
-        metrics.close()
-    if world > 1:
-        dist.destroy_process_group()
+            signals.stage = "saving"  # a signal from here on only says to wait
+            if step > run.saved_step:
+                run.save(step, model, optimizer, scaler, batches)
+            if step < cfg.max_steps:
+                log(f"interrupted after step {step}: saved {run.last}. To continue, run the same command with "
+                    "--resume auto")
+                return signals.exit_status()
+            if eval_sets:
+                log_eval(step, evaluate(model, eval_sets, device), run, log)
+            log(f"done: adapter in {run.save_adapter(model)} (PEFT format), checkpoint {run.last}")
+            return 0
+        except (OSError, torch.OutOfMemoryError) as e:  # a write that failed (disk full), or a step too big
+            raise save_after_failure(e, cfg, run, step, model, optimizer, scaler, batches, start) from e
 
 
 def cli(argv=None):
-    """The command line: bad input is one `error: ...` line and exit status 2, no traceback."""
+    """The command line: bad input is one `error: ...` line and exit status 2, no traceback. A run that a
+    signal stopped exits with 128 + its number (130 for Ctrl-C), also when a third one aborted its save."""
+    cfg = None
     try:
-        main(parse_args(argv))
+        cfg = parse_args(argv)
+        return main(cfg)
     except (UserError, ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    return 0
+    except KeyboardInterrupt as e:
+        saved = RunFolder(cfg).checkpoints() if cfg is not None else []
+        where = (f"the newest checkpoint is {saved[-1]}: continue from it with --resume auto" if saved else
+                 "no checkpoint was saved")
+        print(f"interrupted: {where}", file=sys.stderr)
+        return 128 + (e.args[0] if e.args else signal.SIGINT)
 
 
 if __name__ == "__main__":

@@ -1,11 +1,18 @@
-"""Reliability (issue 7): every bad input is one early `error: ...` line (exit 2, no traceback, no output
-folder); checkpoints are atomic; Ctrl-C checkpoints and resumes exactly; NaN never passes silently.
+"""Reliability: every bad input is one early `error: ...` line (exit 2, no traceback, no output folder);
+one run per folder (a lock); checkpoints are atomic, checksummed and never hold NaN; signals stop a run
+after its step and never interrupt a save; a resume is exact or refused; a failed write or an
+out-of-memory step ends in one line, after saving what can be saved. docs/reliability.md lists the
+guarantees and the tests here that show them.
 
 Most cases call `train.cli` in-process: it is what `python train.py` runs, and an exception that
-escapes it is a traceback. Subprocesses are kept to what needs a process: hub offline mode (read at
-import), and signals.
+escapes it is a traceback. Signals are sent in-process too, to the test's own process, while a guard
+turns any signal that train.py does not handle into a test failure. Subprocesses are kept to what needs
+a process: hub offline mode (read at import), a kill, and a second process holding the lock.
 """
+import dataclasses
 import errno
+import fcntl
+import io
 import json
 import os
 import re
@@ -13,11 +20,13 @@ import shutil
 import signal
 import subprocess
 import sys
+import zipfile
 from collections import namedtuple
 
 import pytest
 import torch
 
+import checkpoint
 import data
 import train
 from tests.helpers import read_metrics
@@ -60,9 +69,33 @@ def refused(argv, capsys, out, match):
     (["--lr=-1e-4"], r"--lr must be > 0, got -0.0001"),
     (["--lora-targets", "q_proj,qkv"], r"unknown module\(s\) \['qkv'\]; this model has q_proj,k_proj"),
     (["--dtype", "fp16"], r"--dtype fp16 needs a CUDA GPU .* use --dtype fp32 on CPU"),
-], ids=["model-name", "batch-size", "max-len", "lr-zero", "lr-negative", "lora-targets", "fp16-on-cpu"])
+    (["--keep-checkpoints", "-1"], r"--keep-checkpoints must be >= 0, got -1"),
+    (["--lr", "inf"], r"--lr must be a finite number, got inf"),
+    (["--lr", "1e39"], r"--lr must be at most 1 \(AdamW moves each weight by about lr per step"),
+    (["--lora-alpha", "0"], r"--lora-alpha must be > 0 \(the update is scaled by alpha / r\), got 0"),
+    (["--lora-alpha", "nan"], r"--lora-alpha must be a finite number, got nan"),
+    (["--eval-fraction", "1.0"], r"--eval-fraction must be at least 0 and below 1 .*got 1\.0"),
+    (["--eval-fraction=-0.5"], r"--eval-fraction must be at least 0 and below 1 .*got -0\.5"),
+    (["--min-lr-ratio=-2"], r"--min-lr-ratio must be between 0 and 1 .*below 0 the lr turns negative\), got -2"),
+    (["--warmup-steps=-3"], r"--warmup-steps must be >= 0, got -3"),
+    (["--grad-clip", "nan"], r"--grad-clip must be a finite number, got nan"),
+    (["--log-every", "0"], r"--log-every must be > 0, got 0"),
+    (["--device", "tpu"], r"--device must be auto, cpu, cuda or cuda:N, got 'tpu'"),
+    (["--resume-anyway"], r"--resume-anyway goes with --resume"),
+    (["--max-len", "300"], r"--max-len 300 is longer than this model's context of 256 tokens "
+                           r"\(max_position_embeddings in its config\).*Use --max-len 256 or less"),
+], ids=["model-name", "batch-size", "max-len", "lr-zero", "lr-negative", "lora-targets", "fp16-on-cpu",
+        "keep-checkpoints", "lr-inf", "lr-overflow", "lora-alpha-zero", "lora-alpha-nan", "eval-fraction-all",
+        "eval-fraction-negative", "min-lr-ratio", "warmup-steps", "grad-clip-nan", "log-every", "device-tpu",
+        "resume-anyway-alone", "max-len-past-context"])
 def test_bad_option(run_model, dataset, tmp_path, capsys, extra, match):
     refused(args(run_model, dataset, tmp_path / "out", *extra), capsys, tmp_path / "out", match)
+
+
+def test_cuda_without_a_gpu(run_model, dataset, tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    refused(args(run_model, dataset, tmp_path / "out", "--device", "cuda"), capsys, tmp_path / "out",
+            r"--device cuda: torch sees no CUDA GPU .*use --device cpu, or auto")
 
 
 def test_bf16_on_a_gpu_without_it(run_model, dataset, tmp_path, capsys, monkeypatch):
@@ -208,13 +241,15 @@ def test_resume_mismatch(run_model, dataset, tmp_path, capsys):
     state = out / "checkpoints" / "step-0000001" / "state.pt"
     ck = torch.load(state, weights_only=False)
     torch.save({**ck, "world_size": 2}, state)
+    checkpoint.write_manifest(state.parent)  # as if 2 processes had written it
     assert train.cli(args(run_model, dataset, out, "--max-steps", "2", "--resume", "auto")) == 2
     assert "written by 2 process(es), this run has 1. Resume with the same number (torchrun --nproc_per_node=2)" \
            in capsys.readouterr().err
     assert (sorted(os.listdir(out)), (out / "metrics.jsonl").read_text()) == before, "a refused resume changed the run"
 
-    refused(args(run_model, dataset, tmp_path / "new", "--resume", "auto"), capsys, tmp_path / "new",
-            r"--resume auto: no checkpoint found \(looked for .*new/checkpoints/step-\*/state\.pt\)")
+    missing = tmp_path / "new" / "checkpoints" / "step-0000001"
+    refused(args(run_model, dataset, tmp_path / "new", "--resume", missing), capsys, tmp_path / "new",
+            r"--resume .*step-0000001: no checkpoint found \(looked for .*new/checkpoints/step-0000001/state\.pt\)")
 
 def test_damaged_checkpoint_falls_back_to_the_one_before(run_model, dataset, tmp_path, capsys):
     out = tmp_path / "out"
@@ -223,18 +258,20 @@ def test_damaged_checkpoint_falls_back_to_the_one_before(run_model, dataset, tmp
     newest = ckpts / "step-0000002" / "state.pt"
     newest.write_bytes(newest.read_bytes()[:1000])  # truncated after it was written
     capsys.readouterr()
-    assert train.cli(args(run_model, dataset, out, "--save-every", "1", "--max-steps", "3", "--resume", "auto")) == 0
+    assert train.cli(args(run_model, dataset, out, "--save-every", "1", "--max-steps", "3", "--resume", "auto",
+                          "--resume-anyway")) == 0  # one more step than the first run
     captured = capsys.readouterr()
     assert f"warning: cannot read checkpoint {ckpts / 'step-0000002'}" in captured.err
     assert f"resumed from {ckpts / 'step-0000001'} at step 1" in captured.out
     assert [r["step"] for r in read_metrics(out)] == [1, 2, 3]
 
-    assert sorted(os.listdir(ckpts)) == ["step-0000002", "step-0000003"]  # --keep-checkpoints 2
+    assert sorted(p for p in os.listdir(ckpts) if p.startswith("step-")) == ["step-0000002", "step-0000003"]
     (ckpts / "step-0000003" / "state.pt").write_bytes(b"not a checkpoint")
     torch.save({"weights": torch.zeros(1)}, ckpts / "step-0000002" / "state.pt")  # readable, but not ours
     assert train.cli(args(run_model, dataset, out, "--max-steps", "4", "--resume", "auto")) == 2
     err = capsys.readouterr().err.splitlines()[-1]
-    assert err.startswith("error: --resume auto: no readable checkpoint: ") and "step-0000002 (KeyError" in err
+    assert err.startswith("error: --resume auto: no readable checkpoint: ") and "step-0000002 (Damaged: state.pt " \
+        "does not match its sha256" in err
     assert "Delete them and resume from an earlier one (--resume PATH), or start again in a new --out-dir" in err
 
 
@@ -265,10 +302,12 @@ def test_disk_full_while_saving_keeps_the_previous_checkpoint(run_model, dataset
 # ----------------------------------------------------------------------------- NaN / inf
 
 
-def test_nan_stops_naming_step_and_checkpoint(run_model, dataset, tmp_path, capsys):
-    """An absurd lr overflows the weights after the first step; the run stops at the step that is NaN."""
+def test_nan_stops_naming_step_and_checkpoint(run_model, dataset, tmp_path, capsys, monkeypatch):
+    """An absurd lr (past what --lr accepts) overflows the weights after the first step; the run stops at the
+    step that is NaN."""
+    monkeypatch.setattr(train, "lr_at", lambda cfg, step: 1e30)
     out = tmp_path / "out"
-    assert train.cli(args(run_model, dataset, out, "--lr", "1e30", "--save-every", "1", "--max-steps", "5")) == 2
+    assert train.cli(args(run_model, dataset, out, "--save-every", "1", "--max-steps", "5")) == 2
     err = capsys.readouterr().err
     ckpt = os.path.join(str(out), "checkpoints", "step-0000001")
     assert err.startswith("error: the loss or gradient is NaN/inf at step 2 "), err
@@ -295,15 +334,15 @@ def test_killed_mid_checkpoint_keeps_the_previous_one(run_model, dataset, tmp_pa
     takes it (not the half-written *.tmp, which already holds a state.pt)."""
     out = tmp_path / "out"
     stall_second_save = (
-        "import sys, time, train\n"
-        "real, calls = train.save_adapter, []\n"
+        "import sys, time, checkpoint, train\n"
+        "real, calls = checkpoint.save_adapter, []\n"
         "def save_adapter(*a, **k):\n"
         "    calls.append(1)\n"
         "    if len(calls) == 2:\n"
         "        print('stalled mid-save', flush=True)\n"
         "        time.sleep(300)\n"
         "    real(*a, **k)\n"
-        "train.save_adapter = save_adapter\n"
+        "checkpoint.save_adapter = save_adapter\n"
         "sys.exit(train.cli(sys.argv[1:]))\n")
     p = subprocess.Popen([sys.executable, "-c", stall_second_save,
                           *args(run_model, dataset, out, "--save-every", "2", "--max-steps", "10")],
@@ -322,16 +361,17 @@ def test_killed_mid_checkpoint_keeps_the_previous_one(run_model, dataset, tmp_pa
     assert sorted(os.listdir(ckpts)) == ["step-0000002", "step-0000004.tmp"]
     assert (ckpts / "step-0000004.tmp" / "state.pt").exists()
     assert (ckpts / "step-0000002" / "adapter" / "adapter_model.safetensors").exists()
-    assert train.checkpoints(str(out))[-1] == str(ckpts / "step-0000002")
+    assert checkpoint.RunFolder(train.TrainConfig(out_dir=str(out))).checkpoints()[-1] == str(ckpts / "step-0000002")
 
-    assert train.cli(args(run_model, dataset, out, "--save-every", "2", "--max-steps", "3", "--resume", "auto")) == 0
+    assert train.cli(args(run_model, dataset, out, "--save-every", "2", "--max-steps", "3", "--resume", "auto",
+                          "--resume-anyway")) == 0  # 3 steps, not the first run's 10
     assert f"resumed from {ckpts / 'step-0000002'} at step 2" in capsys.readouterr().out
     assert sorted(os.listdir(ckpts)) == ["step-0000002", "step-0000003"], "the stray *.tmp was not cleaned up"
     assert [r["step"] for r in read_metrics(out)] == [1, 2, 3], "records past the checkpoint must be dropped on resume"
 
 
 def test_ctrl_c_checkpoints_and_resume_is_exact(run_model, dataset, tmp_path, capsys):
-    """SIGINT after the first step: the step finishes, a checkpoint is written, exit 0 with how to resume;
+    """SIGINT after the first step: the step finishes, a checkpoint is written, exit 130 with how to resume;
     resuming reproduces the uninterrupted run's metrics exactly (lora dropout on: the RNG state counts)."""
     opts = ["--max-steps", "12", "--eval-every", "3", "--lora-dropout", "0.1", "--lr", "3e-3"]
     out = tmp_path / "out"
@@ -342,14 +382,487 @@ def test_ctrl_c_checkpoints_and_resume_is_exact(run_model, dataset, tmp_path, ca
             p.send_signal(signal.SIGINT)
             break
     stdout, stderr = p.communicate(timeout=120)
-    assert p.returncode == 0, stderr[-3000:]
+    assert p.returncode == 130, stderr[-3000:]
     step = int(stdout.split("interrupted after step ")[1].split(":")[0])
     ckpt = out / "checkpoints" / f"step-{step:07d}"
     assert f"interrupted after step {step}: saved {ckpt}. To continue, run the same command with --resume auto" \
            in stdout
     assert 1 <= step < 12 and (ckpt / "state.pt").exists()
+    assert f"SIGINT: stopping after step {step}, then saving a checkpoint" in stderr, stderr[-3000:]
 
     assert train.cli(args(run_model, dataset, out, *opts, "--resume", "auto")) == 0
     assert train.cli(args(run_model, dataset, tmp_path / "ref", *opts)) == 0
     drop_timing = lambda rows: [{k: v for k, v in r.items() if k != "tokens_per_s"} for r in rows]  # noqa: E731
     assert drop_timing(read_metrics(out)) == drop_timing(read_metrics(tmp_path / "ref"))
+
+
+# ----------------------------------------------------------------------------- one run per folder
+
+
+def test_keep_checkpoints(run_model, dataset, tmp_path, capsys):
+    """0 keeps every checkpoint (the --help says so); 1 keeps the newest, the one just written."""
+    assert "(0: keep all)" in " ".join(subprocess.run([sys.executable, "train.py", "--help"], cwd=ROOT,
+                                                      capture_output=True, text=True).stdout.split())
+    out = tmp_path / "out"
+    assert train.cli(args(run_model, dataset, out, "--save-every", "1", "--max-steps", "3", "--keep-checkpoints", 0)) == 0
+    assert sorted(os.listdir(out / "checkpoints")) == ["step-0000001", "step-0000002", "step-0000003"]
+    out = tmp_path / "one"
+    assert train.cli(args(run_model, dataset, out, "--save-every", "1", "--max-steps", "3", "--keep-checkpoints", 1)) == 0
+    assert sorted(os.listdir(out / "checkpoints")) == ["step-0000003"]
+    assert f"checkpoint {out / 'checkpoints' / 'step-0000003'}" in capsys.readouterr().out
+
+
+HOLD_LOCK = """
+import fcntl, os, socket, sys
+fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT)
+fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+os.write(fd, f"{os.getpid()} {socket.gethostname()}\\n".encode())
+print("locked", flush=True)
+sys.stdin.read()
+"""
+
+
+def test_a_folder_in_use_is_refused(run_model, dataset, tmp_path, capsys):
+    """Another process holds out/.lock (as a running train.py does): a second run, even with --overwrite, stops
+    with one line naming that process, and writes nothing; once the holder is gone, the folder is free."""
+    out = tmp_path / "out"
+    assert train.cli(args(run_model, dataset, out, "--max-steps", "1")) == 0
+    holder = subprocess.Popen([sys.executable, "-c", HOLD_LOCK, str(out / ".lock")], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline() == "locked\n"
+        before = {p: p.stat().st_mtime_ns for p in out.rglob("*")}
+        capsys.readouterr()
+        for extra in (["--resume", "auto"], ["--overwrite"]):
+            assert train.cli(args(run_model, dataset, out, "--max-steps", "1", *extra)) == 2
+            err = capsys.readouterr().err
+            assert err.count("\n") == 1 and err.startswith(f"error: --out-dir {str(out)!r} is in use by another run "
+                                                           f"(PID {holder.pid} on "), err
+            assert "wait for it to finish or stop it, or choose another --out-dir" in err
+        assert {p: p.stat().st_mtime_ns for p in out.rglob("*")} == before, "a refused run changed the folder"
+    finally:
+        holder.stdin.close()
+        holder.wait(timeout=60)
+    assert train.cli(args(run_model, dataset, out, "--max-steps", "1", "--overwrite")) == 0
+
+
+def test_the_lock_is_held_while_training_and_released_after(run_model, dataset, tmp_path, monkeypatch):
+    out, seen = tmp_path / "out", []
+    real = train.micro_step
+
+    def micro_step(*a):
+        fd = os.open(out / ".lock", os.O_RDONLY)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            seen.append("free")
+        except BlockingIOError:
+            seen.append(open(out / ".lock").read().split()[0])
+        finally:
+            os.close(fd)
+        return real(*a)
+
+    monkeypatch.setattr(train, "micro_step", micro_step)
+    assert train.cli(args(run_model, dataset, out)) == 0
+    assert seen == [str(os.getpid())] * 2
+    fd = os.open(out / ".lock", os.O_RDONLY)
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # released: raises BlockingIOError otherwise
+    os.close(fd)
+
+
+# ----------------------------------------------------------------------------- signals
+
+
+class SignalLeaked(Exception):
+    """A signal reached the test instead of train.py's handler."""
+
+
+@pytest.fixture
+def signal_guard():
+    """SIGINT and SIGTERM raise SignalLeaked unless train.py handles them (pytest would stop on a SIGINT, and a
+    SIGTERM would end the test process); the previous handlers come back afterwards."""
+    def leaked(signum, frame):
+        raise SignalLeaked(signal.Signals(signum).name)
+    previous = {s: signal.signal(s, leaked) for s in (signal.SIGINT, signal.SIGTERM)}
+    yield
+    for s, handler in previous.items():
+        signal.signal(s, handler)
+
+
+def send_on_call(monkeypatch, owner, name, calls, signum, times=1):
+    """Make call number `calls` (1-based) of owner.name send `signum` to this process `times` times first."""
+    real, n = getattr(owner, name), []
+
+    def wrapper(*a, **k):
+        n.append(1)
+        if len(n) == calls:
+            for _ in range(times):
+                os.kill(os.getpid(), signum)
+        return real(*a, **k)
+
+    monkeypatch.setattr(owner, name, wrapper)
+
+
+def test_sigterm_stops_after_the_step_and_saves(run_model, dataset, tmp_path, capfd, monkeypatch, signal_guard):
+    """SIGTERM (a scheduler, `timeout`, a container stop) during step 2: a line at once, the step finishes, a
+    checkpoint is written, exit status 143 (128 + 15), and the run resumes from it."""
+    out = tmp_path / "out"
+    send_on_call(monkeypatch, train, "micro_step", 2, signal.SIGTERM)
+    assert train.cli(args(run_model, dataset, out, "--max-steps", "4")) == 143
+    captured = capfd.readouterr()
+    ckpt = out / "checkpoints" / "step-0000002"
+    assert "SIGTERM: stopping after step 2, then saving a checkpoint" in captured.err
+    assert f"interrupted after step 2: saved {ckpt}. To continue, run the same command with --resume auto" \
+           in captured.out
+    assert [r["step"] for r in read_metrics(out)] == [1, 2] and (ckpt / "state.pt").exists()
+    assert not (out / "adapter").exists()
+
+
+def test_ctrl_c_while_saving_waits(run_model, dataset, tmp_path, capfd, monkeypatch, signal_guard):
+    """Two Ctrl-C during the final checkpoint (the only one, --save-every 0): "saving, please wait"; the
+    checkpoint, the eval and the adapter are all written, and the run is complete (exit 0)."""
+    out = tmp_path / "out"
+    send_on_call(monkeypatch, torch, "save", 1, signal.SIGINT, times=2)
+    assert train.cli(args(run_model, dataset, out, "--eval-fraction", "0.1")) == 0
+    captured = capfd.readouterr()
+    assert captured.err.count("saving, please wait") == 2, captured.err
+    assert "one more Ctrl-C aborts" in captured.err
+    assert (out / "checkpoints" / "step-0000002" / "state.pt").exists()
+    assert (out / "adapter" / "adapter_model.safetensors").exists()
+    assert "eval_loss" in read_metrics(out)[-1] and "done: adapter in" in captured.out
+    assert sorted(os.listdir(out / "checkpoints")) == ["step-0000002"]
+
+
+def test_a_third_ctrl_c_aborts_the_save_and_loses_only_it(run_model, dataset, tmp_path, capfd, monkeypatch,
+                                                          signal_guard):
+    out = tmp_path / "out"
+    send_on_call(monkeypatch, torch, "save", 2, signal.SIGINT, times=3)  # the step-2 (final) checkpoint
+    assert train.cli(args(run_model, dataset, out, "--save-every", "1")) == 130
+    err = capfd.readouterr().err
+    ckpts = out / "checkpoints"
+    assert err.endswith(f"interrupted: the newest checkpoint is {ckpts / 'step-0000001'}: continue from it with "
+                        "--resume auto\n"), err
+    assert "Traceback" not in err
+    assert train.cli(args(run_model, dataset, out, "--save-every", "1", "--resume", "auto")) == 0
+    assert sorted(os.listdir(ckpts)) == ["step-0000001", "step-0000002"], "the aborted save's *.tmp is removed"
+
+
+def test_ctrl_c_before_training_exits_at_once(run_model, dataset, tmp_path, capfd, monkeypatch, signal_guard):
+    send_on_call(monkeypatch, train, "load_model", 1, signal.SIGINT)
+    assert train.cli(args(run_model, dataset, tmp_path / "out")) == 130
+    assert capfd.readouterr().err == "interrupted: no checkpoint was saved\n"
+    assert not (tmp_path / "out").exists()
+
+
+# ----------------------------------------------------------------------------- NaN never passes
+
+
+@pytest.mark.parametrize("save_every, max_steps", [(0, 1), (1, 3)], ids=["final-checkpoint", "periodic"])
+def test_nan_weights_are_never_saved(run_model, dataset, tmp_path, capsys, monkeypatch, save_every, max_steps):
+    """An lr of inf (past what --lr accepts) turns the LoRA weights into NaN in step 1, with a finite loss and
+    gradient. No checkpoint and no adapter is written, and none is named as the last good one."""
+    monkeypatch.setattr(train, "lr_at", lambda cfg, step: float("inf"))
+    out = tmp_path / "out"
+    assert train.cli(args(run_model, dataset, out, "--save-every", save_every, "--max-steps", max_steps)) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: not saving checkpoint {out / 'checkpoints' / 'step-0000001'}: ") and \
+        "hold NaN/inf after step 1. No checkpoint was saved yet: lower --lr" in err, err
+    assert not (out / "checkpoints").exists() and not (out / "adapter").exists()
+
+
+def test_nonfinite_optimizer_state_is_found(run_model):
+    model, _ = train.load_model(run_model, lora=train.LoRAConfig(r=2))
+    params = dict(train.lora_parameters(model))
+    optimizer = torch.optim.AdamW(params.values())
+    for p in params.values():
+        p.grad = torch.ones_like(p)
+    optimizer.step()
+    assert checkpoint.nonfinite(model, optimizer) == []
+    name = next(iter(params))
+    optimizer.state[params[name]]["exp_avg_sq"][0, 0] = float("nan")
+    assert checkpoint.nonfinite(model, optimizer) == [f"{name} (optimizer exp_avg_sq)"]
+
+
+def test_nan_on_the_first_step_points_at_the_inputs(run_model, dataset, tmp_path, capsys):
+    """A NaN in a base weight makes step 1's loss NaN before the adapter changed: the error says the learning
+    rate is not the cause, and points at the weights, the data and the options."""
+    from safetensors.torch import load_file, save_file
+    folder = tmp_path / "model"
+    shutil.copytree(run_model, folder)
+    weights = load_file(folder / "model.safetensors")
+    weights["model.layers.0.mlp.down_proj.weight"][0, 0] = float("nan")
+    save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
+    assert train.cli(args(str(folder), dataset, tmp_path / "out")) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: the loss or gradient is NaN/inf at step 1 (loss nan"), err
+    assert "before any update of the adapter, so the learning rate is not the cause" in err
+    assert "Check the base model's weights, the data and the options" in err and "lower --lr" not in err
+
+
+# ----------------------------------------------------------------------------- exact resume
+
+
+def test_resume_refuses_a_different_trajectory(run_model, dataset, tmp_path, capsys):
+    """A resume with options that change what the run computes is refused, naming each difference, unless
+    --resume-anyway; a model path with a trailing / is the same model."""
+    out = tmp_path / "out"
+    assert train.cli(args(run_model, dataset, out, "--save-every", "1")) == 0
+    before = sorted(os.listdir(out)), (out / "metrics.jsonl").read_text(), (out / "train_config.json").read_text()
+    other = tmp_path / "other.jsonl"  # other examples, and more of them
+    other.write_text("".join(json.dumps(e) + "\n" for e in data.builtin_dataset("train")[24:60]))
+    step1 = out / "checkpoints" / "step-0000001"
+    changed = ["--batch-size", "1", "--grad-accum", "2", "--max-steps", "3", "--resume", step1]
+    assert train.cli(args(run_model, str(other), out, *changed)) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: --resume {step1}: this run differs from the checkpoint's in batch_size 2 -> 1; "
+                          "grad_accum 1 -> 2; max_steps 2 -> 3; the tokenized training data"), err
+    assert "pass --resume-anyway to continue with the new ones" in err
+    assert (sorted(os.listdir(out)), (out / "metrics.jsonl").read_text(),
+            (out / "train_config.json").read_text()) == before, "a refused resume changed the run"
+
+    assert train.cli(args(run_model + "/", dataset, out, "--resume", "auto")) == 0  # nothing left to do
+    assert train.cli(args(run_model, str(other), out, *changed, "--resume-anyway")) == 0
+    captured = capsys.readouterr()
+    assert f"warning: --resume-anyway: continuing {step1} with batch_size 2 -> 1;" in captured.err
+    assert re.search(r"warning: the data changed: it now makes \d+ rows \(the checkpoint's made \d+\); reading it "
+                     "from its first batch", captured.err), captured.err
+    assert [r["step"] for r in read_metrics(out)] == [1, 2, 3]
+
+
+def test_resuming_an_older_checkpoint_sets_the_newer_aside(run_model, dataset, tmp_path, capsys):
+    out = tmp_path / "out"
+    ckpts = out / "checkpoints"
+    assert train.cli(args(run_model, dataset, out, "--save-every", "1", "--max-steps", "3", "--keep-checkpoints", 0)) == 0
+    capsys.readouterr()
+    assert train.cli(args(run_model, dataset, out, "--save-every", "1", "--max-steps", "2", "--keep-checkpoints", 0,
+                          "--resume", ckpts / "step-0000001", "--resume-anyway", "--lr", "1e-3")) == 0
+    out_text = capsys.readouterr().out
+    aside = [d for d in os.listdir(ckpts) if d.startswith("abandoned-")]
+    assert len(aside) == 1 and sorted(os.listdir(ckpts / aside[0])) == ["step-0000002", "step-0000003"]
+    assert f"moved 2 newer checkpoint(s) (step-0000002, step-0000003) of the abandoned run to {ckpts / aside[0]}: " \
+           "this run continues from step 1" in out_text
+    assert sorted(d for d in os.listdir(ckpts) if d.startswith("step-")) == ["step-0000001", "step-0000002"]
+    assert train.cli(args(run_model, dataset, out, "--save-every", "1", "--max-steps", "2", "--keep-checkpoints", 0,
+                          "--resume", "auto", "--lr", "1e-3")) == 0
+    assert f"resumed from {ckpts / 'step-0000002'} at step 2" in capsys.readouterr().out
+
+
+def _flip_tensor_bytes(state):
+    """Flip 16 bytes inside the first tensor's data of a torch.save file (stored uncompressed in its zip)."""
+    with zipfile.ZipFile(state) as z:
+        info = next(i for i in z.infolist() if "/data/" in i.filename and i.file_size >= 64)
+    start = info.header_offset + 30 + len(info.filename.encode()) + len(info.extra)  # past the local header
+    with open(state, "r+b") as f:
+        f.seek(start + 16)
+        chunk = f.read(16)
+        f.seek(start + 16)
+        f.write(bytes(b ^ 0xFF for b in chunk))
+
+
+def _rewrite_lora(folder, change):
+    """Change the LoRA tensors of a checkpoint and write its manifest again, as a different program would."""
+    ck = torch.load(folder / "state.pt", weights_only=False)
+    change(ck["lora"])
+    torch.save(ck, folder / "state.pt")
+    checkpoint.write_manifest(folder)
+
+
+DAMAGES = {  # how the newest checkpoint is damaged -> what the warning says
+    "flipped-bytes": (lambda d: _flip_tensor_bytes(d / "state.pt"),
+                      r"state\.pt does not match its sha256 in manifest\.json: it changed after it was written"),
+    "missing-tensor": (lambda d: _rewrite_lora(d, lambda lora: lora.pop(next(iter(lora)))),
+                       r"its LoRA tensors do not fit the model: missing \['model\.layers\.0\..*lora_A'\]"),
+    "wrong-shape": (lambda d: _rewrite_lora(d, lambda lora: lora.update({k: v[:1] for k, v in list(lora.items())[:1]})),
+                    r"its LoRA tensors do not fit the model: shape of model\.layers\.0\..*lora_A \(1, 64\) "
+                    r"\(the model's is \(16, 64\)\)"),
+    "no-state": (lambda d: os.remove(d / "state.pt"), r"Damaged: no state\.pt"),
+}
+
+
+@pytest.mark.parametrize("damage", DAMAGES)
+def test_damaged_checkpoint_is_found_and_skipped(run_model, dataset, tmp_path, capsys, damage):
+    """A checkpoint changed after it was written (checksums), one whose tensors do not fit the model, and a
+    folder without state.pt: each is skipped with a warning, and the run resumes from the one before it."""
+    out = tmp_path / "out"
+    assert train.cli(args(run_model, dataset, out, "--save-every", "1")) == 0
+    make, match = DAMAGES[damage]
+    make(out / "checkpoints" / "step-0000002")
+    capsys.readouterr()
+    assert train.cli(args(run_model, dataset, out, "--save-every", "1", "--resume", "auto")) == 0
+    captured = capsys.readouterr()
+    assert re.search(rf"warning: cannot read checkpoint .*step-0000002 \(.*{match}", captured.err), captured.err
+    assert f"resumed from {out / 'checkpoints' / 'step-0000001'} at step 1" in captured.out
+
+
+def test_resume_auto_without_a_checkpoint_starts_a_new_run(run_model, dataset, tmp_path, capsys):
+    """So that one command starts a job and restarts it; the records of a run that saved nothing go."""
+    out = tmp_path / "out"
+    assert train.cli(args(run_model, dataset, out, "--resume", "auto")) == 0
+    assert f"--resume auto: no checkpoint in {out / 'checkpoints'}; starting a new run" in capsys.readouterr().out
+    shutil.rmtree(out / "checkpoints")
+    assert train.cli(args(run_model, dataset, out, "--resume", "auto")) == 0
+    assert [r["step"] for r in read_metrics(out)] == [1, 2]
+
+
+# ----------------------------------------------------------------------------- metrics.jsonl
+
+
+def _strict(line):
+    def refuse(name):
+        raise ValueError(f"bare {name} is not JSON")
+    return json.loads(line, parse_constant=refuse)
+
+
+def test_metrics_are_strict_json(run_model, dataset, tmp_path, monkeypatch):
+    """A skipped fp16 step has an inf grad norm: it is written as null."""
+    monkeypatch.setattr(train, "choose_dtype", lambda cfg, device: (torch.float16, "test: fp16 on CPU"))
+    out = tmp_path / "out"
+    assert train.cli(args(run_model, dataset, out, "--loss-scale", "1e30")) == 0
+    rows = [_strict(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert rows[0]["skipped"] and rows[0]["grad_norm"] is None
+
+
+def test_resume_keeps_the_metrics_history_in_place(run_model, dataset, tmp_path, monkeypatch):
+    """The records past the checkpoint are cut off in place (one truncate); the history before it is neither
+    rewritten nor at risk: here every attempt to write an old record again fails, as a full disk would."""
+    out = tmp_path / "out"
+    assert train.cli(args(run_model, dataset, out, "--save-every", "2", "--max-steps", "4")) == 0
+    history = (out / "metrics.jsonl").read_bytes()
+    dumps = json.dumps
+
+    def failing_dumps(obj, *a, **k):
+        if isinstance(obj, dict) and obj.get("step", 99) < 2:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return dumps(obj, *a, **k)
+
+    monkeypatch.setattr(json, "dumps", failing_dumps)
+    assert train.cli(args(run_model, dataset, out, "--save-every", "2", "--max-steps", "4",
+                          "--resume", out / "checkpoints" / "step-0000002")) == 0
+    after = (out / "metrics.jsonl").read_bytes()
+    first_two = b"".join(history.splitlines(keepends=True)[:2])
+    assert after.startswith(first_two) and [r["step"] for r in read_metrics(out)] == [1, 2, 3, 4]
+
+
+class FullDisk(io.TextIOWrapper):
+    """metrics.jsonl on a disk that fills up after `room` records."""
+    room = 2
+
+    def write(self, s):
+        FullDisk.room -= 1
+        if FullDisk.room < 0:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return super().write(s)
+
+
+def test_disk_full_writing_metrics(run_model, dataset, tmp_path, capsys, monkeypatch):
+    """One error line; an emergency checkpoint of the last complete step; the run resumes from it."""
+    real_open = open
+
+    def fake_open(file, mode="r", *a, **k):
+        if str(file).endswith("metrics.jsonl") and mode == "a":
+            return FullDisk(real_open(file, "ab"), encoding="utf-8")
+        return real_open(file, mode, *a, **k)
+
+    out = tmp_path / "out"
+    FullDisk.room = 2
+    monkeypatch.setattr("builtins.open", fake_open)
+    assert train.cli(args(run_model, dataset, out, "--max-steps", "4")) == 2
+    err = capsys.readouterr().err
+    ckpt = out / "checkpoints" / "step-0000003"
+    assert err.count("\n") == 1 and err.startswith(f"error: cannot write {out / 'metrics.jsonl'} (No space left on "
+                                                   f"device). The last good checkpoint is {ckpt}: free disk space in "
+                                                   f"{out} and continue from it with --resume {ckpt}"), err
+    monkeypatch.setattr("builtins.open", real_open)
+    assert train.cli(args(run_model, dataset, out, "--max-steps", "4", "--resume", "auto")) == 0
+    assert [r["step"] for r in read_metrics(out)] == [1, 2, 4]  # step 3's record was the one that did not fit
+
+
+def test_disk_full_writing_the_adapter(run_model, dataset, tmp_path, capsys, monkeypatch):
+    from safetensors import SafetensorError
+    real = checkpoint.save_adapter
+
+    def save_adapter(model, folder, **k):
+        if ".tmp" not in folder:  # the run's adapter/, not a checkpoint's
+            raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+        return real(model, folder, **k)
+
+    monkeypatch.setattr(checkpoint, "save_adapter", save_adapter)
+    out = tmp_path / "out"
+    assert train.cli(args(run_model, dataset, out)) == 2
+    err = capsys.readouterr().err
+    ckpt = out / "checkpoints" / "step-0000002"
+    assert err.count("\n") == 1 and err.startswith(f"error: cannot write the adapter to {out / 'adapter'} "), err
+    assert f"Nothing is lost: the final checkpoint {ckpt} holds the same weights, and {ckpt}/adapter is this " \
+           "adapter" in err
+    assert (ckpt / "adapter" / "adapter_model.safetensors").exists()
+
+
+# ----------------------------------------------------------------------------- out of memory
+
+
+def test_out_of_memory_saves_the_last_step_and_says_what_to_do(run_model, dataset, tmp_path, capsys, monkeypatch):
+    """A CUDA out-of-memory error in step 3 (simulated): one line with the fixes, after a checkpoint of step 2,
+    rewound to where step 3 began, so that resuming it gives exactly the uninterrupted run (dropout on)."""
+    opts = ["--max-steps", "4", "--lora-dropout", "0.1", "--lr", "3e-3"]
+    real, calls = train.micro_step, []
+
+    def micro_step(*a):
+        loss = real(*a)  # dropout has drawn its random numbers, gradients have accumulated
+        calls.append(1)
+        if len(calls) == 3:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
+        return loss
+
+    monkeypatch.setattr(train, "micro_step", micro_step)
+    out = tmp_path / "out"
+    assert train.cli(args(run_model, dataset, out, *opts)) == 2
+    err = capsys.readouterr().err
+    ckpt = out / "checkpoints" / "step-0000002"
+    assert err == ("error: out of GPU memory in step 3 (micro-batches of 2 x 96 tokens). The last good checkpoint "
+                   f"is {ckpt}: lower --batch-size (a larger --grad-accum keeps the step's size) or --max-len, or add "
+                   "--offload-activations (a resume with other sizes needs --resume-anyway) and continue from it with "
+                   f"--resume {ckpt}\n"), err
+    monkeypatch.setattr(train, "micro_step", real)
+    assert train.cli(args(run_model, dataset, out, *opts, "--resume", "auto")) == 0
+    assert train.cli(args(run_model, dataset, tmp_path / "ref", *opts)) == 0
+    untimed = lambda rows: [{k: v for k, v in r.items() if k != "tokens_per_s"} for r in rows]  # noqa: E731
+    assert untimed(read_metrics(out)) == untimed(read_metrics(tmp_path / "ref"))
+
+
+def test_activation_memory_estimate(run_model, monkeypatch):
+    mcfg = train.from_hf_config(train.read_hf_config(run_model))
+    cfg = train.TrainConfig(model=run_model, max_len=256, batch_size=4, gradient_checkpointing=True)
+    base = train.activation_bytes(cfg, mcfg, torch.bfloat16, use_kernels=False)
+    assert train.activation_bytes(dataclasses.replace(cfg, batch_size=8), mcfg, torch.bfloat16, False) > 1.9 * base
+    assert train.activation_bytes(dataclasses.replace(cfg, gradient_checkpointing=False), mcfg, torch.bfloat16,
+                                  False) > base
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (base // 2, 80 << 30))
+    warning = train.memory_warning(cfg, mcfg, torch.bfloat16, False, torch.device("cuda"))
+    assert warning.startswith("warning: a micro-batch of 4 x 256 tokens needs about ") and \
+        "expect out-of-memory. To fit: lower --batch-size" in warning and "add --offload-activations" in warning
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (2 * base, 80 << 30))
+    assert train.memory_warning(cfg, mcfg, torch.bfloat16, False, torch.device("cuda")) is None
+    assert train.memory_warning(cfg, mcfg, torch.bfloat16, False, torch.device("cpu")) is None
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_real_cuda_out_of_memory(run_model, dataset, tmp_path, capsys, monkeypatch):
+    """What the CUDA allocator raises (step 2 asks for 1 PiB) is caught: one line, after a checkpoint of step 1;
+    the estimate warns before the first step for a micro-batch far past the free memory."""
+    real, calls = train.micro_step, []
+
+    def micro_step(*a):
+        calls.append(1)
+        if len(calls) == 2:
+            torch.empty(1 << 50, dtype=torch.uint8, device="cuda")
+        return real(*a)
+
+    monkeypatch.setattr(train, "micro_step", micro_step)
+    out = tmp_path / "out"
+    assert train.cli(args(run_model, dataset, out, "--device", "cuda", "--dtype", "bf16", "--kernels")) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: out of GPU memory in step 2 "), err
+    assert (out / "checkpoints" / "step-0000001" / "state.pt").exists()
+    mcfg = train.from_hf_config(train.read_hf_config(run_model))
+    cfg = train.TrainConfig(model=run_model, max_len=256, batch_size=10 ** 6)
+    assert "expect out-of-memory" in train.memory_warning(cfg, mcfg, torch.bfloat16, True, torch.device("cuda"))

@@ -119,6 +119,26 @@ def test_resume_is_bit_exact(run_model, tmp_path):
     assert got == ref[3:], (got, ref)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_resume_is_bit_exact_on_gpu(run_model, tmp_path):
+    """On CUDA (fused AdamW, whose step counters live on the GPU, Triton kernels, bf16): a run resumed from its
+    step-3 checkpoint continues with exactly the same losses and ends with the same adapter."""
+    opts = dict(max_steps=6, save_every=3, lora_dropout=0.1, device="cuda", dtype="bf16", kernels=True)
+    full = cfg_for(run_model, tmp_path / "full", **opts)
+    train.main(full)
+    import shutil
+    part = tmp_path / "part"
+    os.makedirs(part / "checkpoints")
+    shutil.copytree(tmp_path / "full" / "checkpoints" / "step-0000003", part / "checkpoints" / "step-0000003")
+    resumed = cfg_for(run_model, part, resume="auto", **opts)
+    train.main(resumed)
+    ref = [r["loss"] for r in read_metrics(full.out_dir) if "loss" in r]
+    assert [r["loss"] for r in read_metrics(resumed.out_dir) if "loss" in r] == ref[3:]
+    a, b = adapter(full.out_dir), adapter(resumed.out_dir)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
 def test_fp16_padded_is_finite_and_scaler_recovers(run_model, tmp_path, monkeypatch):
     """fp16, padding (the path that gave NaN grad norms elsewhere), TinyLlama-shaped: every applied step has
     a finite grad norm; an absurd initial loss scale overflows, is skipped, backs off and recovers (bug 5)."""
