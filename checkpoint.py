@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 from safetensors import SafetensorError
 
+import tracking
 from model.adapters import save_adapter
 from model.lora import lora_parameters
 
@@ -174,6 +175,7 @@ class RunFolder:
         self.last, self.saved_step = None, 0  # the newest checkpoint written or resumed from, and its step
         self.data_hash, self._candidates, self._damaged = None, iter(()), []
         self._lock_fd, self._metrics = None, None
+        self.trackers = tracking.Trackers([])  # --report-to: TensorBoard, W&B, trackio (rank 0, once open)
         self.say = print if rank == 0 else (lambda *a, **k: None)
 
     def __enter__(self):
@@ -366,6 +368,7 @@ class RunFolder:
             self._metrics = open(self.metrics_path, "a")
         except OSError as e:
             raise UserError(f"cannot set up the run folder {self.cfg.out_dir!r} ({e}); nothing in it was lost") from e
+        self.trackers = tracking.open_trackers(self.cfg.trackers(), self.cfg.out_dir, dataclasses.asdict(self.cfg))
 
     def _lock(self):
         """An exclusive flock on out/.lock for as long as this process runs: the OS drops it when the process
@@ -423,6 +426,7 @@ class RunFolder:
             self._metrics.flush()
         except OSError as e:
             raise OSError(e.errno, e.strerror, self.metrics_path) from e
+        self.trackers.log(record, record["step"])
 
     def next_steps(self, fix):
         """How to go on after a failure: `fix`, then continue from the last good checkpoint."""
@@ -485,7 +489,7 @@ class RunFolder:
                 if path != final:
                     shutil.rmtree(path, ignore_errors=True)
 
-    def save_adapter(self, model):
+    def save_adapter(self, model, metrics=None):
         """The run's result, out/adapter/ in PEFT's format (rank 0), after the final checkpoint."""
         if self.rank != 0:
             return
@@ -494,7 +498,8 @@ class RunFolder:
         if bad:
             raise UserError(f"not writing the adapter: {bad[0]} holds NaN/inf. {self.next_steps('lower --lr')}")
         try:
-            save_adapter(model, folder, base_model=self.cfg.model)
+            save_adapter(model, folder, base_model=self.cfg.model, dataset=self.cfg.data,
+                         options=dataclasses.asdict(self.cfg), metrics=metrics)
         except WRITE_ERRORS as e:
             raise UserError(f"cannot write the adapter to {folder} ({e}). Nothing is lost: the final checkpoint "
                             f"{self.last} holds the same weights, and {self.last}/adapter is this adapter") from e
@@ -504,6 +509,8 @@ class RunFolder:
         """Close metrics.jsonl and release the lock. After a failure, a metrics line that cannot be flushed
         (disk full) is dropped: the error that stopped the run is the one to report."""
         metrics, self._metrics = self._metrics, None
+        self.trackers.close()
+        self.trackers = tracking.Trackers([])
         try:
             if metrics is not None:
                 metrics.close()

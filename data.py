@@ -1030,9 +1030,10 @@ def eval_batches(encoded, *, batch_size, max_len, pad_id, packing=True):
 
 
 @torch.no_grad()
-def answer_accuracy(logits, batch):
-    """(correct, total): how many documents of `batch` that have targets get every target token right
-    as the argmax of `logits` (B, T, V), and how many documents have targets.
+def answer_accuracy(hit, batch):
+    """(correct, total): how many documents of `batch` that have targets get every target token right,
+    and how many documents have targets. hit (B, T) bool: the argmax of the logits is the target
+    (`Transformer.score` gives it without B x T x V logits).
 
     This is teacher-forced exact match: each position is scored given the true tokens before it.
     For an answer that ends in a trained EOS, it equals greedy-decoding exact match: if every argmax
@@ -1042,7 +1043,7 @@ def answer_accuracy(logits, batch):
     """
     targets, doc_ids = batch["targets"], batch["doc_ids"]  # (B, T) each
     is_target = targets != IGNORE_INDEX
-    wrong = is_target & (logits.argmax(-1) != targets)
+    wrong = is_target & ~hit
     docs_per_row = int(doc_ids.max()) + 1
     doc = doc_ids + docs_per_row * torch.arange(len(doc_ids), device=doc_ids.device)[:, None]  # unique per (row, doc)
     n_docs = docs_per_row * len(doc_ids)

@@ -1,6 +1,6 @@
 """One training micro-step: forward and backward of one micro-batch, eager or replayed from a CUDA graph.
 
-    step = make_step(forward, params, mode="auto", max_len=2048)   # EagerStep or GraphStep
+    step = EagerStep(forward, device)  or  GraphStep(forward, device, params, max_len, log)
     loss = step(batch, num_targets, loss_mult)   # adds d(loss * loss_mult)/dp into every p.grad
 
 `loss` is Σ token losses of the micro-batch / num_targets (a 0-dim fp32 device tensor);
@@ -37,7 +37,8 @@ WARMUP = 2  # eager runs on a side stream before a capture
 
 
 class EagerStep:
-    """The reference: forward and backward issued from Python every time. `batch` may be on the CPU."""
+    """The reference: forward and backward issued from Python every time. `batch` may be on the CPU;
+    its position_ids and doc_ids may be None (one causal sequence per row)."""
 
     graphed = False
 
@@ -45,7 +46,7 @@ class EagerStep:
         self.forward, self.device = forward, device
 
     def __call__(self, batch, num_targets, loss_mult):
-        batch = {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
+        batch = {k: None if v is None else v.to(self.device, non_blocking=True) for k, v in batch.items()}
         loss = self.forward(batch["input_ids"], batch["position_ids"], batch["doc_ids"], targets=batch["targets"],
                             num_targets=num_targets)
         assert loss.dtype == torch.float32, f"loss must be float32, got {loss.dtype}"
@@ -57,7 +58,7 @@ class _Graph:
     """One captured micro-step for one batch shape, with its static input and output buffers."""
 
     def __init__(self, batch, dev):
-        self.batch = {k: torch.empty_like(v, device=dev) for k, v in batch.items()}
+        self.batch = {k: None if v is None else torch.empty_like(v, device=dev) for k, v in batch.items()}
         self.num_targets = torch.zeros((), dtype=torch.float32, device=dev)
         self.loss_mult = torch.ones((), dtype=torch.float32, device=dev)
         self.graph = torch.cuda.CUDAGraph()
@@ -65,7 +66,8 @@ class _Graph:
 
     def load(self, batch, num_targets, loss_mult):
         for k, v in batch.items():
-            self.batch[k].copy_(v, non_blocking=True)
+            if v is not None:
+                self.batch[k].copy_(v, non_blocking=True)
         self.num_targets.fill_(num_targets)
         self.loss_mult.fill_(loss_mult)
 
@@ -75,20 +77,32 @@ class GraphStep:
 
     graphed = True
 
-    def __init__(self, forward, device, params, max_len):
+    def __init__(self, forward, device, params, max_len, log=print):
         self.eager = EagerStep(forward, device)
         self.device = device
         self.params = list(params)
         self.max_len = max_len
+        self.log = log  # says once why the run goes on eagerly, if a capture fails
         self.graphs = {}  # (B, T) -> _Graph
         self.pool = None  # one memory pool for every graph: they never run at the same time
+        self.failed = False
 
     def __call__(self, batch, num_targets, loss_mult):
+        if self.failed:
+            return self.eager(batch, num_targets, loss_mult)
         batch = pad_to_bucket(batch, self.max_len)
         shape = tuple(batch["input_ids"].shape)
         g = self.graphs.get(shape)
         if g is None:
-            g = self.graphs[shape] = self._capture(batch, num_targets, loss_mult)
+            try:
+                g = self.graphs[shape] = self._capture(batch, num_targets, loss_mult)
+            except torch.OutOfMemoryError:
+                raise
+            except Exception as e:  # an op that cannot be captured: the same step, issued eagerly from now on
+                self.failed = True
+                self.log(f"warning: CUDA graph capture failed ({type(e).__name__}: {str(e)[:200]}); training on "
+                         "without graphs (same results, more CPU time per step). --cuda-graphs off skips the try")
+                return self.eager(batch, num_targets, loss_mult)
         g.load(batch, num_targets, loss_mult)
         g.graph.replay()
         return g.loss
@@ -100,21 +114,36 @@ class GraphStep:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
         saved = [p.grad.clone() for p in self.params]
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(WARMUP):
-                self.eager(g.batch, g.num_targets, g.loss_mult)
-        torch.cuda.current_stream().wait_stream(side)
-        with torch.no_grad():  # the warm-up's gradients are not this step's: put the old ones back
-            for p, s in zip(self.params, saved):
-                p.grad.copy_(s)
-        del saved
-        if self.pool is None:
-            self.pool = torch.cuda.graph_pool_handle()
-        with torch.cuda.graph(g.graph, pool=self.pool):
-            g.loss = self.eager(g.batch, g.num_targets, g.loss_mult)
+        try:
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                for _ in range(WARMUP):
+                    self.eager(g.batch, g.num_targets, g.loss_mult)
+            torch.cuda.current_stream().wait_stream(side)
+            if self.pool is None:
+                self.pool = torch.cuda.graph_pool_handle()
+            with torch.cuda.graph(g.graph, pool=self.pool):
+                g.loss = self.eager(g.batch, g.num_targets, g.loss_mult)
+        finally:
+            with torch.no_grad():  # the warm-up's gradients are not this step's: put the old ones back
+                for p, s in zip(self.params, saved):
+                    p.grad.copy_(s)
         return g
+
+
+def graphs_off_reason(mode, device, world, offload, quantize):
+    """Why this run issues its steps eagerly, or None when it replays CUDA graphs (see --cuda-graphs).
+    Raises ValueError when --cuda-graphs on asks for a combination that cannot be captured."""
+    reason = (("there is no CUDA GPU" if device.type != "cuda" else None)
+              or ("of data parallelism (DDP's all-reduce hooks)" if world > 1 else None)
+              or ("of --offload-activations (its CPU buffers are made per step)" if offload else None)
+              or ("--quantize nf4 is not verified under capture" if quantize else None))
+    if mode == "on" and reason:
+        raise ValueError(f"--cuda-graphs on: not possible because {reason}; use --cuda-graphs auto or off")
+    if mode == "off":
+        return "--cuda-graphs off"
+    return reason
 
 
 def pad_to_bucket(batch, max_len):
@@ -126,10 +155,13 @@ def pad_to_bucket(batch, max_len):
     if T_new == T:
         return batch
     extra = T_new - T
+    if batch["doc_ids"] is None:  # one causal sequence per row: one document, which the padding continues
+        batch = {**batch, "doc_ids": torch.zeros_like(batch["input_ids"]),
+                 "position_ids": torch.arange(T, device=batch["input_ids"].device).expand(B, T)}
     last_pos = batch["position_ids"][:, -1:]
     return {
         "input_ids": torch.cat([batch["input_ids"], batch["input_ids"][:, -1:].expand(B, extra)], 1),
         "targets": torch.cat([batch["targets"], batch["targets"].new_full((B, extra), data.IGNORE_INDEX)], 1),
-        "position_ids": torch.cat([batch["position_ids"], last_pos + torch.arange(1, extra + 1)], 1),
+        "position_ids": torch.cat([batch["position_ids"], last_pos + torch.arange(1, extra + 1, device=last_pos.device)], 1),
         "doc_ids": torch.cat([batch["doc_ids"], batch["doc_ids"][:, -1:].expand(B, extra)], 1),
     }

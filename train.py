@@ -31,11 +31,12 @@ import torch
 import torch.distributed as dist
 
 import data
+import tracking
 from checkpoint import RunFolder, UserError, fingerprint, position, rewind
-from model import LoRAConfig, load_model, load_tokenizer
-from model.config import from_hf_config
-from model.load import read_hf_config, resolve
+from model import LoRAConfig, check_quantize, load_model, load_tokenizer, read_config, resolve
+from model.hub import check_push, push
 from model.lora import ALL_TARGETS, lora_parameters
+from step import EagerStep, GraphStep, graphs_off_reason
 
 
 @dataclass
@@ -50,7 +51,20 @@ class TrainConfig:
     lora_targets: str = field(default=",".join(ALL_TARGETS), metadata={"help": "comma-separated projections that get adapters"})
     rslora: bool = field(default=False, metadata={"help": "rank-stabilized LoRA: scale alpha / sqrt(r)"})
     # --- data ---
-    data: str = field(default="builtin", metadata={"help": "'builtin', a .jsonl/.json file, or user/repo:path.jsonl on the hub"})
+    data: str = field(default="builtin", metadata={"help": "'builtin', a .jsonl/.json/.csv/.txt/.parquet file or a "
+                      "folder of them (FOLDER:split), a datasets save_to_disk folder, or a hub dataset "
+                      "user/repo[@revision][:config]:split (or user/repo:path/file.jsonl); see docs/data.md"})
+    eval_data: str | None = field(default=None, metadata={"help": "a separate eval set, in any form --data takes; "
+                                                                  "--eval-fraction then does not apply"})
+    max_examples: int | None = field(default=None, metadata={"help": "use only the first N rows of --data (quick runs)"})
+    columns: str | None = field(default=None, metadata={"help": "read the dataset's columns as nanotune's fields: "
+                                "field=column,... (e.g. instruction=question,output=answer or messages=dialog)"})
+    chat_template: str | None = field(default=None, metadata={"help": "a Jinja chat template file (or a "
+                                      "tokenizer_config.json) that replaces the model's"})
+    system_prompt: str | None = field(default=None, metadata={"help": "add this system turn to every chat that has none"})
+    num_proc: int | None = field(default=None, metadata={"help": "processes that tokenize the data (default: every "
+                                 "CPU); the tokenized data is cached in $NANOTUNE_CACHE/datasets "
+                                 "(default ~/.cache/nanotune/datasets)"})
     max_len: int = field(default=2048, metadata={"help": "tokens per row (packed) or longest example (padded)"})
     packing: bool = field(default=True, metadata={"help": "pack examples into full rows (per-document attention and positions)"})
     train_on_inputs: bool = field(default=False, metadata={"help": "also train on prompt tokens, not only answers"})
@@ -71,6 +85,12 @@ class TrainConfig:
     gradient_checkpointing: bool = field(default=True, metadata={"help": "recompute each decoder layer in backward"})
     offload_activations: bool = field(default=False, metadata={"help": "with checkpointing: keep layer inputs in pinned CPU memory"})
     kernels: bool | None = field(default=None, metadata={"help": "Triton kernels (default: on with CUDA); --no-kernels runs the torch references"})
+    cuda_graphs: str = field(default="auto", metadata={"help": "auto | on | off: replay each micro-step from a CUDA "
+                             "graph (step.py), which removes the per-step CPU cost of issuing its kernels. auto: on "
+                             "with one CUDA GPU, unless --offload-activations or --quantize nf4. Padded batches are "
+                             "padded further to a multiple of 64 tokens (one graph per length, at most "
+                             "max_len / 64 graphs): at most 63 extra padding tokens per row, which nothing attends "
+                             "to or predicts"})
     loss_scale: float = field(default=2.0 ** 16, metadata={"help": "fp16: initial dynamic loss scale"})
     scale_growth_interval: int = field(default=200, metadata={"help": "fp16: double the scale after this many good steps"})
     max_skipped_steps: int = field(default=20, metadata={"help": "fp16: stop after this many inf/NaN steps in a row"})
@@ -89,6 +109,11 @@ class TrainConfig:
                                 "an uninterrupted one"})
     overwrite: bool = field(default=False, metadata={"help": "reuse an out_dir that holds a previous run"})
     device: str = field(default="auto", metadata={"help": "auto | cpu | cuda | cuda:N"})
+    report_to: str = field(default="none", metadata={"help": "none, or trackers that also get metrics.jsonl's records, "
+                           "comma-separated: tensorboard, wandb, trackio (optional extras: pip install -e "
+                           "\".[tensorboard]\" etc.)"})
+    push_to_hub: str | None = field(default=None, metadata={"help": "at the end, upload the adapter (with its model "
+                                    "card) to this hub model repo, user/name; needs `hf auth login` or HF_TOKEN"})
 
     def __post_init__(self):
         """Every option is checked here, once, before anything loads or is written: one line that says the fix."""
@@ -129,8 +154,15 @@ class TrainConfig:
             self.lora()  # LoRAConfig checks the rank and the dropout
         except ValueError as e:
             raise UserError(f"{e} (--lora-r, --lora-dropout)") from e
-        if self.quantize not in (None, "nf4"):
-            raise UserError(f"--quantize must be nf4 (or left out), got {self.quantize!r}")
+        try:
+            check_quantize(self.quantize)
+            tracking.check_trackers(self.trackers())
+            if self.push_to_hub:
+                check_push(self.push_to_hub)
+        except ValueError as e:
+            raise UserError(str(e)) from e
+        if self.cuda_graphs not in ("auto", "on", "off"):
+            raise UserError(f"--cuda-graphs must be auto, on or off, got {self.cuda_graphs!r}")
         if self.quantize == "nf4":
             try:
                 import bitsandbytes  # noqa: F401  (model/qlora.py needs it; fail now, not after the data is read)
@@ -140,6 +172,15 @@ class TrainConfig:
                                 "on the full-precision base") from e
         if self.dtype not in ("auto", "bf16", "fp16", "fp32"):
             raise UserError(f"--dtype must be auto, bf16, fp16 or fp32, got {self.dtype!r}")
+
+    def trackers(self) -> list[str]:
+        return [] if self.report_to == "none" else [t for t in self.report_to.split(",") if t]
+
+    def data_options(self) -> dict:
+        """The keyword arguments of data.load_datasets."""
+        names = ("data", "eval_data", "eval_fraction", "max_examples", "columns", "chat_template", "system_prompt",
+                 "train_on_inputs", "max_len", "seed", "num_proc")
+        return {n: getattr(self, n) for n in names}
 
     def lora(self) -> LoRAConfig:
         return LoRAConfig(r=self.lora_r, alpha=self.lora_alpha, dropout=self.lora_dropout,
@@ -243,27 +284,37 @@ def choose_dtype(cfg, device):
     return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[cfg.dtype], "as requested"
 
 
-def load_inputs(cfg):
-    """(tokenizer, training examples, eval examples), tokenized and checked against the model's config."""
-    tokenizer = load_tokenizer(cfg.model)
-    if not cfg.model.endswith(".gguf"):  # config.json alone; a .gguf holds its tokenizer and weights together
-        check_model_fit(cfg, from_hf_config(read_hf_config(resolve(cfg.model))), tokenizer)
-    train_enc, eval_enc = load_data(cfg, tokenizer)
-    return tokenizer, train_enc, eval_enc
+def load_inputs(cfg, log):
+    """(the model's local path, tokenizer, training examples, eval examples), tokenized and checked against
+    the model's config. The model is resolved (downloaded) once, here."""
+    path = resolve(cfg.model)
+    tokenizer = load_tokenizer(path)
+    check_model_fit(cfg, read_config(path), tokenizer)
+    try:
+        train_enc, eval_enc = data.load_datasets(tokenizer, **cfg.data_options(), log=log)
+    except (ValueError, FileNotFoundError) as e:
+        raise UserError(str(e)) from e
+    return path, tokenizer, train_enc, eval_enc
 
 
-def build_model(cfg, device, dtype, use_kernels, rank):
+def build_model(cfg, path, device, dtype, use_kernels, rank):
     """(the model with its LoRA adapters, its ModelConfig)."""
     torch.manual_seed(cfg.seed + rank)  # dropout, different on each rank (the LoRA init has its own generator)
     random.seed(cfg.seed + rank)
-    model, mcfg = load_model(cfg.model, dtype=dtype, device=device, lora=cfg.lora(), quantize=cfg.quantize,
-                             use_kernels=use_kernels, lora_seed=cfg.seed)
-    model.gradient_checkpointing = cfg.gradient_checkpointing
-    model.offload_activations = cfg.offload_activations
-    if cfg.model.endswith(".gguf"):  # its config comes with its weights
-        check_model_fit(cfg, mcfg)
+    model, mcfg = load_model(path, dtype=dtype, device=device, lora=cfg.lora(), quantize=cfg.quantize,
+                             use_kernels=use_kernels, lora_seed=cfg.seed,
+                             gradient_checkpointing=cfg.gradient_checkpointing,
+                             offload_activations=cfg.offload_activations)
     assert all(p.dtype == torch.float32 for _, p in lora_parameters(model)), "LoRA master weights are fp32"
     return model, mcfg
+
+
+def make_step(cfg, forward, device, params, world, log):
+    """The micro-step: replayed from CUDA graphs where that works (--cuda-graphs), else eager."""
+    off = graphs_off_reason(cfg.cuda_graphs, device, world, cfg.offload_activations, cfg.quantize)
+    if off is None:
+        return GraphStep(forward, device, params, cfg.max_len, log), "CUDA graphs on"
+    return EagerStep(forward, device), f"CUDA graphs off: {off}"
 
 
 def activation_bytes(cfg, mcfg, dtype, use_kernels):
@@ -324,32 +375,6 @@ def check_model_fit(cfg, mcfg, tokenizer=None):
                         f"{mcfg.max_position_embeddings} or less")
 
 
-def load_data(cfg, tokenizer):
-    examples = data.load_examples(cfg.data)
-    if cfg.data == "builtin" or cfg.data.startswith("builtin"):
-        train_ex, eval_ex = examples, data.load_examples("builtin:eval")
-    else:
-        n_eval = min(200, int(len(examples) * cfg.eval_fraction)) if len(examples) >= 20 else 0
-        rng = random.Random(cfg.seed)
-        order = list(range(len(examples)))
-        rng.shuffle(order)
-        eval_ex = [examples[i] for i in order[:n_eval]]
-        train_ex = [examples[i] for i in order[n_eval:]]
-    enc = [data.encode_example(e, tokenizer, train_on_inputs=cfg.train_on_inputs) for e in train_ex]
-    eval_enc = [data.encode_example(e, tokenizer) for e in eval_ex]
-    fits = [e for e in enc if len(e[0]) <= cfg.max_len]
-    if not fits:
-        shortest = min(len(e[0]) for e in enc)
-        raise UserError(f"every training example is longer than --max-len {cfg.max_len} (the shortest has "
-                        f"{shortest} tokens); raise --max-len or shorten the examples")
-    if not any(any(m[1:]) for _, m in fits):  # a target needs a preceding token
-        raise UserError("no example has any target token (every label is masked): check the dataset's "
-                        "answers/assistant turns, or pass --train-on-inputs")
-    if len(fits) < len(enc):
-        print(f"data: dropped {len(enc) - len(fits)} of {len(enc)} examples longer than --max-len {cfg.max_len}")
-    return fits, eval_enc
-
-
 def make_batches(cfg, tokenizer, train_enc, eval_enc, rank, world):
     """(the training batches of this rank, the eval batches)."""
     pad = tokenizer.pad_id if tokenizer.pad_id is not None else tokenizer.eos_id
@@ -374,12 +399,11 @@ def evaluate(model, eval_sets, device):
         n = data.num_targets(batch)
         if n == 0:
             continue
-        logits = model(b["input_ids"], b["position_ids"], b["doc_ids"])  # (B, T, V)
-        loss_sum += torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), b["targets"].flatten(),
-                                                      ignore_index=data.IGNORE_INDEX, reduction="sum").item()
+        token_loss, hit = model.score(b["input_ids"], b["position_ids"], b["doc_ids"], b["targets"])  # (B, T) each
+        loss_sum += float(token_loss.sum())
         n_tok += n
-        tok_right += int(((logits.argmax(-1) == b["targets"]) & (b["targets"] != data.IGNORE_INDEX)).sum())
-        c, t = data.answer_accuracy(logits, b)
+        tok_right += int(hit.sum())
+        c, t = data.answer_accuracy(hit, b)
         correct, total = correct + c, total + t
     model.train()
     return {"eval_loss": loss_sum / max(n_tok, 1), "eval_accuracy": correct / max(total, 1),
@@ -403,26 +427,10 @@ def lr_at(cfg, step):
 # ----------------------------------------------------------------------------- the step
 
 
-def micro_step(forward, batch, n_targets, loss_mult):
-    """Forward and backward of one micro-batch (on the device); returns its loss, Σ token losses / n_targets,
-    detached and without a host sync. Backward sees the loss times `loss_mult`: the fp16 loss scale times the
-    world size (DDP averages gradients over ranks, and the loss is already divided by the global count)."""
-    assert batch["input_ids"].dtype == torch.long
-    loss = forward(batch["input_ids"], batch["position_ids"], batch["doc_ids"], targets=batch["targets"],
-                   num_targets=n_targets)
-    assert loss.dtype == torch.float32, loss.dtype
-    (loss * loss_mult).backward()
-    return loss.detach()
-
-
 def set_lr(optimizer, lr):
     for g in optimizer.param_groups:
         g["lr"] = lr
     return lr
-
-
-def to_device(batch, device):
-    return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
 
 
 def peak_mem(device):
@@ -575,9 +583,9 @@ def main(cfg: TrainConfig) -> int:
         # Every input is checked before the slow work (the weights, the training), on every rank alike, and
         # nothing is written until all checks have passed.
         run.check()
-        tokenizer, train_enc, eval_enc = load_inputs(cfg)
+        path, tokenizer, train_enc, eval_enc = load_inputs(cfg, log)
         ck = run.find(fingerprint(train_enc))
-        model, mcfg = build_model(cfg, device, dtype, use_kernels, rank)
+        model, mcfg = build_model(cfg, path, device, dtype, use_kernels, rank)
         run.check_free_disk(model)
         batches, eval_sets = make_batches(cfg, tokenizer, train_enc, eval_enc, rank, world)
         params = [p for _, p in lora_parameters(model)]
@@ -591,6 +599,8 @@ def main(cfg: TrainConfig) -> int:
         ddp = torch.nn.parallel.DistributedDataParallel(
             model, device_ids=[device.index] if device.type == "cuda" else None) if world > 1 else None
         forward = ddp if ddp is not None else model
+        micro_step, how = make_step(cfg, forward, device, params, world, log)
+        log(how)
         run.open(step)
 
         model.train()
@@ -616,14 +626,14 @@ def main(cfg: TrainConfig) -> int:
                     # DDP all-reduces the gradients in the last micro-step's backward only. A rank without
                     # targets here still runs backward (zero grads): the all-reduce needs every rank.
                     with ddp.no_sync() if ddp is not None and i < len(micro) - 1 else nullcontext():
-                        loss_sum += micro_step(forward, to_device(batch, device), n_targets, scaler.scale * world)
+                        loss_sum += micro_step(batch, n_targets, scaler.scale * world)
                 tokens += sum(b["input_ids"].numel() for b in micro) * world
 
                 scaler.unscale_(params)
                 grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip or float("inf"))
                 loss, norm = step_stats(loss_sum, grad_norm, world)
                 applied = apply_step(optimizer, scaler, loss, norm, step + 1, cfg, run, log)
-                optimizer.zero_grad(set_to_none=True)
+                optimizer.zero_grad(set_to_none=not micro_step.graphed)  # a graph adds into fixed .grad buffers
                 step += 1
 
                 if step % cfg.log_every == 0 or step == cfg.max_steps:
@@ -643,9 +653,13 @@ def main(cfg: TrainConfig) -> int:
                 log(f"interrupted after step {step}: saved {run.last}. To continue, run the same command with "
                     "--resume auto")
                 return signals.exit_status()
-            if eval_sets:
-                log_eval(step, evaluate(model, eval_sets, device), run, log)
-            log(f"done: adapter in {run.save_adapter(model)} (PEFT format), checkpoint {run.last}")
+            final = evaluate(model, eval_sets, device) if eval_sets else None
+            if final:
+                log_eval(step, final, run, log)
+            adapter = run.save_adapter(model, metrics=final)
+            log(f"done: adapter in {adapter} (PEFT format), checkpoint {run.last}")
+            if cfg.push_to_hub and rank == 0:
+                log(f"pushed the adapter to {push(adapter, cfg.push_to_hub)}")
             return 0
         except (OSError, torch.OutOfMemoryError) as e:  # a write that failed (disk full), or a step too big
             raise save_after_failure(e, cfg, run, step, model, optimizer, scaler, batches, start) from e

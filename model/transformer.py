@@ -290,8 +290,8 @@ class Transformer(nn.Module):
         # inside gradient checkpointing does not trace (docs/perf-notes.md), so those layers take
         # the explicit path in `attend`. FlexAttention's compiled kernel works in blocks of 128
         # tokens: other lengths (padded batches) take SDPA with a dense mask, O(T^2) bools but
-        # no O(T^2) scores.
-        if (device.type == "cuda" and cfg.attn_softcap is None and T % 128 == 0
+        # no O(T^2) scores. Its kernels need a head_dim of at least 16 (tiny test models have 8).
+        if (device.type == "cuda" and cfg.attn_softcap is None and T % 128 == 0 and cfg.head_dim >= 16
                 and (doc_ids is not None or window is not None)):
             docs = doc_ids if doc_ids is not None else torch.zeros(B, T, dtype=torch.long, device=device)
             return flex_block_mask(docs, window)

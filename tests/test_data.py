@@ -428,13 +428,13 @@ def test_answer_accuracy(packing):
     encoded = [([1, 2, 3, 4, 5][:n], [False] * (n - 2) + [True, True]) for n in (2, 3, 4, 5, 5, 3)]
     batch = pack(encoded, 8, pad_id=0)[0] if packing else pad_batch(encoded, pad_id=0)
     logits = perfect_logits(batch)
-    assert answer_accuracy(logits, batch) == (6, 6)  # padding documents have no targets: not counted
+    assert answer_accuracy(logits.argmax(-1) == batch["targets"], batch) == (6, 6)  # padding: no targets, not counted
     b, t = (batch["targets"] != IGNORE_INDEX).nonzero()[3].tolist()  # break one answer token
     logits[b, t, batch["targets"][b, t]] = -100.0
-    assert answer_accuracy(logits, batch) == (5, 6)
+    assert answer_accuracy(logits.argmax(-1) == batch["targets"], batch) == (5, 6)
     not_target = (batch["targets"] == IGNORE_INDEX).nonzero()[0].tolist()  # non-targets do not count
     logits[not_target[0], not_target[1]] = 0.0
-    assert answer_accuracy(logits, batch) == (5, 6)
+    assert answer_accuracy(logits.argmax(-1) == batch["targets"], batch) == (5, 6)
 
 # ----------------------------------------------------------------------------- damaged tokenizer files
 

@@ -28,6 +28,7 @@ import torch
 
 import checkpoint
 import data
+import step
 import train
 from tests.helpers import read_metrics
 
@@ -449,7 +450,7 @@ def test_a_folder_in_use_is_refused(run_model, dataset, tmp_path, capsys):
 
 def test_the_lock_is_held_while_training_and_released_after(run_model, dataset, tmp_path, monkeypatch):
     out, seen = tmp_path / "out", []
-    real = train.micro_step
+    real = step.EagerStep.__call__
 
     def micro_step(*a):
         fd = os.open(out / ".lock", os.O_RDONLY)
@@ -462,7 +463,7 @@ def test_the_lock_is_held_while_training_and_released_after(run_model, dataset, 
             os.close(fd)
         return real(*a)
 
-    monkeypatch.setattr(train, "micro_step", micro_step)
+    monkeypatch.setattr(step.EagerStep, "__call__", micro_step)
     assert train.cli(args(run_model, dataset, out)) == 0
     assert seen == [str(os.getpid())] * 2
     fd = os.open(out / ".lock", os.O_RDONLY)
@@ -507,7 +508,7 @@ def test_sigterm_stops_after_the_step_and_saves(run_model, dataset, tmp_path, ca
     """SIGTERM (a scheduler, `timeout`, a container stop) during step 2: a line at once, the step finishes, a
     checkpoint is written, exit status 143 (128 + 15), and the run resumes from it."""
     out = tmp_path / "out"
-    send_on_call(monkeypatch, train, "micro_step", 2, signal.SIGTERM)
+    send_on_call(monkeypatch, step.EagerStep, "__call__", 2, signal.SIGTERM)
     assert train.cli(args(run_model, dataset, out, "--max-steps", "4")) == 143
     captured = capfd.readouterr()
     ckpt = out / "checkpoints" / "step-0000002"
@@ -804,7 +805,7 @@ def test_out_of_memory_saves_the_last_step_and_says_what_to_do(run_model, datase
     """A CUDA out-of-memory error in step 3 (simulated): one line with the fixes, after a checkpoint of step 2,
     rewound to where step 3 began, so that resuming it gives exactly the uninterrupted run (dropout on)."""
     opts = ["--max-steps", "4", "--lora-dropout", "0.1", "--lr", "3e-3"]
-    real, calls = train.micro_step, []
+    real, calls = step.EagerStep.__call__, []
 
     def micro_step(*a):
         loss = real(*a)  # dropout has drawn its random numbers, gradients have accumulated
@@ -813,7 +814,7 @@ def test_out_of_memory_saves_the_last_step_and_says_what_to_do(run_model, datase
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
         return loss
 
-    monkeypatch.setattr(train, "micro_step", micro_step)
+    monkeypatch.setattr(step.EagerStep, "__call__", micro_step)
     out = tmp_path / "out"
     assert train.cli(args(run_model, dataset, out, *opts)) == 2
     err = capsys.readouterr().err
@@ -822,7 +823,7 @@ def test_out_of_memory_saves_the_last_step_and_says_what_to_do(run_model, datase
                    f"is {ckpt}: lower --batch-size (a larger --grad-accum keeps the step's size) or --max-len, or add "
                    "--offload-activations (a resume with other sizes needs --resume-anyway) and continue from it with "
                    f"--resume {ckpt}\n"), err
-    monkeypatch.setattr(train, "micro_step", real)
+    monkeypatch.setattr(step.EagerStep, "__call__", real)
     assert train.cli(args(run_model, dataset, out, *opts, "--resume", "auto")) == 0
     assert train.cli(args(run_model, dataset, tmp_path / "ref", *opts)) == 0
     untimed = lambda rows: [{k: v for k, v in r.items() if k != "tokens_per_s"} for r in rows]  # noqa: E731
@@ -850,7 +851,7 @@ def test_activation_memory_estimate(run_model, monkeypatch):
 def test_real_cuda_out_of_memory(run_model, dataset, tmp_path, capsys, monkeypatch):
     """What the CUDA allocator raises (step 2 asks for 1 PiB) is caught: one line, after a checkpoint of step 1;
     the estimate warns before the first step for a micro-batch far past the free memory."""
-    real, calls = train.micro_step, []
+    real, calls = step.EagerStep.__call__, []
 
     def micro_step(*a):
         calls.append(1)
@@ -858,7 +859,7 @@ def test_real_cuda_out_of_memory(run_model, dataset, tmp_path, capsys, monkeypat
             torch.empty(1 << 50, dtype=torch.uint8, device="cuda")
         return real(*a)
 
-    monkeypatch.setattr(train, "micro_step", micro_step)
+    monkeypatch.setattr(step.EagerStep, "__call__", micro_step)
     out = tmp_path / "out"
     assert train.cli(args(run_model, dataset, out, "--device", "cuda", "--dtype", "bf16", "--kernels")) == 2
     err = capsys.readouterr().err

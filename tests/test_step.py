@@ -1,7 +1,7 @@
 """The training micro-step (step.py): eager on CPU, and the CUDA-graph replay against eager on GPU.
 
 The eager step is the reference. On CPU: bucket padding leaves the loss and gradients unchanged.
-On GPU (`pytest -m gpu`): a replayed step gives the eager step's loss, gradients and updated LoRA
+On GPU (`pytest -m gpu`, a Llama 3-shaped tiny model whose head_dim takes FlexAttention): a replayed step gives the eager step's loss, gradients and updated LoRA
 weights, for packed and padded batches, with and without checkpointing, in fp32, bf16 and fp16
 (with a loss scale), with dropout, and across a change of length bucket.
 """
@@ -100,10 +100,10 @@ TOL = {torch.float32: 1e-5, torch.bfloat16: 3e-2, torch.float16: 1e-2}
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("layout", ["packed", "padded"])
 @pytest.mark.parametrize("ckpt", [False, True], ids=["ckpt_off", "ckpt_on"])
-def test_graph_step_matches_eager(run_model, dtype, layout, ckpt):
+def test_graph_step_matches_eager(llama_folder, dtype, layout, ckpt):
     """A replayed step gives the eager step's loss, gradients and AdamW update."""
     dev = torch.device("cuda")
-    model, params = _model(run_model, dev, dtype=dtype, ckpt=ckpt, kernels=True)
+    model, params = _model(llama_folder, dev, dtype=dtype, ckpt=ckpt, kernels=True)
     V = model.config.vocab_size
     batch = _packed(V) if layout == "packed" else _padded(V, [37, 50, 21])
     if layout == "padded" and dtype != torch.float32:
@@ -135,10 +135,10 @@ def test_graph_step_matches_eager(run_model, dtype, layout, ckpt):
 
 @pytest.mark.gpu
 @gpu
-def test_graph_step_across_bucket_changes(run_model):
+def test_graph_step_across_bucket_changes(llama_folder):
     """Batches of other lengths capture one graph per bucket; going back replays the first graph."""
     dev = torch.device("cuda")
-    model, params = _model(run_model, dev, kernels=True)
+    model, params = _model(llama_folder, dev, kernels=True)
     V = model.config.vocab_size
     eager = step.EagerStep(model, dev)
     graph = step.GraphStep(model, dev, params, max_len=2048)
@@ -154,10 +154,10 @@ def test_graph_step_across_bucket_changes(run_model):
 
 @pytest.mark.gpu
 @gpu
-def test_graph_step_dropout_draws_new_masks(run_model):
+def test_graph_step_dropout_draws_new_masks(llama_folder):
     """With LoRA dropout, every replay draws new masks (never the captured ones again)."""
     dev = torch.device("cuda")
-    model, params = _model(run_model, dev, dropout=0.3, kernels=True)
+    model, params = _model(llama_folder, dev, dropout=0.3, kernels=True)
     batch = _packed(model.config.vocab_size)
     graph = step.GraphStep(model, dev, params, max_len=2048)
     losses = [_run(graph, params, batch)[0] for _ in range(3)]

@@ -24,6 +24,7 @@ import torch
 import data
 from model import LoRAConfig, load_model
 from model.lora import lora_parameters
+from step import EagerStep, GraphStep
 
 REPO = Path(__file__).resolve().parents[2]
 LORA_R, LORA_ALPHA, LR = 16, 16, 2e-4  # LoRA and learning rate as train.py's defaults
@@ -70,17 +71,20 @@ def padded_batches(vocab_size, row_lengths: Callable[[random.Random], list[int]]
 # ----------------------------------------------------------------------------- the step
 
 class Step:
-    """One LoRA training step: loss(batch), backward, AdamW on the trainable weights, zero the grads."""
+    """One LoRA training step: loss(batch) and its backward (`loss`: a function that does both and returns
+    the loss), AdamW on the trainable weights (fused on CUDA, as the peers' harnesses use), zero the grads
+    (in place where a CUDA graph adds into them)."""
 
-    def __init__(self, model, loss: Callable[[Batch], torch.Tensor], params, vocab_size):
+    def __init__(self, model, loss: Callable[[Batch], torch.Tensor], params, vocab_size, keep_grads=False):
         self.model, self.loss, self.params, self.vocab_size = model, loss, params, vocab_size
-        self.optimizer = torch.optim.AdamW(params, lr=LR, weight_decay=0.0)
+        fused = {"fused": True} if params[0].is_cuda else {}
+        self.optimizer = torch.optim.AdamW(params, lr=LR, weight_decay=0.0, **fused)
+        self.keep_grads = keep_grads
 
     def __call__(self, batch: Batch) -> torch.Tensor:
         loss = self.loss(batch)
-        loss.backward()
         self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        self.optimizer.zero_grad(set_to_none=not self.keep_grads)
         return loss
 
     def init_optimizer_state(self):
@@ -95,24 +99,30 @@ class Step:
         self.optimizer.param_groups[0]["lr"] = lr
 
 
-def nanotune_step(folder, device, ckpt="off", *, fused_lora=True, use_kernels=None) -> Step:
+def nanotune_step(folder, device, ckpt="off", *, fused_lora=True, use_kernels=None, cuda_graphs="off") -> Step:
     """nanotune's step on the checkpoint in `folder`: bf16, LoRA r=16 alpha=16 on all 7 projections,
     activation checkpointing per `ckpt` (one of CKPT_MODES), the Triton kernels on CUDA unless
-    use_kernels says otherwise, fused_lora=False for LoRA in plain autograd."""
+    use_kernels says otherwise, fused_lora=False for LoRA in plain autograd, cuda_graphs="on" for the
+    micro-step replayed from a CUDA graph per batch shape (step.py, as train.py's --cuda-graphs)."""
     device = torch.device(device)
     if ckpt not in CKPT_MODES:
         raise ValueError(f"ckpt={ckpt!r}; expected one of {CKPT_MODES}")
     model, cfg = load_model(str(folder), dtype=DTYPE, device=device, lora=LoRAConfig(r=LORA_R, alpha=LORA_ALPHA),
                             use_kernels=device.type == "cuda" if use_kernels is None else use_kernels,
-                            fused_lora=fused_lora)
-    model.gradient_checkpointing = ckpt != "off"
-    model.offload_activations = ckpt == "on+offload"
+                            fused_lora=fused_lora, gradient_checkpointing=ckpt != "off",
+                            offload_activations=ckpt == "on+offload")
     model.train()
+    if cuda_graphs not in ("on", "off"):
+        raise ValueError(f"cuda_graphs={cuda_graphs!r}; expected on or off")
+    params = [p for _, p in lora_parameters(model)]
+    graphed = cuda_graphs == "on"
+    micro = GraphStep(model, device, params, max_len=1 << 20) if graphed else EagerStep(model, device)
 
     def loss(b: Batch):
-        return model(b.input_ids, b.position_ids, b.doc_ids, targets=b.targets)
+        batch = {"input_ids": b.input_ids, "targets": b.targets, "position_ids": b.position_ids, "doc_ids": b.doc_ids}
+        return micro(batch, (b.targets != data.IGNORE_INDEX).sum(), 1.0)
 
-    return Step(model, loss, [p for _, p in lora_parameters(model)], cfg.vocab_size)
+    return Step(model, loss, params, cfg.vocab_size, keep_grads=graphed)
 
 
 # ----------------------------------------------------------------------------- measuring
