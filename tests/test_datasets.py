@@ -512,3 +512,52 @@ def test_a_row_error_in_a_pool_process_reaches_the_caller(tmp_path, monkeypatch)
                                          r"\(TemplateError: System role not supported\)"):
         load_datasets(gemma_like, data=write_jsonl(tmp_path / "d.jsonl", rows), num_proc=2,
                       cache_dir=str(tmp_path / "c"), log=quiet)
+
+
+# ----------------------------------------------------------------------------- train.py end to end
+
+QWEN3_STYLE = ("{% for m in messages %}{% if m['role'] == 'assistant' and not loop.last %}"
+               "<|im_start|>assistant\n{{ m['content'].split('</think>')[-1] }}<|im_end|>\n"
+               "{% else %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endif %}{% endfor %}"
+               "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def _train(run_model, tmp_path, *args):
+    import train
+    from tests.helpers import read_metrics
+    out = str(tmp_path / "out")
+    argv = ["--model", run_model, "--out-dir", out, "--max-steps", "2", "--batch-size", "2", "--max-len", "128",
+            "--eval-every", "0", "--save-every", "0", "--device", "cpu", *args]
+    assert train.cli(argv) == 0
+    return [r for r in read_metrics(out) if "loss" in r]
+
+
+def test_train_on_a_sharegpt_parquet_file(run_model, tmp_path):
+    pq = pytest.importorskip("pyarrow.parquet", reason="the 'data' extra (pip install -e '.[data]') is not installed")
+    import pyarrow as pa
+    rows = [{"conversations": [{"from": "human", "value": f"say {i}"}, {"from": "gpt", "value": f"{i} {i}"}]}
+            for i in range(30)]
+    pq.write_table(pa.Table.from_pylist(rows), str(tmp_path / "chats.parquet"))
+    steps = _train(run_model, tmp_path, "--data", str(tmp_path / "chats.parquet"))
+    assert len(steps) == 2 and all(r["target_tokens"] > 0 for r in steps)
+
+
+def test_train_on_a_save_to_disk_folder_with_columns(run_model, tmp_path):
+    datasets = hf_datasets()
+    rows = [{"dialog": [{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": f"a{i}"}]}
+            for i in range(30)]
+    datasets.DatasetDict({"train": datasets.Dataset.from_list(rows)}).save_to_disk(str(tmp_path / "saved"))
+    steps = _train(run_model, tmp_path, "--data", str(tmp_path / "saved") + ":train", "--columns", "messages=dialog")
+    assert len(steps) == 2 and all(r["target_tokens"] > 0 for r in steps)
+
+
+def test_train_on_multi_turn_chats_with_a_template_file(run_model, tmp_path):
+    """A template that rewrites earlier assistant turns (as Qwen3's drops their reasoning) trains, from a file."""
+    (tmp_path / "template.jinja").write_text(QWEN3_STYLE)
+    chats = [{"messages": [{"role": "user", "content": f"u{i}"}, {"role": "assistant", "content": f"<think>r</think>a{i}"},
+                           {"role": "user", "content": "again"}, {"role": "assistant", "content": f"b{i}"}]}
+             for i in range(30)]
+    write_jsonl(tmp_path / "chats.jsonl", chats)
+    steps = _train(run_model, tmp_path, "--data", str(tmp_path / "chats.jsonl"),
+                   "--chat-template", str(tmp_path / "template.jinja"))
+    assert len(steps) == 2 and all(r["target_tokens"] > 0 for r in steps)
