@@ -312,9 +312,8 @@ def build_model(cfg, path, device, dtype, use_kernels, rank):
 def make_step(cfg, forward, device, params, world, log):
     """The micro-step: replayed from CUDA graphs where that works (--cuda-graphs), else eager."""
     off = graphs_off_reason(cfg.cuda_graphs, device, world, cfg.offload_activations, cfg.quantize)
-    if off is None:
-        return GraphStep(forward, device, params, cfg.max_len, log), "CUDA graphs on"
-    return EagerStep(forward, device), f"CUDA graphs off: {off}"
+    log("CUDA graphs on" if off is None else f"CUDA graphs off: {off}")
+    return EagerStep(forward, device) if off else GraphStep(forward, device, params, cfg.max_len, log)
 
 
 def activation_bytes(cfg, mcfg, dtype, use_kernels):
@@ -411,6 +410,8 @@ def evaluate(model, eval_sets, device):
 
 
 def log_eval(step, result, run, log):
+    if result is None:  # no eval set
+        return
     log(f"eval step {step}: loss {result['eval_loss']:.4f}, answer accuracy {result['eval_accuracy']:.1%}, "
         f"token accuracy {result['eval_token_accuracy']:.1%}")
     run.log({"step": step, **result})
@@ -599,8 +600,7 @@ def main(cfg: TrainConfig) -> int:
         ddp = torch.nn.parallel.DistributedDataParallel(
             model, device_ids=[device.index] if device.type == "cuda" else None) if world > 1 else None
         forward = ddp if ddp is not None else model
-        micro_step, how = make_step(cfg, forward, device, params, world, log)
-        log(how)
+        micro_step = make_step(cfg, forward, device, params, world, log)
         run.open(step)
 
         model.train()
@@ -654,8 +654,7 @@ def main(cfg: TrainConfig) -> int:
                     "--resume auto")
                 return signals.exit_status()
             final = evaluate(model, eval_sets, device) if eval_sets else None
-            if final:
-                log_eval(step, final, run, log)
+            log_eval(step, final, run, log)
             adapter = run.save_adapter(model, metrics=final)
             log(f"done: adapter in {adapter} (PEFT format), checkpoint {run.last}")
             if cfg.push_to_hub and rank == 0:
