@@ -30,6 +30,7 @@ import checkpoint
 import data
 import step
 import train
+from model import read_config
 from tests.helpers import read_metrics
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -831,7 +832,7 @@ def test_out_of_memory_saves_the_last_step_and_says_what_to_do(run_model, datase
 
 
 def test_activation_memory_estimate(run_model, monkeypatch):
-    mcfg = train.from_hf_config(train.read_hf_config(run_model))
+    mcfg = read_config(run_model)
     cfg = train.TrainConfig(model=run_model, max_len=256, batch_size=4, gradient_checkpointing=True)
     base = train.activation_bytes(cfg, mcfg, torch.bfloat16, use_kernels=False)
     assert train.activation_bytes(dataclasses.replace(cfg, batch_size=8), mcfg, torch.bfloat16, False) > 1.9 * base
@@ -865,6 +866,6 @@ def test_real_cuda_out_of_memory(run_model, dataset, tmp_path, capsys, monkeypat
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("error: out of GPU memory in step 2 "), err
     assert (out / "checkpoints" / "step-0000001" / "state.pt").exists()
-    mcfg = train.from_hf_config(train.read_hf_config(run_model))
+    mcfg = read_config(run_model)
     cfg = train.TrainConfig(model=run_model, max_len=256, batch_size=10 ** 6)
     assert "expect out-of-memory" in train.memory_warning(cfg, mcfg, torch.bfloat16, True, torch.device("cuda"))
