@@ -165,3 +165,20 @@ def test_graph_step_dropout_draws_new_masks(llama_folder):
     model.eval()  # dropout off: the eager loss without dropout is near the dropout losses
     no_drop, _ = _run(step.EagerStep(model, dev), params, batch)
     assert all(abs(l - no_drop) < 0.2 * no_drop for l in losses)
+
+
+@pytest.mark.parametrize("mode, dropout, expected", [
+    ("auto", 0.0, None), ("auto", 0.1, "--lora-dropout"), ("on", 0.1, None), ("off", 0.0, "--cuda-graphs off")])
+def test_when_graphs_are_used(mode, dropout, expected):
+    """auto replays graphs on one CUDA GPU, but stays eager with dropout (so that a resume is exact)."""
+    reason = step.graphs_off_reason(mode, torch.device("cuda"), 1, False, None, dropout)
+    assert reason == expected if expected is None else reason.startswith(expected)
+
+
+@pytest.mark.parametrize("device, world, offload, quantize, why", [
+    ("cpu", 1, False, None, "no CUDA GPU"), ("cuda", 2, False, None, "data parallelism"),
+    ("cuda", 1, True, None, "--offload-activations"), ("cuda", 1, False, "nf4", "--quantize nf4")])
+def test_graphs_on_refuses_what_cannot_be_captured(device, world, offload, quantize, why):
+    assert why in step.graphs_off_reason("auto", torch.device(device), world, offload, quantize)
+    with pytest.raises(ValueError, match=f"--cuda-graphs on: not possible because .*{why}"):
+        step.graphs_off_reason("on", torch.device(device), world, offload, quantize)
