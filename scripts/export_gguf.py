@@ -20,6 +20,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root, for `model`
 
+from cli import HelpFormatter  # noqa: E402
 from model import load_tokenizer  # noqa: E402
 from model.adapters import BASE_PRECISION_HELP, BASE_PRECISIONS, load_with_adapter  # noqa: E402
 from model.gguf import FILE_TYPES, save_gguf  # noqa: E402
@@ -33,7 +34,7 @@ def export(model_path, out, adapter=None, ftype="f16", base_precision="as-traine
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     p.add_argument("--model", required=True, help="base model: local folder, short name, hub repo id or .gguf file")
     p.add_argument("--adapter", default=None, help="LoRA adapter folder (PEFT format, e.g. out/adapter) to merge in")
     p.add_argument("--out", required=True, help="the .gguf file to write")

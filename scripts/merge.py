@@ -19,6 +19,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root, for `model`
 
+from cli import HelpFormatter  # noqa: E402
 from model.adapters import (BASE_PRECISION_HELP, BASE_PRECISIONS, check_replaceable,  # noqa: E402
                             load_with_adapter, merge_and_save)
 from model.hub import base_model_id, check_push, model_card, push  # noqa: E402
@@ -51,7 +52,7 @@ def merge(model_path, adapter, out, dtype="auto", base_precision="as-trained"):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     p.add_argument("--model", required=True, help="base model: local folder, short name, hub repo id or .gguf file")
     p.add_argument("--adapter", required=True, help="LoRA adapter folder (PEFT format, e.g. out/adapter)")
     p.add_argument("--out", required=True, help="the folder to write (new, or empty)")
