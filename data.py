@@ -146,7 +146,7 @@ def _hub_download(repo_id, filename, revision):
         raise FileNotFoundError(
             f"could not fetch {filename!r} from the hub dataset {repo_id!r} ({type(e).__name__}: {e}). "
             f"Check that https://huggingface.co/datasets/{repo_id} has that file; for a private or gated "
-            "repo, log in with `huggingface-cli login`") from e
+            "repo, log in with `hf auth login`") from e
 
 
 def _optional(module, what):
@@ -167,7 +167,7 @@ def _read_hub(repo, revision, config, split, limit):
         raise FileNotFoundError(
             f"could not load the hub dataset {repo!r} (config {config!r}, split {split!r}"
             f"{f', revision {revision!r}' if revision else ''}): {type(e).__name__}: {said}. Check the name at "
-            f"https://huggingface.co/datasets/{repo}; for a private or gated one, log in with `huggingface-cli login`"
+            f"https://huggingface.co/datasets/{repo}; for a private or gated one, log in with `hf auth login`"
         ) from None
     return _dataset_rows(ds, f"{repo}:{config + ':' if config else ''}{split}", limit)
 
@@ -709,8 +709,7 @@ def load_datasets(tokenizer, *, data="builtin", eval_data=None, eval_fraction=0.
     mapping = parse_columns(columns)
     if mapping and _is_builtin(data):
         raise ValueError("--columns maps the column names of your --data; the builtin dataset needs none")
-    if chat_template is not None:
-        tokenizer = tokenizer.with_chat_template(_read_chat_template(chat_template), f"--chat-template {chat_template}")
+    tokenizer = use_chat_template(tokenizer, chat_template)
     records = _records(data, mapping, max_examples)
     eval_records = (_records(eval_data, mapping, None) if eval_data is not None
                     else _records("builtin:eval", {}, None) if _is_builtin(data) else None)
@@ -722,11 +721,9 @@ def load_datasets(tokenizer, *, data="builtin", eval_data=None, eval_fraction=0.
     if eval_records is not None:
         train, held_out = encoded, _encode_cached(eval_records, **options)
     else:
-        n_eval = min(200, int(len(records) * eval_fraction)) if len(records) >= 20 else 0
-        order = list(range(len(records)))
-        random.Random(seed).shuffle(order)
-        train, held_out = [encoded[i] for i in order[n_eval:]], [encoded[i] for i in order[:n_eval]]
-        if n_eval == 0:
+        train_rows, eval_rows = _split(len(records), eval_fraction, seed)
+        train, held_out = [encoded[i] for i in train_rows], [encoded[i] for i in eval_rows]
+        if not eval_rows:
             log(_no_eval_split(len(records), eval_fraction))
     if train_on_inputs:  # every token a target, as encode_example(train_on_inputs=True) makes it
         train = [(ids, [True] * len(ids)) for ids, _ in train]
@@ -742,12 +739,65 @@ def load_datasets(tokenizer, *, data="builtin", eval_data=None, eval_fraction=0.
     return fits, held_out
 
 
+def _split(n, eval_fraction, seed):
+    """(training row indices, eval row indices) of n rows: eval_fraction of them (at most 200, none when
+    there are under 20) held out by a shuffle seeded with `seed`."""
+    n_eval = min(200, int(n * eval_fraction)) if n >= 20 else 0
+    order = list(range(n))
+    random.Random(seed).shuffle(order)
+    return order[n_eval:], order[:n_eval]
+
+
+def held_out_rows(*, data="builtin", eval_data=None, eval_fraction=0.02, max_examples=None, columns=None,
+                  seed=1337):
+    """The rows `load_datasets` (with the same options) evaluates on, as dicts, in its order."""
+    mapping = parse_columns(columns)
+    if eval_data is not None:
+        records = _records(eval_data, mapping, None)
+    elif _is_builtin(data):
+        records = _records("builtin:eval", {}, None)
+    else:
+        records = _records(data, mapping, max_examples)
+        records = [records[i] for i in _split(len(records), eval_fraction, seed)[1]]
+    return [row for _, row in records]
+
+
+def held_out_prompt(example, tokenizer, system_prompt=None):
+    """(question, prompt ids, expected answer) of a row, to sample the model's answer: the row is encoded as
+    for training and cut before its last run of target tokens, which is the expected answer (without EOS).
+    The question is the text the answer replies to: the last user turn of a chat, the instruction and input
+    of an Alpaca row, the prompt of a prompt/completion pair. None for a row with no prompt before its last
+    target (plain text)."""
+    layout = _layout(example, tokenizer, system_prompt)
+    ids, mask = encode_example(example, tokenizer, system_prompt=system_prompt)
+    runs = _runs(mask)
+    start, end = runs[-1] if runs else (0, 0)
+    if start <= (ids[:1] == [tokenizer.bos_id]):  # nothing but BOS before the answer
+        return None
+    if layout[0] == "chat":
+        messages, trained = layout[1], layout[2]
+        last = max(i for i, t in enumerate(trained) if t)
+        question = next((m["content"] for m in reversed(messages[:last]) if m["role"] == "user"), "")
+    else:
+        prompt = [(text, is_data) for text, is_data, is_target in layout[1] if not is_target]
+        question = "\n\n".join(text for text, is_data in prompt if is_data) or "".join(text for text, _ in prompt)
+    answer = tokenizer.decode([t for t in ids[start:end] if t != tokenizer.eos_id]).strip()
+    return question, ids[:start], answer
+
+
 def _no_eval_split(n, eval_fraction):
     if n < 20:
         return (f"data: no eval split: {n} examples are too few to hold any out (it takes 20); "
                 "pass --eval-data FILE to evaluate on a set of your own")
     return (f"data: no eval split: --eval-fraction {eval_fraction} of {n} examples holds out none; pass "
             f"--eval-fraction {math.ceil(100 / n) / 100:g} or more, or --eval-data FILE, to evaluate")
+
+
+def use_chat_template(tokenizer, path):
+    """The tokenizer that renders chats with the template of file `path` (--chat-template); None: `tokenizer`."""
+    if path is None:
+        return tokenizer
+    return tokenizer.with_chat_template(_read_chat_template(path), f"--chat-template {path}")
 
 
 def _read_chat_template(path):

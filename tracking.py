@@ -12,6 +12,7 @@ Numbers are logged as scalars; text (generated samples) as text where the tracke
 A resumed run continues the same W&B/trackio run: its id is kept in the run folder.
 """
 import importlib
+import json
 import math
 import os
 import secrets
@@ -78,8 +79,11 @@ class Trackers:
         self.trackers = trackers
 
     def log(self, record, step):
-        """Send a metrics.jsonl record (its "step" key aside); non-finite numbers are skipped."""
+        """Send a metrics.jsonl record (its "step" key aside): numbers as scalars (non-finite ones skipped),
+        strings, and anything else (the samples' list) as JSON text."""
         record = {k: v for k, v in record.items() if k != "step" and v is not None and not isinstance(v, bool)}
+        record = {k: v if isinstance(v, (int, float, str)) else json.dumps(v, ensure_ascii=False)
+                  for k, v in record.items()}
         record = {k: v for k, v in record.items() if isinstance(v, str) or math.isfinite(v)}
         for t in self.trackers:
             t.log(record, step)

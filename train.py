@@ -17,38 +17,53 @@ whatever the padding or packing.
 """
 import argparse
 import dataclasses
+import json
 import math
 import os
 import random
 import re
+import resource
 import signal
 import sys
 import time
+import typing
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+from tqdm import tqdm
 
 import data
 import tracking
 from checkpoint import RunFolder, UserError, fingerprint, position, rewind
+from cli import HelpFormatter, auto_device
 from model import LoRAConfig, check_quantize, load_model, load_tokenizer, read_config, resolve
 from model.hub import check_push, push
+from model.generate import generate, stop_ids
 from model.lora import ALL_TARGETS, lora_parameters
 from step import EagerStep, GraphStep, graphs_off_reason
+
+
+# Defaults that depend on the hardware, for the options left unset (None in TrainConfig). On a CPU (and on
+# Apple silicon, mps) a step of a 135M model at GPU sizes takes minutes: shorter rows and fewer eval batches
+# keep a default run to minutes. The header line says which ones a run took; train_config.json records them.
+GPU_DEFAULTS = {"max_len": 2048, "batch_size": 4, "max_steps": 60, "eval_batches": 8}
+CPU_DEFAULTS = {"max_len": 256, "batch_size": 4, "max_steps": 60, "eval_batches": 2}
 
 
 @dataclass
 class TrainConfig:
     # --- model ---
     model: str = field(default="tinyllama", metadata={"help": "short name, hub repo id, local folder or .gguf file"})
-    quantize: str | None = field(default=None, metadata={"help": "'nf4' for QLoRA (4-bit frozen base, needs bitsandbytes)"})
+    quantize: str | None = field(default=None, metadata={"help": "'nf4' for QLoRA (4-bit frozen base, needs bitsandbytes); "
+                                                                 "left out: the base in --dtype", "choices": ("nf4",)})
     # --- LoRA ---
     lora_r: int = field(default=16, metadata={"help": "LoRA rank; 16 is a common quality/size balance"})
     lora_alpha: float = field(default=16.0, metadata={"help": "LoRA scale numerator: the update is scaled by alpha / r"})
     lora_dropout: float = field(default=0.0, metadata={"help": "dropout on the LoRA input (0 keeps the fused path fastest)"})
-    lora_targets: str = field(default=",".join(ALL_TARGETS), metadata={"help": "comma-separated projections that get adapters"})
+    lora_targets: str = field(default=",".join(ALL_TARGETS), metadata={"help": "comma-separated projections that get adapters",
+                                                                     "choices": ALL_TARGETS, "separator": ","})
     rslora: bool = field(default=False, metadata={"help": "rank-stabilized LoRA: scale alpha / sqrt(r)"})
     # --- data ---
     data: str = field(default="builtin", metadata={"help": "'builtin', a .jsonl/.json/.csv/.txt/.parquet file or a "
@@ -65,14 +80,14 @@ class TrainConfig:
     num_proc: int | None = field(default=None, metadata={"help": "processes that tokenize the data (default: every "
                                  "CPU); the tokenized data is cached in $NANOTUNE_CACHE/datasets "
                                  "(default ~/.cache/nanotune/datasets)"})
-    max_len: int = field(default=2048, metadata={"help": "tokens per row (packed) or longest example (padded)"})
+    max_len: int | None = field(default=None, metadata={"help": "tokens per row (packed) or longest example (padded)"})
     packing: bool = field(default=True, metadata={"help": "pack examples into full rows (per-document attention and positions)"})
     train_on_inputs: bool = field(default=False, metadata={"help": "also train on prompt tokens, not only answers"})
     eval_fraction: float = field(default=0.02, metadata={"help": "share of a user dataset held out for eval (builtin has its own split)"})
     # --- optimization ---
-    batch_size: int = field(default=4, metadata={"help": "rows per micro-batch (per GPU)"})
+    batch_size: int | None = field(default=None, metadata={"help": "rows per micro-batch (per GPU)"})
     grad_accum: int = field(default=1, metadata={"help": "micro-batches per optimizer step"})
-    max_steps: int = field(default=60, metadata={"help": "optimizer steps"})
+    max_steps: int | None = field(default=None, metadata={"help": "optimizer steps (or give --num-epochs)"})
     lr: float = field(default=2e-4, metadata={"help": "peak learning rate (typical for LoRA; at most 1: AdamW moves "
                                                       "each weight by about lr per step)"})
     min_lr_ratio: float = field(default=0.1, metadata={"help": "the cosine decays to lr * this"})
@@ -81,11 +96,12 @@ class TrainConfig:
     grad_clip: float = field(default=1.0, metadata={"help": "clip the global grad norm to this (0: off)"})
     seed: int = field(default=1337, metadata={"help": "seed for LoRA init, data order and dropout"})
     # --- precision and memory ---
-    dtype: str = field(default="auto", metadata={"help": "auto | bf16 | fp16 | fp32 (auto: bf16 if supported, else fp16 on GPU, fp32 on CPU)"})
+    dtype: str = field(default="auto", metadata={"help": "auto: bf16 where the GPU has it, else fp16 on GPU; fp32 on CPU and mps",
+                                                 "choices": ("auto", "bf16", "fp16", "fp32")})
     gradient_checkpointing: bool = field(default=True, metadata={"help": "recompute each decoder layer in backward"})
     offload_activations: bool = field(default=False, metadata={"help": "with checkpointing: keep layer inputs in pinned CPU memory"})
     kernels: bool | None = field(default=None, metadata={"help": "Triton kernels (default: on with CUDA); --no-kernels runs the torch references"})
-    cuda_graphs: str = field(default="auto", metadata={"help": "auto | on | off: replay each micro-step from a CUDA "
+    cuda_graphs: str = field(default="auto", metadata={"choices": ("auto", "on", "off"), "help": "replay each micro-step from a CUDA "
                              "graph (step.py), which removes the per-step CPU cost of issuing its kernels. auto: on "
                              "with one CUDA GPU, unless --offload-activations, --quantize nf4 or --lora-dropout "
                              "(with dropout, a resume is exact only eagerly). Padded batches are "
@@ -98,10 +114,11 @@ class TrainConfig:
     # --- eval, logging, checkpoints ---
     out_dir: str = field(default="out", metadata={"help": "run folder: metrics.jsonl, checkpoints/, adapter/"})
     eval_every: int = field(default=20, metadata={"help": "evaluate every N steps (0: only at the end)"})
-    eval_batches: int = field(default=8, metadata={"help": "at most this many eval batches"})
+    eval_batches: int | None = field(default=None, metadata={"help": "at most this many eval batches"})
     save_every: int = field(default=50, metadata={"help": "checkpoint every N steps (0: only at the end)"})
     keep_checkpoints: int = field(default=2, metadata={"help": "how many checkpoints to keep, the newest (0: keep all)"})
-    log_every: int = field(default=1, metadata={"help": "print a progress line every N steps"})
+    log_every: int = field(default=1, metadata={"help": "print a progress line every N steps (on a terminal: the "
+                                                          "progress bar's loss and tok/s)"})
     resume: str | None = field(default=None, metadata={"help": "a checkpoint folder, or 'auto': the newest in out_dir "
                                                                "(none there: a new run)"})
     resume_anyway: bool = field(default=False, metadata={"help": "with --resume: continue even if options that decide "
@@ -109,25 +126,35 @@ class TrainConfig:
                                 "max len, dropout, the data) differ from the checkpoint's; the run then differs from "
                                 "an uninterrupted one"})
     overwrite: bool = field(default=False, metadata={"help": "reuse an out_dir that holds a previous run"})
-    device: str = field(default="auto", metadata={"help": "auto | cpu | cuda | cuda:N"})
+    device: str = field(default="auto", metadata={"help": "auto: cuda, then mps, then cpu. mps (Apple silicon) runs the "
+                                                  "torch references and is untested here",
+                                                  "choices": ("auto", "cpu", "cuda", "cuda:N", "mps")})
     report_to: str = field(default="none", metadata={"help": "none, or trackers that also get metrics.jsonl's records, "
                            "comma-separated: tensorboard, wandb, trackio (optional extras: pip install -e "
                            "\".[tensorboard]\" etc.)"})
     push_to_hub: str | None = field(default=None, metadata={"help": "at the end, upload the adapter (with its model "
                                     "card) to this hub model repo, user/name; needs `hf auth login` or HF_TOKEN"})
+    # --- experience ---
+    num_epochs: float | None = field(default=None, metadata={"help": "train this many passes over the data (1.5 is "
+                                     "fine) instead of --max-steps: steps = ceil(epochs x batches per epoch / grad accum)"})
+    sample_every: int = field(default=-1, metadata={"help": "generate answers to 3 held-out prompts (greedy) every N "
+                              "steps and at the end, logged with metrics.jsonl; -1: only before training and at the end; "
+                              "0: never"})
 
     def __post_init__(self):
         """Every option is checked here, once, before anything loads or is written: one line that says the fix."""
         for f in dataclasses.fields(self):
-            if f.type is float and not math.isfinite(getattr(self, f.name)):
-                raise UserError(f"--{f.name.replace('_', '-')} must be a finite number, got {getattr(self, f.name)}")
-        for name in ("batch_size", "max_len", "grad_accum", "max_steps", "log_every", "scale_growth_interval"):
-            if getattr(self, name) <= 0:
-                raise UserError(f"--{name.replace('_', '-')} must be > 0, got {getattr(self, name)}")
+            value = getattr(self, f.name)
+            if isinstance(value, float) and not math.isfinite(value):
+                raise UserError(f"{flag(f.name)} must be a finite number, got {value}")
+        for name in ("batch_size", "max_len", "grad_accum", "max_steps", "log_every", "scale_growth_interval",
+                     "num_epochs"):
+            if getattr(self, name) is not None and getattr(self, name) <= 0:  # None: decided by the hardware
+                raise UserError(f"{flag(name)} must be > 0, got {getattr(self, name)}")
         for name in ("warmup_steps", "eval_every", "eval_batches", "save_every", "keep_checkpoints",
                      "max_skipped_steps", "weight_decay", "grad_clip"):
-            if getattr(self, name) < 0:
-                raise UserError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
+            if getattr(self, name) is not None and getattr(self, name) < 0:
+                raise UserError(f"{flag(name)} must be >= 0, got {getattr(self, name)}")
         checks = [  # (holds, the error line)
             (self.lr > 0, f"--lr must be > 0, got {self.lr}"),
             (self.lr <= 1, f"--lr must be at most 1 (AdamW moves each weight by about lr per step; LoRA uses "
@@ -138,14 +165,23 @@ class TrainConfig:
             (0 <= self.min_lr_ratio <= 1, f"--min-lr-ratio must be between 0 and 1 (the cosine decays to lr times "
                                           f"this; below 0 the lr turns negative), got {self.min_lr_ratio}"),
             (self.loss_scale >= 1, f"--loss-scale must be >= 1, got {self.loss_scale}"),
-            (re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device), f"--device must be auto, cpu, cuda or cuda:N, got "
-                                                                  f"{self.device!r}"),
+            (re.fullmatch(r"auto|cpu|mps|cuda(:\d+)?", self.device),
+             f"--device must be {', '.join(choices_of('device'))}, got {self.device!r}"),
             (self.resume or not self.resume_anyway, "--resume-anyway goes with --resume (auto or a checkpoint folder)"),
             (not (self.resume and self.overwrite), "--overwrite replaces the run that --resume continues: pass one"),
+            (self.max_steps is None or self.num_epochs is None, f"--max-steps {self.max_steps} and --num-epochs "
+             f"{self.num_epochs} both set the run's length: pass one"),
+            (self.sample_every >= -1, f"--sample-every must be a number of steps, -1 (only before training and at "
+                                      f"the end) or 0 (never), got {self.sample_every}"),
         ]
         for holds, error in checks:
             if not holds:
                 raise UserError(error)
+        for name in ("quantize", "dtype", "cuda_graphs"):
+            value = getattr(self, name)
+            if value is not None and value not in choices_of(name):
+                optional = " (or left out)" if value_kinds(name)[1] else ""
+                raise UserError(f"{flag(name)} must be one of {', '.join(choices_of(name))}{optional}, got {value!r}")
         targets = [t for t in self.lora_targets.split(",") if t]
         unknown = [t for t in targets if t not in ALL_TARGETS]
         if unknown or not targets:
@@ -162,17 +198,14 @@ class TrainConfig:
                 check_push(self.push_to_hub)
         except ValueError as e:
             raise UserError(str(e)) from e
-        if self.cuda_graphs not in ("auto", "on", "off"):
-            raise UserError(f"--cuda-graphs must be auto, on or off, got {self.cuda_graphs!r}")
         if self.quantize == "nf4":
-            try:
-                import bitsandbytes  # noqa: F401  (model/qlora.py needs it; fail now, not after the data is read)
+            try:  # model/qlora.py needs it: fail now, not after the data is read
+                from model.qlora import import_bitsandbytes
+                import_bitsandbytes()
             except Exception as e:  # ImportError, or the error of a bitsandbytes whose native library fails to load
                 raise UserError(f"--quantize nf4 needs bitsandbytes, which cannot be imported ({type(e).__name__}: "
                                 f"{e}). Install it (pip install bitsandbytes), or leave out --quantize to train LoRA "
                                 "on the full-precision base") from e
-        if self.dtype not in ("auto", "bf16", "fp16", "fp32"):
-            raise UserError(f"--dtype must be auto, bf16, fp16 or fp32, got {self.dtype!r}")
 
     def trackers(self) -> list[str]:
         return [] if self.report_to == "none" else [t for t in self.report_to.split(",") if t]
@@ -188,16 +221,142 @@ class TrainConfig:
                           targets=tuple(t for t in self.lora_targets.split(",") if t), rslora=self.rslora)
 
 
-def parse_args(argv=None) -> TrainConfig:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+# ----------------------------------------------------------------------------- options
+
+
+def flag(name):
+    """The command-line flag of a TrainConfig field: max_len -> --max-len."""
+    return "--" + name.replace("_", "-")
+
+
+def config_field(name):
+    return next(f for f in dataclasses.fields(TrainConfig) if f.name == name)
+
+
+def choices_of(name):
+    """The values a field takes, from its metadata (what --help lists and __post_init__ checks)."""
+    return config_field(name).metadata["choices"]
+
+
+def value_kinds(name):
+    """(the field's type: bool, int, float or str; whether it may be None)."""
+    f = config_field(name)
+    kinds = typing.get_args(f.type) or (f.type,)
+    return next(k for k in kinds if k is not type(None)), type(None) in kinds
+
+
+def option_help(f):
+    """The field's help, with its choices and, where the hardware decides it, its defaults on GPU and CPU."""
+    text, choices = f.metadata["help"], f.metadata.get("choices")
+    if choices and f.metadata.get("separator"):
+        text += f" (any of: {', '.join(choices)})"
+    if f.name in GPU_DEFAULTS:
+        gpu, cpu = GPU_DEFAULTS[f.name], CPU_DEFAULTS[f.name]
+        text += f" (default: {gpu}" + (f"; {cpu} on CPU and mps)" if cpu != gpu else ")")
+    return text
+
+
+def build_parser(defaults=True):
+    """The command line of TrainConfig, plus --config. defaults=False: the options not given stay out of the
+    parsed namespace, which then holds only what the command line says."""
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter,
+                                argument_default=None if defaults else argparse.SUPPRESS)
+    p.add_argument("--config", metavar="FILE", help="read options from a .yaml or .json file (examples/config.yaml; "
+                   "a run's train_config.json repeats that run); options on the command line override it. "
+                   f"{', '.join(map(flag, FOLDER_ACTIONS))} come from the command line only")
     for f in dataclasses.fields(TrainConfig):
-        flag = "--" + f.name.replace("_", "-")
-        if f.type in (bool, bool | None):
-            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=f.metadata["help"])
+        kind, _ = value_kinds(f.name)
+        choices = f.metadata.get("choices")
+        metavar = "{" + ",".join(choices) + "}" if choices and not f.metadata.get("separator") else None
+        default = f.default if defaults else argparse.SUPPRESS
+        if kind is bool:
+            p.add_argument(flag(f.name), action=argparse.BooleanOptionalAction, default=default, help=option_help(f))
         else:
-            typ = {int: int, float: float}.get(f.type, str)
-            p.add_argument(flag, type=typ, default=f.default, help=f.metadata["help"])
-    return TrainConfig(**vars(p.parse_args(argv)))
+            p.add_argument(flag(f.name), type=kind, default=default, metavar=metavar, help=option_help(f))
+    return p
+
+
+def parse_args(argv=None) -> TrainConfig:
+    """The TrainConfig of a command line: --config's file, then the options given on the command line over it.
+    Of --max-steps and --num-epochs, one given on the command line replaces both of the file's."""
+    config = build_parser().parse_args(argv).config  # also --help, and argparse's errors (an unknown flag)
+    given = vars(build_parser(defaults=False).parse_args(argv))  # only what the command line says
+    given.pop("config", None)
+    values = read_config_file(config) if config else {}
+    if given.keys() & {"max_steps", "num_epochs"}:
+        values.pop("max_steps", None)
+        values.pop("num_epochs", None)
+    return TrainConfig(**{**values, **given})
+
+
+# What to do with a run folder that holds a run: asked on the command line each time, never taken from a
+# config file (a run's train_config.json records them; passed back, its overwrite: true would replace the run).
+FOLDER_ACTIONS = ("resume", "resume_anyway", "overwrite")
+
+
+def read_config_file(path):
+    """The options of a .yaml/.yml or .json file, as TrainConfig keyword arguments. Keys are the option names
+    with - or _ (max-len, max_len); each value is checked against its option's type. FOLDER_ACTIONS are
+    skipped."""
+    ext = os.path.splitext(path)[1].lower()
+    if ext not in (".yaml", ".yml", ".json"):
+        raise UserError(f"--config {path}: expected a .yaml, .yml or .json file")
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except OSError as e:
+        raise UserError(f"--config {path}: cannot read it ({e.strerror})") from e
+    if ext == ".json":
+        try:
+            raw = json.loads(text)
+        except ValueError as e:
+            raise UserError(f"--config {path}: not valid JSON ({e})") from e
+    else:
+        import yaml
+        try:
+            raw = yaml.safe_load(text)
+        except yaml.YAMLError as e:
+            mark = getattr(e, "problem_mark", None)
+            where = f"line {mark.line + 1}: " if mark is not None else ""
+            raise UserError(f"--config {path}: not valid YAML ({where}{getattr(e, 'problem', None) or e})") from e
+    if raw is None:  # an empty file
+        raw = {}
+    if not isinstance(raw, dict):
+        raise UserError(f"--config {path}: expected option: value pairs at the top level, got a {type(raw).__name__}")
+    names = {f.name for f in dataclasses.fields(TrainConfig)}
+    values = {}
+    for key, value in raw.items():
+        name = str(key).replace("-", "_")
+        if name not in names:
+            raise UserError(f"--config {path}: unknown option {key!r}; the options are those of train.py --help, "
+                            "written max_len or max-len")
+        if name not in FOLDER_ACTIONS:
+            values[name] = config_value(name, value, f"--config {path}: {key}")
+    return values
+
+
+def config_value(name, value, where):
+    """`value` (from a config file) as field `name` takes it: bool, int, float or str, or None where the field
+    may be None. A number written as a string ("2e-4", which YAML reads as one) is converted."""
+    kind, optional = value_kinds(name)
+    if value is None:
+        if optional:
+            return None
+    elif kind is bool:
+        if isinstance(value, bool):
+            return value
+    elif kind in (int, float) and not isinstance(value, bool):
+        if isinstance(value, int) or (kind is float and isinstance(value, float)):
+            return kind(value)
+        if isinstance(value, str):
+            try:
+                return kind(value)
+            except ValueError:
+                pass
+    elif kind is str and isinstance(value, str):
+        return value
+    expected = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}[kind]
+    raise UserError(f"{where} must be {expected}{' or null' if optional else ''}, got {value!r}")
 
 
 class LossScaler:
@@ -240,20 +399,49 @@ class LossScaler:
 # ----------------------------------------------------------------------------- setup
 
 
+def pick_device(cfg) -> str:
+    """The device of a one-process run ('cuda', 'cuda:N', 'mps' or 'cpu'): --device, with auto resolved by
+    cli.auto_device. One error line, before anything loads or is written, for a device that is not there and
+    for --kernels off CUDA (the Triton kernels run on NVIDIA GPUs only)."""
+    name = auto_device() if cfg.device == "auto" else cfg.device
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise UserError(f"--device {cfg.device}: torch sees no CUDA GPU (a CPU-only torch build, no driver, or "
+                        "CUDA_VISIBLE_DEVICES hides them); use --device cpu, or auto")
+    if name.startswith("cuda:") and int(name[5:]) >= torch.cuda.device_count():
+        raise UserError(f"--device {cfg.device}: this machine has {torch.cuda.device_count()} GPU(s), cuda:0 to "
+                        f"cuda:{torch.cuda.device_count() - 1}")
+    if name == "mps" and not torch.backends.mps.is_available():
+        raise UserError("--device mps: torch sees no Apple silicon GPU (mps needs a Mac with Apple silicon and a "
+                        "torch build with MPS); use --device cpu, or auto")
+    if cfg.kernels and not name.startswith("cuda"):
+        raise UserError(f"--kernels: the Triton kernels run on NVIDIA GPUs (CUDA), and this run is on {name}; leave "
+                        "out --kernels (or pass --no-kernels) to run the torch references")
+    return name
+
+
+def with_hardware_defaults(cfg):
+    """(cfg with its unset options filled in for the hardware it runs on, the header line that names the CPU
+    defaults taken, or None). GPU_DEFAULTS on CUDA, CPU_DEFAULTS on the CPU and mps; --max-steps stays unset
+    when --num-epochs decides it (`schedule`)."""
+    on_gpu = pick_device(cfg).startswith("cuda")
+    defaults = GPU_DEFAULTS if on_gpu else CPU_DEFAULTS
+    unset = {k: v for k, v in defaults.items() if getattr(cfg, k) is None and not (k == "max_steps" and cfg.num_epochs)}
+    cfg = dataclasses.replace(cfg, **unset)
+    told = {k: v for k, v in unset.items() if not on_gpu and v != GPU_DEFAULTS[k]}
+    if not told:
+        return cfg, None
+    listed = ", ".join(f"{flag(k)[2:]} {v}" for k, v in told.items())
+    return cfg, f"CPU defaults: {listed}; set them to override"
+
+
 @contextmanager
 def distributed(cfg):
     """(rank, world_size, device) of this process. torchrun sets RANK/LOCAL_RANK/WORLD_SIZE and the process
     group lives until the run ends; otherwise one process."""
-    if cfg.device.startswith("cuda") and not torch.cuda.is_available():
-        raise UserError(f"--device {cfg.device}: torch sees no CUDA GPU (a CPU-only torch build, no driver, or "
-                        "CUDA_VISIBLE_DEVICES hides them); use --device cpu, or auto")
-    if cfg.device.startswith("cuda:") and int(cfg.device[5:]) >= torch.cuda.device_count():
-        raise UserError(f"--device {cfg.device}: this machine has {torch.cuda.device_count()} GPU(s), cuda:0 to "
-                        f"cuda:{torch.cuda.device_count() - 1}")
+    name = pick_device(cfg)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world == 1:
-        auto = "cuda" if torch.cuda.is_available() else "cpu"
-        yield 0, 1, torch.device(auto if cfg.device == "auto" else cfg.device)
+        yield 0, 1, torch.device(name)
         return
     local = int(os.environ["LOCAL_RANK"])
     use_cuda = torch.cuda.is_available() and cfg.device != "cpu"
@@ -268,21 +456,27 @@ def distributed(cfg):
 
 def choose_dtype(cfg, device):
     """(dtype, reason). The base weights and activations use it; LoRA masters are always fp32."""
-    cuda = device.type == "cuda"
-    bf16_ok = cuda and torch.cuda.is_bf16_supported()
-    if cfg.dtype == "auto":
-        if bf16_ok:
-            return torch.bfloat16, "bf16: this GPU supports it (fp32 range, no loss scaling needed)"
-        if cuda:
-            return torch.float16, "fp16 with dynamic loss scaling: this GPU has no bf16"
-        return torch.float32, "fp32: on CPU, bf16/fp16 matmuls are slow and fp16 is unsupported"
-    if cfg.dtype == "bf16" and cuda and not bf16_ok:
-        raise UserError(f"--dtype bf16: this GPU ({torch.cuda.get_device_name(device)}) has no bf16; use --dtype "
-                        "fp16 (with loss scaling) or --dtype auto")
-    if cfg.dtype == "fp16" and not cuda:
-        raise UserError("--dtype fp16 needs a CUDA GPU (fp16 matmuls are not supported on CPU); use --dtype fp32 "
-                        "on CPU")
-    return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[cfg.dtype], "as requested"
+    as_requested = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+    if device.type == "cuda":
+        gpu, bf16_ok = torch.cuda.get_device_name(device), torch.cuda.is_bf16_supported()
+        if cfg.dtype == "auto":
+            if bf16_ok:
+                return torch.bfloat16, f"bf16: this GPU ({gpu}) supports it (fp32 range, no loss scaling needed)"
+            return torch.float16, f"fp16 with dynamic loss scaling: this GPU ({gpu}) has no bf16"
+        if cfg.dtype == "bf16" and not bf16_ok:
+            raise UserError(f"--dtype bf16: this GPU ({gpu}) has no bf16; use --dtype fp16 (with loss scaling) or "
+                            "--dtype auto")
+    elif device.type == "mps":
+        if cfg.dtype == "auto":
+            return torch.float32, ("fp32: the safe choice on Apple silicon (mps), untested here; --dtype bf16 or "
+                                   "fp16 may be faster")
+    else:
+        if cfg.dtype == "auto":
+            return torch.float32, "fp32: on CPU, bf16/fp16 matmuls are slow and fp16 is unsupported"
+        if cfg.dtype == "fp16":
+            raise UserError("--dtype fp16 needs a CUDA GPU (fp16 matmuls are not supported on CPU); use --dtype fp32 "
+                            "on CPU")
+    return as_requested[cfg.dtype], "as requested"
 
 
 def load_inputs(cfg, log):
@@ -364,6 +558,30 @@ def describe(cfg, mcfg, params, train_enc, eval_enc, batches):
             f"examples, {len(batches)} batches per epoch{' (packed)' if cfg.packing else ' (padded)'}")
 
 
+def schedule(cfg, batches_per_epoch):
+    """The header lines on the run's length. --num-epochs becomes cfg.max_steps here, in place (the one option
+    that the data decides), before the checkpoint check and train_config.json see it; --num-epochs is then
+    cleared, so that train_config.json passed back to --config repeats the same steps. A warning when the
+    warm-up takes the whole run."""
+    given = f" (--num-epochs {cfg.num_epochs:g})" if cfg.num_epochs is not None else ""
+    if cfg.num_epochs is not None:
+        cfg.max_steps = max(1, math.ceil(cfg.num_epochs * batches_per_epoch / cfg.grad_accum))
+        cfg.num_epochs = None
+    epochs = cfg.max_steps * cfg.grad_accum / batches_per_epoch
+    lines = [f"training {cfg.max_steps} steps: {epochs:.3g} epochs of {batches_per_epoch} batches{given}, "
+             f"{cfg.grad_accum} micro-batch(es) per step"]
+    if cfg.warmup_steps >= cfg.max_steps:
+        lines.append(f"warning: --warmup-steps {cfg.warmup_steps} is not below the run's {cfg.max_steps} steps: the "
+                     f"learning rate never reaches --lr {cfg.lr:g} and the cosine decay never starts; lower "
+                     "--warmup-steps")
+    return lines
+
+
+def nf4_line(model):
+    from model.qlora import nf4_bytes  # imports bitsandbytes: only for --quantize nf4
+    return f"base weights quantized to NF4 ({nf4_bytes(model) / 2**30:.2f} GiB)"
+
+
 def check_model_fit(cfg, mcfg, tokenizer=None):
     """The tokenizer and --max-len against the model's config."""
     if tokenizer is not None and tokenizer.vocab_size > mcfg.vocab_size:
@@ -419,6 +637,63 @@ def log_eval(step, result, run, log):
     run.log({"step": step, **result})
 
 
+SAMPLES, SAMPLE_TOKENS = 3, 48  # held-out prompts answered at each sampling; the longest answer in tokens
+
+
+def sample_prompts(cfg, tokenizer, mcfg, n=SAMPLES):
+    """[(question, prompt ids, expected answer)] of the first n held-out rows that have a prompt before their
+    answer (data.held_out_prompt), read as data.load_datasets holds them out, with --eval-data, --columns,
+    --max-examples and --eval-fraction, and rendered as in training (--chat-template, --system-prompt)."""
+    rows = data.held_out_rows(data=cfg.data, eval_data=cfg.eval_data, eval_fraction=cfg.eval_fraction,
+                              max_examples=cfg.max_examples, columns=cfg.columns, seed=cfg.seed)
+    tokenizer = data.use_chat_template(tokenizer, cfg.chat_template)
+    cases = []
+    for row in rows:
+        case = data.held_out_prompt(row, tokenizer, cfg.system_prompt)
+        if case is not None and len(case[1]) + SAMPLE_TOKENS <= mcfg.max_position_embeddings:
+            cases.append(case)
+            if len(cases) == n:
+                break
+    return cases
+
+
+def one_line(text, width=80):
+    """`text` on one line (whitespace runs as one space), cut to `width` characters."""
+    text = " ".join(str(text).split())
+    return text if len(text) <= width else text[:width - 3] + "..."
+
+
+class Samples:
+    """--sample-every: the model's greedy answers (KV cache, at most SAMPLE_TOKENS tokens) to the first held-out
+    prompts, on the console ("sample: prompt -> answer") and in metrics.jsonl as
+    {"step": N, "samples": [{"prompt", "answer", "expected"}, ...]}. Rank 0 only: the others do not wait for it."""
+
+    def __init__(self, cfg, tokenizer, mcfg, log):
+        self.every, self.tokenizer, self.stops = cfg.sample_every, tokenizer, stop_ids(tokenizer, mcfg)
+        self.cases = sample_prompts(cfg, tokenizer, mcfg)
+        if not self.cases:
+            log("samples: no held-out example has a prompt before its answer (plain text rows), so none are shown")
+
+    def due(self, step):
+        """Before training step step + 1: at step 0 (before any training), then every --sample-every steps."""
+        return step == 0 if self.every == -1 else step % self.every == 0
+
+    def log(self, step, model, run, log, final=False):
+        if not self.cases:
+            return
+        model.eval()
+        samples = [{"prompt": text, "answer": self.tokenizer.decode(generate(model, ids, SAMPLE_TOKENS,
+                                                                           stop_ids=self.stops)).strip(),
+                    "expected": expected} for text, ids, expected in self.cases]
+        model.train()
+        when = "after training" if final else "before training" if step == 0 else f"at step {step}"
+        log(f"held-out samples {when} (greedy):")
+        for sample in samples:
+            log(f"sample: {one_line(sample['prompt'])} -> {one_line(sample['answer'])} (expected: "
+                f"{one_line(sample['expected'], 40)})")
+        run.log({"step": step, "samples": samples})
+
+
 def lr_at(cfg, step):
     """Linear warm-up, then cosine from lr down to lr * min_lr_ratio at max_steps."""
     if step < cfg.warmup_steps:
@@ -439,6 +714,11 @@ def set_lr(optimizer, lr):
 def peak_mem(device):
     """GiB of GPU memory allocated at most so far (0 on CPU)."""
     return torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else 0.0
+
+
+def peak_rss_gib():
+    """GiB of memory this process has held at most so far (its peak resident set size)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024) / 2**30
 
 
 def count_targets(micro, world, device):
@@ -484,11 +764,84 @@ def apply_step(optimizer, scaler, loss, norm, step, cfg, run, log):
     return finite
 
 
-def log_step(run, log, rec, max_steps, fp16):
-    """One progress line, and the step's record in metrics.jsonl."""
+def human_rate(tokens_per_s):
+    """17 tok/s, 950 tok/s, 1.2k tok/s, 35.1k tok/s, 1.2M tok/s."""
+    if tokens_per_s < 999.5:
+        return f"{tokens_per_s:.0f} tok/s"
+    if tokens_per_s < 999_950:
+        return f"{tokens_per_s / 1e3:.1f}k tok/s"
+    return f"{tokens_per_s / 1e6:.1f}M tok/s"
+
+
+def human_duration(seconds):
+    """45 s, 12 min, 2.5 h."""
+    if seconds < 90:
+        return f"{seconds:.0f} s"
+    if seconds < 90 * 60:
+        return f"{seconds / 60:.0f} min"
+    return f"{seconds / 3600:.1f} h"
+
+
+class Progress:
+    """The console while training. On a terminal, a tqdm bar: steps, ETA, and the loss and tokens/s as its
+    postfix; elsewhere (a file, CI) one plain line every --log-every steps. Tokens/s counts training time only:
+    what runs between pause() and resume() (checkpoints, evals, samples) is left out. After the run's second
+    step, one line estimates the time of the steps left from that step's time (the first one carries one-time
+    costs: kernel compilation, CUDA-graph capture, the allocator's warm-up)."""
+
+    def __init__(self, step, max_steps, log, bar):
+        self.log, self.max_steps, self.first_step = log, max_steps, step
+        self.bar = tqdm(total=max_steps, initial=step, unit="step", dynamic_ncols=True, file=sys.stdout) if bar else None
+        self.window_start, self.window_step = time.perf_counter(), step  # since the last line
+        self.paused_at, self.paused = None, 0.0  # seconds of the window spent paused
+        self.step_start, self.step_paused = self.window_start, 0.0  # the same, for the step under way
+
+    def pause(self):
+        self.paused_at = time.perf_counter()
+
+    def resume(self):
+        pause = time.perf_counter() - self.paused_at
+        self.paused, self.step_paused = self.paused + pause, self.step_paused + pause
+
+    def busy(self):
+        """Seconds of training since the last line."""
+        return max(time.perf_counter() - self.window_start - self.paused, 1e-9)
+
+    def tokens_per_s(self, tokens):
+        return tokens / self.busy()
+
+    def advance(self, step):
+        """Step `step` is done: the bar moves; after the run's second step, the estimated time of the rest."""
+        now = time.perf_counter()
+        took, self.step_start, self.step_paused = now - self.step_start - self.step_paused, now, 0.0
+        if self.bar is not None:
+            self.bar.update(step - self.bar.n)
+        if step == self.first_step + 2 and step < self.max_steps:
+            left = self.max_steps - step
+            steps = f"{left} step{'s' if left != 1 else ''}"
+            self.log(f"estimated time: about {human_duration(took * left)} for the {steps} left ({took:.3g} s per "
+                     "step after the first; evals and checkpoints add to it)")
+
+    def show(self, rec, line):
+        """A logged step: the bar's postfix on a terminal, else `line`. The next rate counts from here."""
+        if self.bar is not None:
+            self.bar.set_postfix_str(f"loss {rec['loss']:.4f}, {human_rate(rec['tokens_per_s'])}")
+        else:
+            self.log(line)
+        self.window_start, self.window_step, self.paused = time.perf_counter(), rec["step"], 0.0
+
+    def close(self):
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+
+
+def log_step(run, progress, rec, max_steps, fp16, device):
+    """The step's progress (a line, or the bar's postfix on a terminal) and its record in metrics.jsonl."""
     scale = f" | scale {rec['loss_scale']:g}" if fp16 else ""
-    log(f"step {rec['step']}/{max_steps} | loss {rec['loss']:.4f} | lr {rec['lr']:.2e} | grad norm "
-        f"{rec['grad_norm']:.3f} | {rec['tokens_per_s'] / 1e3:.1f}k tok/s{scale} | peak mem {rec['peak_mem_gib']:.2f} GiB")
+    mem = f"peak mem {rec['peak_mem_gib']:.2f} GiB" if device.type == "cuda" else f"RSS {peak_rss_gib():.2f} GiB"
+    progress.show(rec, f"step {rec['step']}/{max_steps} | loss {rec['loss']:.4f} | lr {rec['lr']:.2e} | grad norm "
+                       f"{rec['grad_norm']:.3f} | {human_rate(rec['tokens_per_s'])}{scale} | {mem}")
     run.log(rec)
 
 
@@ -577,22 +930,30 @@ def any_rank(flag, world, device):
 def main(cfg: TrainConfig) -> int:
     """Train; returns the exit status: 0 when the run is complete, 128 + the signal's number (130 for Ctrl-C)
     when a signal stopped it early, after its checkpoint."""
+    cfg, cpu_defaults = with_hardware_defaults(cfg)
     with (distributed(cfg) as (rank, world, device), RunFolder(cfg, rank, world) as run,
           StopSignals(say=rank == 0) as signals):
-        log = print if rank == 0 else (lambda *a, **k: None)
+        log = tqdm.write if rank == 0 else (lambda *a, **k: None)  # tqdm.write: a line above a progress bar
         dtype, why = choose_dtype(cfg, device)
         use_kernels = device.type == "cuda" if cfg.kernels is None else cfg.kernels
         log(f"device {device}, dtype {dtype}: {why}; kernels {'on' if use_kernels else 'off (torch references)'}")
+        if cpu_defaults:
+            log(cpu_defaults)
         # Every input is checked before the slow work (the weights, the training), on every rank alike, and
         # nothing is written until all checks have passed.
         run.check()
         path, tokenizer, train_enc, eval_enc = load_inputs(cfg, log)
+        batches, eval_sets = make_batches(cfg, tokenizer, train_enc, eval_enc, rank, world)
+        for line in schedule(cfg, len(batches)):  # --num-epochs decides --max-steps here
+            log(line)
         ck = run.find(fingerprint(train_enc))
         model, mcfg = build_model(cfg, path, device, dtype, use_kernels, rank)
         run.check_free_disk(model)
-        batches, eval_sets = make_batches(cfg, tokenizer, train_enc, eval_enc, rank, world)
         params = [p for _, p in lora_parameters(model)]
         log(describe(cfg, mcfg, params, train_enc, eval_enc, batches))
+        if cfg.quantize:
+            log(nf4_line(model))
+        samples = Samples(cfg, tokenizer, mcfg, log) if cfg.sample_every and rank == 0 else None
         if warning := memory_warning(cfg, mcfg, dtype, use_kernels, device):  # CUDA only
             log(warning)
         optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.999),
@@ -606,16 +967,21 @@ def main(cfg: TrainConfig) -> int:
         run.open(step)
 
         model.train()
-        t_last, tokens, start = time.time(), 0, None
+        progress = Progress(step, cfg.max_steps, log, bar=rank == 0 and sys.stdout.isatty())
+        tokens, start = 0, None
         signals.stage = "training"  # a signal now stops the run after its step
         try:
             while step < cfg.max_steps:
                 signals.step, start = step + 1, position(batches)  # where an out-of-memory step rewinds to
                 lr = set_lr(optimizer, lr_at(cfg, step))
+                progress.pause()  # checkpoints, evals and samples are not training time
                 if cfg.save_every and step % cfg.save_every == 0 and step > run.saved_step:
                     run.save(step, model, optimizer, scaler, batches)
                 if cfg.eval_every and step % cfg.eval_every == 0 and eval_sets:
                     log_eval(step, evaluate(model, eval_sets, device), run, log)
+                if samples and samples.due(step):
+                    samples.log(step, model, run, log)
+                progress.resume()
 
                 micro = [next(batches) for _ in range(cfg.grad_accum)]
                 n_targets = count_targets(micro, world, device)
@@ -638,16 +1004,18 @@ def main(cfg: TrainConfig) -> int:
                 optimizer.zero_grad(set_to_none=not micro_step.graphed)  # a graph adds into fixed .grad buffers
                 step += 1
 
+                progress.advance(step)
                 if step % cfg.log_every == 0 or step == cfg.max_steps:
-                    log_step(run, log, {
+                    log_step(run, progress, {
                         "step": step, "loss": loss, "lr": lr, "grad_norm": norm,
-                        "tokens_per_s": tokens / max(time.time() - t_last, 1e-9), "peak_mem_gib": peak_mem(device),
+                        "tokens_per_s": progress.tokens_per_s(tokens), "peak_mem_gib": peak_mem(device),
                         "loss_scale": scaler.scale, "target_tokens": n_targets, "skipped": not applied},
-                        cfg.max_steps, scaler.enabled)
-                    t_last, tokens = time.time(), 0
+                        cfg.max_steps, scaler.enabled, device)
+                    tokens = 0
                 if any_rank(signals.requested, world, device):
                     break
 
+            progress.close()
             signals.stage = "saving"  # a signal from here on only says to wait
             if step > run.saved_step:
                 run.save(step, model, optimizer, scaler, batches)
@@ -657,6 +1025,8 @@ def main(cfg: TrainConfig) -> int:
                 return signals.exit_status()
             final = evaluate(model, eval_sets, device) if eval_sets else None
             log_eval(step, final, run, log)
+            if samples:
+                samples.log(step, model, run, log, final=True)
             adapter = run.save_adapter(model, metrics=final)
             log(f"done: adapter in {adapter} (PEFT format), checkpoint {run.last}")
             if cfg.push_to_hub and rank == 0:
@@ -673,7 +1043,7 @@ def cli(argv=None):
     try:
         cfg = parse_args(argv)
         return main(cfg)
-    except (UserError, ValueError, FileNotFoundError) as e:
+    except (UserError, ValueError, FileNotFoundError, ImportError) as e:  # ImportError: an optional package
         print(f"error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt as e:

@@ -13,6 +13,7 @@ folder with config.json and *.safetensors, or a local .gguf file.
 import json
 import os
 import re
+from contextlib import contextmanager
 
 from model.config import NAMED_MODELS
 from model.weights import is_gguf
@@ -50,7 +51,8 @@ def resolve(name_or_path: str) -> str:
     from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError, RepositoryNotFoundError
     local = "or pass a local folder with config.json and *.safetensors: --model /path/to/folder"
     try:
-        return huggingface_hub.snapshot_download(repo, allow_patterns=HUB_PATTERNS)
+        with quiet_hub_warnings():
+            return huggingface_hub.snapshot_download(repo, allow_patterns=HUB_PATTERNS)
     except LocalEntryNotFoundError as e:
         raise ValueError(
             f"cannot download {repo!r}: the hub is unreachable (offline, or HF_HUB_OFFLINE=1) and it is not in "
@@ -63,6 +65,20 @@ def resolve(name_or_path: str) -> str:
     except HfHubHTTPError as e:
         raise ValueError(f"cannot download {repo!r}: the hub answered with an error ({e}). Try again later, "
                          f"{local}") from e
+
+
+@contextmanager
+def quiet_hub_warnings():
+    """huggingface_hub's logger at ERROR for the duration (through its own verbosity setting): offline, its
+    retries log "Retrying in 8s [Retry 5/5]" lines before the error that `resolve` turns into one line of
+    its own. Its progress bars are not log records and stay."""
+    from huggingface_hub.utils import logging as hub_logging
+    level = hub_logging.get_verbosity()
+    hub_logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        hub_logging.set_verbosity(level)
 
 
 def base_model_id(name_or_path: str) -> str:

@@ -21,13 +21,38 @@ backward: correct, but with full-precision weight memory.)
 the checkpoint (`quantize_linear_`), so the full-precision model is never on the device
 at once. Embeddings, lm_head and norms stay in the model dtype, as in the QLoRA paper.
 """
+import logging
 from functools import lru_cache
 
 import torch
 import torch.nn as nn
-from bitsandbytes.functional import QuantState, create_dynamic_map, dequantize_4bit, quantize_4bit
 
 from model.lora import LoRALinear
+
+
+def import_bitsandbytes():
+    """Import bitsandbytes (once; a failure raises as the import does) without the warning of its CPU backend.
+
+    On a CPU with AVX512-BF16, importing bitsandbytes runs `from kernels import get_kernel`, to fetch a CPU
+    matmul from Hugging Face's optional `kernels` package, and logs "Failed to load CPU gemm_4bit_forward from
+    kernels-community ..." through the logger `bitsandbytes.backends.cpu.ops` when that fails. Run from
+    nanotune's root, the import finds nanotune's own `kernels/` folder, which has no get_kernel, so the warning
+    appears on every QLoRA run although nothing is wrong: bitsandbytes then uses its own kernel, and nanotune
+    never calls that matmul (it dequantizes, model/qlora.py). That one logger is silenced during the import.
+    It can go when bitsandbytes no longer probes for `kernels` at import (tests/test_ux.py shows the warning
+    without this function: that check fails then)."""
+    logger = logging.getLogger("bitsandbytes.backends.cpu.ops")
+    disabled, logger.disabled = logger.disabled, True
+    try:
+        import bitsandbytes
+        import bitsandbytes.functional  # noqa: F401
+    finally:
+        logger.disabled = disabled
+    return bitsandbytes
+
+
+import_bitsandbytes()
+from bitsandbytes.functional import QuantState, create_dynamic_map, dequantize_4bit, quantize_4bit  # noqa: E402
 
 BLOCK = 64  # values per NF4 block (the QLoRA paper's choice)
 ABSMAX_BLOCK = 256  # absmax scales per 8-bit block under double quantization
@@ -76,6 +101,11 @@ def quantize_linear_(linear: LoRALinear, weight):
                          f"{(linear.out_features, linear.in_features)}")
     linear.weight = None
     linear.nf4 = NF4Weight(weight.detach())
+
+
+def nf4_bytes(model):
+    """The bytes of the model's NF4 weights: codes, absmax scales and their quantization state."""
+    return sum(b.numel() * b.element_size() for m in model.modules() if isinstance(m, NF4Weight) for b in m.buffers())
 
 
 def quantize_model(model):

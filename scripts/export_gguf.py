@@ -20,6 +20,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root, for `model`
 
+from cli import HelpFormatter, add_push_to_hub, run_tool  # noqa: E402
 from model import load_tokenizer  # noqa: E402
 from model.adapters import BASE_PRECISION_HELP, BASE_PRECISIONS, load_with_adapter  # noqa: E402
 from model.gguf import FILE_TYPES, save_gguf  # noqa: E402
@@ -33,16 +34,14 @@ def export(model_path, out, adapter=None, ftype="f16", base_precision="as-traine
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     p.add_argument("--model", required=True, help="base model: local folder, short name, hub repo id or .gguf file")
     p.add_argument("--adapter", default=None, help="LoRA adapter folder (PEFT format, e.g. out/adapter) to merge in")
     p.add_argument("--out", required=True, help="the .gguf file to write")
     p.add_argument("--ftype", default="f16", choices=sorted(FILE_TYPES),
                    help="type of the 2-D weights (default: %(default)s); q8_0 is half the size of f16")
     p.add_argument("--base-precision", default="as-trained", choices=BASE_PRECISIONS, help=BASE_PRECISION_HELP)
-    p.add_argument("--push-to-hub", metavar="REPO", default=None,
-                   help="then upload the file, with a model card, to this hub model repo (user/name), created if "
-                        "needed")
+    add_push_to_hub(p, "the file")
     args = p.parse_args(argv)
     if not args.out.endswith(".gguf"):
         raise ValueError(f"--out {args.out!r}: name the file *.gguf, as llama.cpp and nanotune expect")
@@ -57,8 +56,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except (ValueError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+    run_tool(main)

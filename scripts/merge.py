@@ -19,6 +19,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root, for `model`
 
+from cli import HelpFormatter, add_push_to_hub, run_tool  # noqa: E402
 from model.adapters import (BASE_PRECISION_HELP, BASE_PRECISIONS, check_replaceable,  # noqa: E402
                             load_with_adapter, merge_and_save)
 from model.hub import base_model_id, check_push, model_card, push  # noqa: E402
@@ -51,7 +52,7 @@ def merge(model_path, adapter, out, dtype="auto", base_precision="as-trained"):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     p.add_argument("--model", required=True, help="base model: local folder, short name, hub repo id or .gguf file")
     p.add_argument("--adapter", required=True, help="LoRA adapter folder (PEFT format, e.g. out/adapter)")
     p.add_argument("--out", required=True, help="the folder to write (new, or empty)")
@@ -59,8 +60,7 @@ def main(argv=None):
                    help="dtype of the written weights (default: %(default)s, the base checkpoint's own; bf16 for "
                         "a GGUF base)")
     p.add_argument("--base-precision", default="as-trained", choices=BASE_PRECISIONS, help=BASE_PRECISION_HELP)
-    p.add_argument("--push-to-hub", metavar="REPO", default=None,
-                   help="then upload the folder to this hub model repo (user/name), created if needed")
+    add_push_to_hub(p, "the folder")
     args = p.parse_args(argv)
     check_replaceable(args.out)
     if args.push_to_hub:
@@ -72,8 +72,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except (ValueError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+    run_tool(main)

@@ -366,8 +366,9 @@ def test_hub_failure_names_repo_and_file(monkeypatch):
     def offline(*args, **kwargs):
         raise OSError("network unreachable")
     monkeypatch.setattr(huggingface_hub, "hf_hub_download", offline)
-    with pytest.raises(FileNotFoundError, match="could not fetch 'x.jsonl' from the hub dataset 'a/b'"):
+    with pytest.raises(FileNotFoundError, match="could not fetch 'x.jsonl' from the hub dataset 'a/b'") as e:
         load_examples("a/b:x.jsonl")
+    assert "`hf auth login`" in str(e.value)  # the hub's CLI is `hf`
 
 # ----------------------------------------------------------------------------- builtin dataset
 

@@ -47,7 +47,7 @@ def dataset(tmp_path_factory):
 def args(run_model, dataset, out, *extra):
     return ["--model", run_model, "--data", dataset, "--out-dir", str(out), "--device", "cpu", "--dtype", "fp32",
             "--no-kernels", "--max-len", "96", "--batch-size", "2", "--max-steps", "2", "--warmup-steps", "1",
-            "--eval-every", "0", "--save-every", "0", "--eval-batches", "1", *map(str, extra)]
+            "--eval-every", "0", "--save-every", "0", "--eval-batches", "1", "--sample-every", "0", *map(str, extra)]
 
 
 def refused(argv, capsys, out, match):
@@ -82,7 +82,7 @@ def refused(argv, capsys, out, match):
     (["--warmup-steps=-3"], r"--warmup-steps must be >= 0, got -3"),
     (["--grad-clip", "nan"], r"--grad-clip must be a finite number, got nan"),
     (["--log-every", "0"], r"--log-every must be > 0, got 0"),
-    (["--device", "tpu"], r"--device must be auto, cpu, cuda or cuda:N, got 'tpu'"),
+    (["--device", "tpu"], r"--device must be auto, cpu, cuda, cuda:N, mps, got 'tpu'"),
     (["--resume-anyway"], r"--resume-anyway goes with --resume"),
     (["--max-len", "300"], r"--max-len 300 is longer than this model's context of 256 tokens "
                            r"\(max_position_embeddings in its config\).*Use --max-len 256 or less"),

@@ -1,6 +1,7 @@
 """Trackers (tracking.py): TensorBoard event files and an offline W&B run hold the logged scalars;
 an unknown or missing tracker is one clear error."""
 import glob
+import json
 import sys
 
 import pytest
@@ -9,7 +10,7 @@ import tracking
 
 RECORDS = [{"step": 1, "loss": 2.5, "lr": 1e-4, "skipped": False},
            {"step": 2, "loss": 2.0, "lr": 2e-4, "grad_norm": float("nan")},
-           {"step": 2, "eval_loss": 1.75, "sample_0": "Q: 2+2\nA: 4"}]
+           {"step": 2, "eval_loss": 1.75, "samples": [{"prompt": "2+2", "answer": "4", "expected": "4"}]}]
 
 
 def test_unknown_tracker():
@@ -37,6 +38,9 @@ def test_tensorboard_holds_the_scalars(tmp_path):
     assert [e.step for e in acc.Scalars("eval_loss")] == [2]
     assert "grad_norm" not in acc.Tags()["scalars"]  # NaN is not logged
     assert "skipped" not in acc.Tags()["scalars"]
+    texts = acc.Tensors("samples/text_summary")  # the samples' list, as JSON text
+    assert [e.step for e in texts] == [2]
+    assert json.loads(texts[0].tensor_proto.string_val[0]) == RECORDS[2]["samples"]
 
 
 def test_wandb_offline_run_holds_the_scalars(tmp_path, monkeypatch):

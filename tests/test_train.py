@@ -19,7 +19,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def cfg_for(model_dir, out_dir, **kw):
     base = dict(model=model_dir, out_dir=str(out_dir), max_len=96, batch_size=2, max_steps=4, warmup_steps=1,
-                eval_every=0, save_every=0, lr=1e-3, dtype="fp32", device="cpu", kernels=False, log_every=1)
+                eval_every=0, save_every=0, lr=1e-3, dtype="fp32", device="cpu", kernels=False, log_every=1,
+                sample_every=0)
     base.update(kw)
     return train.TrainConfig(**base)
 

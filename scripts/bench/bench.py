@@ -524,6 +524,7 @@ class Run:
         out_dir = os.path.join(a.cache_dir, "train-runs", f"{cache_name(shape, a.smoke)}-{packing}-{ckpt}")
         cmd = [sys.executable, "train.py", "--model", folder, "--out-dir", out_dir, "--overwrite",
                "--max-steps", str(a.steps), "--log-every", str(a.steps), "--eval-every", "0", "--save-every", "0",
+               "--sample-every", "0",
                "--packing" if packing == "on" else "--no-packing",
                "--gradient-checkpointing" if ckpt != "off" else "--no-gradient-checkpointing"]
         cmd += ["--offload-activations"] if ckpt == "on+offload" else []
