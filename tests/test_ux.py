@@ -491,3 +491,15 @@ def test_sample_prompts_follow_the_data_options(run_model, tmp_path):
     cases = train.sample_prompts(cfg, tok, mcfg)
     assert [(q, a) for q, _, a in cases] == [(r["question"], r["answer"]) for r in rows[:3]]
     assert tok.decode(cases[0][1]).endswith("[system] Be brief.\n[user] What is 0 times 10?\n[assistant]")
+
+
+def test_missing_optional_package_is_one_line(tmp_path, capsys, monkeypatch):
+    """A .gguf model without the gguf package: one error line naming the install, no traceback, nothing
+    written."""
+    fake = tmp_path / "m.gguf"
+    fake.write_bytes(b"GGUF" + bytes(60))
+    monkeypatch.setitem(sys.modules, "gguf", None)  # makes `import gguf` raise ImportError
+    monkeypatch.delitem(sys.modules, "model.gguf", raising=False)
+    out = tmp_path / "out"
+    refused(["--model", str(fake), "--device", "cpu", "--out-dir", str(out)], capsys, out,
+            r"needs the gguf package: pip install")
