@@ -56,6 +56,7 @@ import multiprocessing
 import os
 import random
 import re
+import signal
 import string
 import time
 from functools import lru_cache
@@ -928,6 +929,11 @@ _worker = {}  # a pool process's tokenizer and system prompt, set once by _init_
 
 
 def _init_worker(tokenizer, system_prompt):
+    # A forked worker inherits train.py's handlers, which turn SIGTERM into KeyboardInterrupt: the pool's
+    # terminate() at its end would then print a traceback from each worker. The worker ends quietly on
+    # SIGTERM and leaves Ctrl-C to the main process, which ends the pool.
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     _worker.update(tokenizer=tokenizer, system_prompt=system_prompt)
 
 

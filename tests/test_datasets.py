@@ -6,6 +6,7 @@ import json
 import os
 import random
 import re
+import signal
 import sys
 
 import huggingface_hub
@@ -500,6 +501,23 @@ def test_parallel_tokenizing_matches_serial_and_reports_progress(tok, tmp_path, 
                for line in logs)
     assert any(re.fullmatch(rf"data: tokenized {len(rows)} examples in [\d.]+ s \(\d+/s, 2 processes\)", line)
                for line in logs)
+
+
+def test_pool_workers_end_quietly_under_train_py_signal_handlers(tok, tmp_path, capfd):
+    """train.py turns SIGTERM into KeyboardInterrupt before the data is read; the pool's workers, forked with
+    that handler, must not print a traceback when the pool terminates them at its end."""
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt(signum)
+    rows = [{"text": f"document {i}"} for i in range(3 * data.CHUNK)]
+    old = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        for _ in range(3):  # a worker still busy at terminate() is what printed the traceback
+            load_datasets(tok, data=write_jsonl(tmp_path / "d.jsonl", rows), num_proc=2,
+                          cache_dir=str(tmp_path / f"c{_}"), log=quiet)
+    finally:
+        signal.signal(signal.SIGTERM, old)
+    err = capfd.readouterr().err
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
 
 
 def test_a_row_error_in_a_pool_process_reaches_the_caller(tmp_path, monkeypatch):
