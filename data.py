@@ -64,6 +64,7 @@ from functools import lru_cache
 import huggingface_hub
 import numpy as np
 import torch
+from tqdm import tqdm
 
 IGNORE_INDEX = -100  # what torch.nn.functional.cross_entropy skips by default
 BATCH_KEYS = ("input_ids", "targets", "position_ids", "doc_ids")
@@ -891,20 +892,23 @@ def _write_cache(path, arrays, log):
 
 def _tokenize(records, tokenizer, system_prompt, num_proc, log):
     """(ids, mask, lengths) arrays of every record's encode_example, concatenated; in a pool of
-    processes when there is more than one chunk of work, with a progress line every PROGRESS_EVERY s."""
+    processes when there is more than one chunk of work. Progress: a bar on a terminal, else a line
+    every PROGRESS_EVERY s."""
     chunks = [records[i:i + CHUNK] for i in range(0, len(records), CHUNK)]
     procs = min(num_proc, len(chunks))
     t0 = last = time.time()
     parts, done = [], 0
     pool = multiprocessing.Pool(procs, _init_worker, (tokenizer, system_prompt)) if procs > 1 else None
-    with pool or contextlib.nullcontext():
+    bar = tqdm(total=len(records), desc="data: tokenizing", unit=" examples", disable=None, leave=False)
+    with pool or contextlib.nullcontext(), bar:
         results = (pool.imap(_encode_chunk, chunks) if pool is not None
                    else (_encode_records(chunk, tokenizer, system_prompt) for chunk in chunks))
         for part in results:
             parts.append(part)
             done += len(part[2])
+            bar.update(len(part[2]))
             now = time.time()
-            if now - last >= PROGRESS_EVERY and done < len(records):
+            if bar.disable and now - last >= PROGRESS_EVERY and done < len(records):
                 rate = done / (now - t0)
                 log(f"data: tokenized {done}/{len(records)} examples ({rate:.0f}/s, "
                     f"about {(len(records) - done) / rate:.0f} s left)")

@@ -60,9 +60,10 @@ def sample(logits, temperature=0.0, top_p=1.0, generator=None) -> int:
 
 @torch.no_grad()
 def generate(model, prompt_ids, max_new_tokens=128, temperature=0.0, top_p=1.0, stop_ids=(), use_cache=True,
-             generator=None) -> list[int]:
+             generator=None, on_token=None) -> list[int]:
     """New token ids after `prompt_ids` (a list of ints), up to and including the first of
-    `stop_ids`. use_cache=False reruns the whole sequence for every token (the slow reference)."""
+    `stop_ids`. use_cache=False reruns the whole sequence for every token (the slow reference).
+    on_token(id) is called with each new token as it is chosen (a progress bar, streaming)."""
     weight = model.model.embed_tokens.weight
     ids = torch.tensor([list(prompt_ids)], device=weight.device)  # (1, T)
     cache = KVCache(model.config, 1, ids.shape[1] + max_new_tokens, weight.dtype, weight.device) if use_cache else None
@@ -71,6 +72,8 @@ def generate(model, prompt_ids, max_new_tokens=128, temperature=0.0, top_p=1.0, 
     for _ in range(max_new_tokens):
         token = sample(logits, temperature, top_p, generator)
         out.append(token)
+        if on_token is not None:
+            on_token(token)
         if token in stop_ids:
             break
         ids = torch.cat([ids, torch.tensor([[token]], device=ids.device)], dim=1)

