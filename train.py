@@ -261,8 +261,9 @@ def build_parser(defaults=True):
     parsed namespace, which then holds only what the command line says."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter,
                                 argument_default=None if defaults else argparse.SUPPRESS)
-    p.add_argument("--config", metavar="FILE", help="read options from a .yaml or .json file (examples/config.yaml; "
-                   "a run's train_config.json repeats that run); options on the command line override it. "
+    p.add_argument("--config", metavar="FILE", help="read options from a .yaml or .json file "
+                   "(docs/example-config.yaml; a run's train_config.json repeats that run); options on the command "
+                   "line override it. "
                    f"{', '.join(map(flag, FOLDER_ACTIONS))} come from the command line only")
     for f in dataclasses.fields(TrainConfig):
         kind, _ = value_kinds(f.name)

@@ -149,7 +149,7 @@ def test_train_config_json_repeats_the_run(run_model, dataset, tmp_path, monkeyp
 
 
 def test_example_config_is_valid():
-    cfg = train.parse_args(["--config", os.path.join(ROOT, "examples", "config.yaml")])
+    cfg = train.parse_args(["--config", os.path.join(ROOT, "docs", "example-config.yaml")])
     assert cfg.model and cfg.lr > 0
 
 
