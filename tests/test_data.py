@@ -1,6 +1,5 @@
-"""Tests for data.py: formats and loss masks, packing, loading errors, batching, the builtin dataset; damaged
-tokenizer files."""
-import hashlib
+"""Tests for data.py: formats and loss masks, packing, loading errors, batching; damaged tokenizer files
+(the builtin dataset: tests/test_builtin_dataset.py)."""
 import json
 import re
 
@@ -369,49 +368,6 @@ def test_hub_failure_names_repo_and_file(monkeypatch):
     with pytest.raises(FileNotFoundError, match="could not fetch 'x.jsonl' from the hub dataset 'a/b'") as e:
         load_examples("a/b:x.jsonl")
     assert "`hf auth login`" in str(e.value)  # the hub's CLI is `hf`
-
-# ----------------------------------------------------------------------------- builtin dataset
-
-BUILTIN_SHA256 = "8c336a1a27bc4ad4f9272c7f9fde5a05be0f744c25d0b0074df5ab7e95ee9d46"
-
-
-def test_builtin_is_deterministic_and_splits_are_disjoint():
-    train, held_out = load_examples("builtin"), load_examples("builtin:eval")
-    assert (len(train), len(held_out)) == (2000, 200)
-    assert train == builtin_dataset("train") and held_out == builtin_dataset("eval")
-    train[0]["output"] = "changed"  # callers get their own copies
-    assert builtin_dataset("train")[0]["output"] != "changed"
-    questions = lambda split: {(e["instruction"], e["input"]) for e in builtin_dataset(split)}
-    assert len(questions("train")) == 2000 and len(questions("eval")) == 200
-    assert not questions("train") & questions("eval")
-    digest = hashlib.sha256(json.dumps([builtin_dataset("eval"), builtin_dataset("train")]).encode()).hexdigest()
-    assert digest == BUILTIN_SHA256, ("the builtin dataset changed; if on purpose, update BUILTIN_SHA256, "
-                                      "and know that eval numbers from before are no longer comparable")
-    with pytest.raises(ValueError, match="'train' and 'eval'"):
-        builtin_dataset("test")
-
-
-def test_builtin_answers_are_right():
-    for e in builtin_dataset("eval") + builtin_dataset("train"):
-        instruction, x, y = e["instruction"], e["input"], e["output"]
-        if instruction.startswith(("Add", "Subtract")):
-            a, op, b = x.split()
-            assert int(y) == (int(a) + int(b) if op == "+" else int(a) - int(b))
-        elif instruction.startswith("Reverse"):
-            assert y == x[::-1]
-        elif instruction.startswith("Sort"):
-            assert y.split(", ") == [str(v) for v in sorted(map(int, x.split(", ")))]
-        elif instruction.startswith("How many times"):
-            assert int(y) == x.count(instruction.split('"')[1])
-        elif instruction.startswith("Convert the"):
-            (v, unit), (w, unit_y) = x.split(), y.split()
-            assert float(v) * {"km": 1000, "kg": 1000, "m": 1e-3, "g": 1e-3}[unit] == pytest.approx(float(w))
-        elif instruction.startswith("How many minutes are in"):
-            assert int(y) == 60 * int(instruction.split()[-2])
-        else:
-            minutes = int(instruction.split()[1])
-            h, _, m, _ = y.split()
-            assert 60 * int(h) + int(m) == minutes and int(m) < 60
 
 # ----------------------------------------------------------------------------- answer_accuracy
 
