@@ -23,6 +23,29 @@ def rel_err(actual, expected):
     return ((a - b).norm() / den).item() if den > 0 else (a - b).norm().item()
 
 
+def builtin_jsonl(folder, n):
+    """A .jsonl file in `folder` of the builtin dataset's first n training examples (Alpaca rows): a run on
+    them starts in a fraction of the whole dataset's time. Its path."""
+    import data
+    path = os.path.join(folder, "small.jsonl")
+    with open(path, "w") as f:
+        f.write("".join(json.dumps(e) + "\n" for e in data.builtin_dataset("train")[:n]))
+    return path
+
+
+def refused(argv, capsys, out, match):
+    """`train.py argv` stops with exit status 2 and one error line matching `match`, before creating `out`;
+    the line."""
+    import re
+    import train
+    assert train.cli(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1, err
+    assert re.search(match, err), err
+    assert not os.path.exists(out), f"{out} was created"
+    return err
+
+
 def read_metrics(out_dir):
     """The records of a run's metrics.jsonl."""
     with open(os.path.join(out_dir, "metrics.jsonl")) as f:

@@ -31,7 +31,7 @@ import data
 import step
 import train
 from model import read_config
-from tests.helpers import read_metrics
+from tests.helpers import builtin_jsonl, read_metrics, refused
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -39,25 +39,13 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 @pytest.fixture(scope="module")
 def dataset(tmp_path_factory):
     """24 short Alpaca examples: a run on them starts in a fraction of the builtin dataset's time."""
-    path = tmp_path_factory.mktemp("data") / "small.jsonl"
-    path.write_text("".join(json.dumps(e) + "\n" for e in data.builtin_dataset("train")[:24]))
-    return str(path)
+    return builtin_jsonl(str(tmp_path_factory.mktemp("data")), 24)
 
 
 def args(run_model, dataset, out, *extra):
     return ["--model", run_model, "--data", dataset, "--out-dir", str(out), "--device", "cpu", "--dtype", "fp32",
             "--no-kernels", "--max-len", "96", "--batch-size", "2", "--max-steps", "2", "--warmup-steps", "1",
             "--eval-every", "0", "--save-every", "0", "--eval-batches", "1", "--sample-every", "0", *map(str, extra)]
-
-
-def refused(argv, capsys, out, match):
-    """`train.py argv` stops with exit status 2 and one error line matching `match`, before creating `out`."""
-    assert train.cli(argv) == 2
-    err = capsys.readouterr().err
-    assert err.startswith("error: ") and err.count("\n") == 1, err
-    assert re.search(match, err), err
-    assert not os.path.exists(out), f"{out} was created"
-    return err
 
 
 # ----------------------------------------------------------------------------- bad input

@@ -20,7 +20,7 @@ import train
 from model import LoRAConfig, load_model, load_tokenizer
 from model.adapters import load_with_adapter
 from model.generate import generate, stop_ids
-from tests.helpers import read_metrics
+from tests.helpers import builtin_jsonl, read_metrics, refused
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -28,9 +28,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 @pytest.fixture(scope="module")
 def dataset(tmp_path_factory):
     """60 Alpaca examples of the builtin dataset, 6 of them held out (--eval-fraction 0.1): quick to tokenize."""
-    path = tmp_path_factory.mktemp("data") / "small.jsonl"
-    path.write_text("".join(json.dumps(e) + "\n" for e in data.builtin_dataset("train")[:60]))
-    return str(path)
+    return builtin_jsonl(str(tmp_path_factory.mktemp("data")), 60)
 
 
 def args(run_model, dataset, out, *extra, steps=3):
@@ -39,15 +37,6 @@ def args(run_model, dataset, out, *extra, steps=3):
             "--device", "cpu", "--no-kernels", "--max-len", "96",
             "--batch-size", "2", "--warmup-steps", "1", "--eval-every", "0", "--save-every", "0", "--eval-batches",
             "1", "--sample-every", "0", *(["--max-steps", str(steps)] if steps else []), *map(str, extra)]
-
-
-def refused(argv, capsys, out, match):
-    """train.py stops with exit status 2 and one error line matching `match`, before creating `out`."""
-    assert train.cli(argv) == 2
-    err = capsys.readouterr().err
-    assert err.startswith("error: ") and err.count("\n") == 1, err
-    assert re.search(match, err), err
-    assert not os.path.exists(out), f"{out} was created"
 
 
 def untimed(rows):
