@@ -685,8 +685,9 @@ PROGRESS_EVERY = 10.0  # seconds between progress lines while tokenizing
 
 def load_datasets(tokenizer, *, data="builtin", eval_data=None, eval_fraction=0.02, max_examples=None,
                   columns=None, chat_template=None, system_prompt=None, train_on_inputs=False,
-                  max_len=2048, seed=1337, num_proc=None, cache_dir=None, log=print):
-    """(train, eval): the training and evaluation examples as lists of (ids, mask), for `Batches`.
+                  max_len=2048, seed=1337, num_proc=None, cache_dir=None, log=print, with_rows=False):
+    """(train, eval): the training and evaluation examples as lists of (ids, mask), for `Batches`;
+    with_rows=True: (train, eval, the eval rows as dicts, in the same order) for `held_out_prompt`.
 
     Reads `data` (any source `load_examples` takes) and keeps its first `max_examples` rows. The eval
     set is `eval_data` when given; else "builtin"'s own eval split; else `eval_fraction` of the rows,
@@ -725,6 +726,7 @@ def load_datasets(tokenizer, *, data="builtin", eval_data=None, eval_fraction=0.
     else:
         train_rows, eval_rows = _split(len(records), eval_fraction, seed)
         train, held_out = [encoded[i] for i in train_rows], [encoded[i] for i in eval_rows]
+        eval_records = [records[i] for i in eval_rows]
         if not eval_rows:
             log(_no_eval_split(len(records), eval_fraction))
     if train_on_inputs:  # every token a target, as encode_example(train_on_inputs=True) makes it
@@ -738,7 +740,7 @@ def load_datasets(tokenizer, *, data="builtin", eval_data=None, eval_fraction=0.
                          "answers/assistant turns, or pass --train-on-inputs")
     if len(fits) < len(train):
         log(f"data: dropped {len(train) - len(fits)} of {len(train)} examples longer than --max-len {max_len}")
-    return fits, held_out
+    return (fits, held_out, [row for _, row in eval_records]) if with_rows else (fits, held_out)
 
 
 def _split(n, eval_fraction, seed):
@@ -748,20 +750,6 @@ def _split(n, eval_fraction, seed):
     order = list(range(n))
     random.Random(seed).shuffle(order)
     return order[n_eval:], order[:n_eval]
-
-
-def held_out_rows(*, data="builtin", eval_data=None, eval_fraction=0.02, max_examples=None, columns=None,
-                  seed=1337):
-    """The rows `load_datasets` (with the same options) evaluates on, as dicts, in its order."""
-    mapping = parse_columns(columns)
-    if eval_data is not None:
-        records = _records(eval_data, mapping, None)
-    elif _is_builtin(data):
-        records = _records("builtin:eval", {}, None)
-    else:
-        records = _records(data, mapping, max_examples)
-        records = [records[i] for i in _split(len(records), eval_fraction, seed)[1]]
-    return [row for _, row in records]
 
 
 def held_out_prompt(example, tokenizer, system_prompt=None):

@@ -481,16 +481,15 @@ def choose_dtype(cfg, device):
 
 
 def load_inputs(cfg, log):
-    """(the model's local path, tokenizer, training examples, eval examples), tokenized and checked against
-    the model's config. The model is resolved (downloaded) once, here."""
+    """(the model's local path, tokenizer, training examples, eval examples, eval rows), tokenized and checked
+    against the model's config. The model is resolved (downloaded) once, here."""
     path = resolve(cfg.model)
     tokenizer = load_tokenizer(path)
     check_model_fit(cfg, read_config(path), tokenizer)
     try:
-        train_enc, eval_enc = data.load_datasets(tokenizer, **cfg.data_options(), log=log)
+        return (path, tokenizer, *data.load_datasets(tokenizer, **cfg.data_options(), log=log, with_rows=True))
     except (ValueError, FileNotFoundError) as e:
         raise UserError(str(e)) from e
-    return path, tokenizer, train_enc, eval_enc
 
 
 def build_model(cfg, path, device, dtype, use_kernels, rank):
@@ -641,12 +640,10 @@ def log_eval(step, result, run, log):
 SAMPLES, SAMPLE_TOKENS = 3, 48  # held-out prompts answered at each sampling; the longest answer in tokens
 
 
-def sample_prompts(cfg, tokenizer, mcfg, n=SAMPLES):
-    """[(question, prompt ids, expected answer)] of the first n held-out rows that have a prompt before their
-    answer (data.held_out_prompt), read as data.load_datasets holds them out, with --eval-data, --columns,
-    --max-examples and --eval-fraction, and rendered as in training (--chat-template, --system-prompt)."""
-    rows = data.held_out_rows(data=cfg.data, eval_data=cfg.eval_data, eval_fraction=cfg.eval_fraction,
-                              max_examples=cfg.max_examples, columns=cfg.columns, seed=cfg.seed)
+def sample_prompts(cfg, tokenizer, mcfg, rows, n=SAMPLES):
+    """[(question, prompt ids, expected answer)] of the first n of the eval rows (data.load_datasets'
+    with_rows) that have a prompt before their answer (data.held_out_prompt), rendered as in training
+    (--chat-template, --system-prompt)."""
     tokenizer = data.use_chat_template(tokenizer, cfg.chat_template)
     cases = []
     for row in rows:
@@ -669,9 +666,9 @@ class Samples:
     prompts, on the console ("sample: prompt -> answer") and in metrics.jsonl as
     {"step": N, "samples": [{"prompt", "answer", "expected"}, ...]}. Rank 0 only: the others do not wait for it."""
 
-    def __init__(self, cfg, tokenizer, mcfg, log):
+    def __init__(self, cfg, tokenizer, mcfg, rows, log):
         self.every, self.tokenizer, self.stops = cfg.sample_every, tokenizer, stop_ids(tokenizer, mcfg)
-        self.cases = sample_prompts(cfg, tokenizer, mcfg)
+        self.cases = sample_prompts(cfg, tokenizer, mcfg, rows)
         if not self.cases:
             log("samples: no held-out example has a prompt before its answer (plain text rows), so none are shown")
 
@@ -943,7 +940,7 @@ def main(cfg: TrainConfig) -> int:
         # Every input is checked before the slow work (the weights, the training), on every rank alike, and
         # nothing is written until all checks have passed.
         run.check()
-        path, tokenizer, train_enc, eval_enc = load_inputs(cfg, log)
+        path, tokenizer, train_enc, eval_enc, eval_rows = load_inputs(cfg, log)
         batches, eval_sets = make_batches(cfg, tokenizer, train_enc, eval_enc, rank, world)
         for line in schedule(cfg, len(batches)):  # --num-epochs decides --max-steps here
             log(line)
@@ -954,7 +951,7 @@ def main(cfg: TrainConfig) -> int:
         log(describe(cfg, mcfg, params, train_enc, eval_enc, batches))
         if cfg.quantize:
             log(nf4_line(model))
-        samples = Samples(cfg, tokenizer, mcfg, log) if cfg.sample_every and rank == 0 else None
+        samples = Samples(cfg, tokenizer, mcfg, eval_rows, log) if cfg.sample_every and rank == 0 else None
         if warning := memory_warning(cfg, mcfg, dtype, use_kernels, device):  # CUDA only
             log(warning)
         optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.999),

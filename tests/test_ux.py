@@ -39,6 +39,11 @@ def args(run_model, dataset, out, *extra, steps=3):
             "1", "--sample-every", "0", *(["--max-steps", str(steps)] if steps else []), *map(str, extra)]
 
 
+def held_out_rows(cfg, tok):
+    """The eval rows train.py reads for `cfg` (load_datasets with its data options)."""
+    return data.load_datasets(tok, **cfg.data_options(), log=lambda line: None, with_rows=True)[2]
+
+
 def untimed(rows):
     return [{k: v for k, v in r.items() if k != "tokens_per_s"} for r in rows]
 
@@ -421,7 +426,8 @@ def test_samples_before_during_and_after(run_model, dataset, tmp_path, capsys, m
 
     model, mcfg = load_with_adapter(run_model, str(out / "adapter"))
     tok = load_tokenizer(run_model)
-    cases = train.sample_prompts(train.TrainConfig(data=dataset, eval_fraction=0.1), tok, mcfg)
+    cfg = train.TrainConfig(data=dataset, eval_fraction=0.1, max_len=96)
+    cases = train.sample_prompts(cfg, tok, mcfg, held_out_rows(cfg, tok))
     assert [(s["prompt"], s["expected"]) for s in records[-1]["samples"]] == [(p, e) for p, _, e in cases]
     for sample, (_, ids, _) in zip(records[-1]["samples"], cases, strict=True):
         answer = tok.decode(generate(model, ids, train.SAMPLE_TOKENS, stop_ids=stop_ids(tok, mcfg))).strip()
@@ -436,9 +442,11 @@ def test_sample_prompts_are_the_held_out_rows(run_model, tmp_path):
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     tok = load_tokenizer(run_model)
     cfg = train.TrainConfig(data=str(path), eval_fraction=0.1, seed=5)
-    _, held_out = data.load_datasets(tok, data=str(path), eval_fraction=0.1, seed=5)
+    _, held_out, eval_rows = data.load_datasets(tok, data=str(path), eval_fraction=0.1, seed=5, with_rows=True)
+    assert len(eval_rows) == len(held_out) == 6
+    assert [data.encode_example(r, tok) for r in eval_rows] == held_out  # the rows of the eval examples, in order
     _, mcfg = load_model(run_model)
-    cases = train.sample_prompts(cfg, tok, mcfg)
+    cases = train.sample_prompts(cfg, tok, mcfg, eval_rows)
     assert len(cases) == 3
     for text, ids, expected in cases:
         assert any(e[:len(ids)] == ids for e, _ in held_out[:3]), text
@@ -476,8 +484,8 @@ def test_sample_prompts_follow_the_data_options(run_model, tmp_path):
     tok = load_tokenizer(run_model)
     _, mcfg = load_model(run_model)
     cfg = train.TrainConfig(data=str(path), eval_data=str(path), columns="instruction=question,output=answer",
-                            system_prompt="Be brief.", chat_template=str(template))
-    cases = train.sample_prompts(cfg, tok, mcfg)
+                            system_prompt="Be brief.", chat_template=str(template), max_len=96)
+    cases = train.sample_prompts(cfg, tok, mcfg, held_out_rows(cfg, tok))
     assert [(q, a) for q, _, a in cases] == [(r["question"], r["answer"]) for r in rows[:3]]
     assert tok.decode(cases[0][1]).endswith("[system] Be brief.\n[user] What is 0 times 10?\n[assistant]")
 
