@@ -420,11 +420,11 @@ def pick_device(cfg) -> str:
     return name
 
 
-def with_hardware_defaults(cfg):
-    """(cfg with its unset options filled in for the hardware it runs on, the header line that names the CPU
-    defaults taken, or None). GPU_DEFAULTS on CUDA, CPU_DEFAULTS on the CPU and mps; --max-steps stays unset
-    when --num-epochs decides it (`schedule`)."""
-    on_gpu = pick_device(cfg).startswith("cuda")
+def with_hardware_defaults(cfg, device_name):
+    """(cfg with its unset options filled in for the device it runs on (pick_device's name), the header line
+    that names the CPU defaults taken, or None). GPU_DEFAULTS on CUDA, CPU_DEFAULTS on the CPU and mps;
+    --max-steps stays unset when --num-epochs decides it (`schedule`)."""
+    on_gpu = device_name.startswith("cuda")
     defaults = GPU_DEFAULTS if on_gpu else CPU_DEFAULTS
     unset = {k: v for k, v in defaults.items() if getattr(cfg, k) is None and not (k == "max_steps" and cfg.num_epochs)}
     cfg = dataclasses.replace(cfg, **unset)
@@ -436,10 +436,9 @@ def with_hardware_defaults(cfg):
 
 
 @contextmanager
-def distributed(cfg):
-    """(rank, world_size, device) of this process. torchrun sets RANK/LOCAL_RANK/WORLD_SIZE and the process
-    group lives until the run ends; otherwise one process."""
-    name = pick_device(cfg)
+def distributed(cfg, name):
+    """(rank, world_size, device) of this process; `name` is pick_device's. torchrun sets
+    RANK/LOCAL_RANK/WORLD_SIZE and the process group lives until the run ends; otherwise one process."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world == 1:
         yield 0, 1, torch.device(name)
@@ -790,7 +789,7 @@ class Progress:
     def __init__(self, step, max_steps, log, bar):
         self.log, self.max_steps, self.first_step = log, max_steps, step
         self.bar = tqdm(total=max_steps, initial=step, unit="step", dynamic_ncols=True, file=sys.stdout) if bar else None
-        self.window_start, self.window_step = time.perf_counter(), step  # since the last line
+        self.window_start = time.perf_counter()  # since the last line
         self.paused_at, self.paused = None, 0.0  # seconds of the window spent paused
         self.step_start, self.step_paused = self.window_start, 0.0  # the same, for the step under way
 
@@ -826,7 +825,7 @@ class Progress:
             self.bar.set_postfix_str(f"loss {rec['loss']:.4f}, {human_rate(rec['tokens_per_s'])}")
         else:
             self.log(line)
-        self.window_start, self.window_step, self.paused = time.perf_counter(), rec["step"], 0.0
+        self.window_start, self.paused = time.perf_counter(), 0.0
 
     def close(self):
         if self.bar is not None:
@@ -928,8 +927,9 @@ def any_rank(flag, world, device):
 def main(cfg: TrainConfig) -> int:
     """Train; returns the exit status: 0 when the run is complete, 128 + the signal's number (130 for Ctrl-C)
     when a signal stopped it early, after its checkpoint."""
-    cfg, cpu_defaults = with_hardware_defaults(cfg)
-    with (distributed(cfg) as (rank, world, device), RunFolder(cfg, rank, world) as run,
+    device_name = pick_device(cfg)
+    cfg, cpu_defaults = with_hardware_defaults(cfg, device_name)
+    with (distributed(cfg, device_name) as (rank, world, device), RunFolder(cfg, rank, world) as run,
           StopSignals(say=rank == 0) as signals):
         log = tqdm.write if rank == 0 else (lambda *a, **k: None)  # tqdm.write: a line above a progress bar
         dtype, why = choose_dtype(cfg, device)

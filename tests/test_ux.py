@@ -233,17 +233,16 @@ def test_progress_bar_on_a_terminal(run_model, dataset, tmp_path, monkeypatch):
 
 
 def test_cpu_defaults_fill_what_is_unset():
-    cfg, line = train.with_hardware_defaults(train.TrainConfig(device="cpu", eval_batches=5))
+    cfg, line = train.with_hardware_defaults(train.TrainConfig(device="cpu", eval_batches=5), "cpu")
     assert (cfg.max_len, cfg.batch_size, cfg.eval_batches, cfg.max_steps) == (
         train.CPU_DEFAULTS["max_len"], train.CPU_DEFAULTS["batch_size"], 5, train.CPU_DEFAULTS["max_steps"])
     assert line == f"CPU defaults: max-len {train.CPU_DEFAULTS['max_len']}; set them to override"
-    cfg, _ = train.with_hardware_defaults(train.TrainConfig(device="cpu", num_epochs=1.0))
+    cfg, _ = train.with_hardware_defaults(train.TrainConfig(device="cpu", num_epochs=1.0), "cpu")
     assert cfg.max_steps is None, "--num-epochs decides the steps once the data is read"
 
 
-def test_gpu_defaults(monkeypatch):
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    cfg, line = train.with_hardware_defaults(train.TrainConfig(device="cuda"))
+def test_gpu_defaults():
+    cfg, line = train.with_hardware_defaults(train.TrainConfig(device="cuda"), "cuda")
     assert line is None and {k: getattr(cfg, k) for k in train.GPU_DEFAULTS} == train.GPU_DEFAULTS
 
 
