@@ -13,7 +13,6 @@ Reports the median of 10 steps after 3 warm-up steps, real (unpadded) tokens per
 which attention kernels ran. The order is switched by rewriting the list
 model.transformer.SDPA_BACKENDS in place.
 """
-import argparse
 import os
 import sys
 from itertools import repeat
@@ -24,7 +23,7 @@ from torch.nn.attention import SDPBackend
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: `model`, `scripts`
 import model.transformer as transformer  # noqa: E402
-from scripts.bench.harness import fixed_batch, nanotune_step, padded_batches, time_steps  # noqa: E402
+from scripts.bench.harness import fixed_batch, gpu_folders, nanotune_step, padded_batches, time_steps  # noqa: E402
 
 ORDERS = {"torch default (cuDNN first)": [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION,
                                           SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH],
@@ -37,12 +36,7 @@ def padded_lengths(rng, B=4):
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("folders", nargs="+")
-    a = p.parse_args()
-    if not torch.cuda.is_available():
-        sys.exit("error: compare_sdpa_backends.py needs a CUDA GPU")
-    for folder in a.folders:
+    for folder in gpu_folders(__doc__, "compare_sdpa_backends.py"):
         for ckpt, case in (("off", "causal"), ("on", "causal"), ("on", "padded")):
             step = nanotune_step(folder, "cuda", ckpt)
             name = f"{case} 4x{'2048' if case == 'causal' else '[150,400]'} ckpt {ckpt}"

@@ -12,8 +12,10 @@ The scripts of scripts/bench/ run from the repository root (`python scripts/benc
 each first puts the root on sys.path, so that `model`, `kernels`, `data` and `scripts.bench`
 import as they do for train.py.
 """
+import argparse
 import random
 import statistics
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -126,6 +128,17 @@ def nanotune_step(folder, device, ckpt="off", *, fused_lora=True, use_kernels=No
 
 
 # ----------------------------------------------------------------------------- measuring
+
+def gpu_folders(doc, script):
+    """The checkpoint folders named on the command line of a GPU-only bench script (its --help is `doc`);
+    without a CUDA GPU, the script exits with one error line."""
+    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("folders", nargs="+")
+    folders = p.parse_args().folders
+    if not torch.cuda.is_available():
+        sys.exit(f"error: {script} needs a CUDA GPU")
+    return folders
+
 
 def synchronize(device):
     if torch.device(device).type == "cuda":

@@ -14,7 +14,6 @@ checkpointing off and on, prints:
 A step much longer than its GPU kernel time, with CPU issue close to the step, is CPU-bound:
 fewer, larger kernels or less Python per layer will speed it up; faster kernels will not.
 """
-import argparse
 import os
 import sys
 import time
@@ -24,7 +23,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: `model`, `scripts`
-from scripts.bench.harness import cuda_kernel_ms, fixed_batch, nanotune_step, time_steps  # noqa: E402
+from scripts.bench.harness import cuda_kernel_ms, fixed_batch, gpu_folders, nanotune_step, time_steps  # noqa: E402
 
 
 def issue_ms(step, batch):
@@ -42,12 +41,7 @@ def issue_ms(step, batch):
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("folders", nargs="+")
-    a = p.parse_args()
-    if not torch.cuda.is_available():
-        sys.exit("error: step_overhead.py needs a CUDA GPU")
-    for folder in a.folders:
+    for folder in gpu_folders(__doc__, "step_overhead.py"):
         for ckpt in ("off", "on"):
             step = nanotune_step(folder, "cuda", ckpt)
             for B, T in ((1, 64), (4, 2048)):
