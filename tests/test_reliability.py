@@ -74,10 +74,17 @@ def args(run_model, dataset, out, *extra):
     (["--resume-anyway"], r"--resume-anyway goes with --resume"),
     (["--max-len", "300"], r"--max-len 300 is longer than this model's context of 256 tokens "
                            r"\(max_position_embeddings in its config\).*Use --max-len 256 or less"),
+    (["--sample-every=-2"], r"--sample-every must be a number of steps, -1 \(only before training and at the end\) "
+                            r"or 0 \(never\), got -2"),
+    (["--num-epochs", "0"], r"--num-epochs must be > 0, got 0\.0"),
+    (["--cuda-graphs", "maybe"], r"--cuda-graphs must be one of auto, on, off, got 'maybe'"),
+    (["--quantize", "nf8"], r"--quantize must be one of nf4 \(or left out\), got 'nf8'"),
+    (["--dtype", "fp8"], r"--dtype must be one of auto, bf16, fp16, fp32, got 'fp8'"),
 ], ids=["model-name", "batch-size", "max-len", "lr-zero", "lr-negative", "lora-targets", "fp16-on-cpu",
         "keep-checkpoints", "lr-inf", "lr-overflow", "lora-alpha-zero", "lora-alpha-nan", "eval-fraction-all",
         "eval-fraction-negative", "min-lr-ratio", "warmup-steps", "grad-clip-nan", "log-every", "device-tpu",
-        "resume-anyway-alone", "max-len-past-context"])
+        "resume-anyway-alone", "max-len-past-context", "sample-every", "num-epochs-zero", "cuda-graphs",
+        "quantize", "dtype"])
 def test_bad_option(run_model, dataset, tmp_path, capsys, extra, match):
     refused(args(run_model, dataset, tmp_path / "out", *extra), capsys, tmp_path / "out", match)
 
