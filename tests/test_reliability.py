@@ -414,6 +414,7 @@ HOLD_LOCK = """
 import fcntl, os, socket, sys
 fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT)
 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+os.ftruncate(fd, 0)  # as train.py does: a longer PID written by an earlier run must not show through
 os.write(fd, f"{os.getpid()} {socket.gethostname()}\\n".encode())
 print("locked", flush=True)
 sys.stdin.read()
