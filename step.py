@@ -132,14 +132,13 @@ class GraphStep:
         return g
 
 
-def graphs_off_reason(mode, device, world, offload, quantize, dropout=0.0):
+def graphs_off_reason(mode, device, world, quantize, dropout=0.0):
     """Why this run issues its steps eagerly, or None when it replays CUDA graphs (see --cuda-graphs).
     Raises ValueError when --cuda-graphs on asks for a combination that cannot be captured.
     With LoRA dropout, auto stays eager: a capture's warm-up draws random numbers, so a run resumed from a
     checkpoint (which captures anew) would draw other dropout masks than the uninterrupted run."""
     reason = (("there is no CUDA GPU" if device.type != "cuda" else None)
               or ("of data parallelism (DDP's all-reduce hooks)" if world > 1 else None)
-              or ("of --offload-activations (its CPU buffers are made per step)" if offload else None)
               or ("--quantize nf4 is not verified under capture" if quantize else None))
     if mode == "on" and reason:
         raise ValueError(f"--cuda-graphs on: not possible because {reason}; use --cuda-graphs auto or off")

@@ -48,8 +48,8 @@ from step import EagerStep, GraphStep, graphs_off_reason
 # Defaults that depend on the hardware, for the options left unset (None in TrainConfig). On a CPU (and on
 # Apple silicon, mps) a step of a 135M model at GPU sizes takes minutes: shorter rows and fewer eval batches
 # keep a default run to minutes. The header line says which ones a run took; train_config.json records them.
-GPU_DEFAULTS = {"max_len": 2048, "batch_size": 4, "max_steps": 60, "eval_batches": 8}
-CPU_DEFAULTS = {"max_len": 256, "batch_size": 4, "max_steps": 60, "eval_batches": 2}
+GPU_DEFAULTS = {"max_len": 2048, "batch_size": 4, "max_steps": 60, "eval_batches": 8, "offload_activations": True}
+CPU_DEFAULTS = {"max_len": 256, "batch_size": 4, "max_steps": 60, "eval_batches": 2, "offload_activations": False}
 
 
 @dataclass
@@ -99,11 +99,13 @@ class TrainConfig:
     dtype: str = field(default="auto", metadata={"help": "auto: bf16 where the GPU has it, else fp16 on GPU; fp32 on CPU and mps",
                                                  "choices": ("auto", "bf16", "fp16", "fp32")})
     gradient_checkpointing: bool = field(default=True, metadata={"help": "recompute each decoder layer in backward"})
-    offload_activations: bool = field(default=False, metadata={"help": "with checkpointing: keep layer inputs in pinned CPU memory"})
+    offload_activations: bool | None = field(default=None, metadata={"help": "with checkpointing: keep the "
+                                             "layer inputs in pinned CPU memory, copied out and back on a side stream "
+                                             "beside the compute, at no measured cost in speed (model/offload.py)"})
     kernels: bool | None = field(default=None, metadata={"help": "Triton kernels (default: on with CUDA); --no-kernels runs the torch references"})
     cuda_graphs: str = field(default="auto", metadata={"choices": ("auto", "on", "off"), "help": "replay each micro-step from a CUDA "
                              "graph (step.py), which removes the per-step CPU cost of issuing its kernels. auto: on "
-                             "with one CUDA GPU, unless --offload-activations, --quantize nf4 or --lora-dropout "
+                             "with one CUDA GPU, unless --quantize nf4 or --lora-dropout "
                              "(with dropout, a resume is exact only eagerly). Padded batches are "
                              "padded further to a multiple of 64 tokens (one graph per length, at most "
                              "max_len / 64 graphs): at most 63 extra padding tokens per row, which nothing attends "
@@ -428,7 +430,8 @@ def with_hardware_defaults(cfg, device_name):
     defaults = GPU_DEFAULTS if on_gpu else CPU_DEFAULTS
     unset = {k: v for k, v in defaults.items() if getattr(cfg, k) is None and not (k == "max_steps" and cfg.num_epochs)}
     cfg = dataclasses.replace(cfg, **unset)
-    told = {k: v for k, v in unset.items() if not on_gpu and v != GPU_DEFAULTS[k]}
+    # The header names the sizes that differ; offload (off without a GPU) changes no result.
+    told = {k: v for k, v in unset.items() if not on_gpu and v != GPU_DEFAULTS[k] and not isinstance(v, bool)}
     if not told:
         return cfg, None
     listed = ", ".join(f"{flag(k)[2:]} {v}" for k, v in told.items())
@@ -505,8 +508,7 @@ def build_model(cfg, path, device, dtype, use_kernels, rank):
 
 def make_step(cfg, forward, device, params, world, log):
     """The micro-step: replayed from CUDA graphs where that works (--cuda-graphs), else eager."""
-    off = graphs_off_reason(cfg.cuda_graphs, device, world, cfg.offload_activations, cfg.quantize,
-                            cfg.lora_dropout)
+    off = graphs_off_reason(cfg.cuda_graphs, device, world, cfg.quantize, cfg.lora_dropout)
     log("CUDA graphs on" if off is None else f"CUDA graphs off: {off}")
     return EagerStep(forward, device) if off else GraphStep(forward, device, params, cfg.max_len, log)
 

@@ -30,6 +30,7 @@ from kernels.references import (fused_linear_cross_entropy_reference, geglu_refe
                                 rope_reference, swiglu_reference)
 from model.config import ModelConfig
 from model.lora import GLU, LoRAConfig, autograd_backward, fusable, lora_mlp, lora_projections, make_linear
+from model.offload import ActivationOffload
 
 
 class Ops:
@@ -276,6 +277,7 @@ class Transformer(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         self.gradient_checkpointing = gradient_checkpointing  # recompute each layer in backward
         self.offload_activations = offload_activations  # with checkpointing: keep layer inputs in pinned CPU memory
+        self.offload = ActivationOffload()  # its CPU buffers, made on first use and kept from step to step
 
     def layer_mask(self, layer_type, doc_ids, shape, start, device):
         """The attention mask of one layer type for input_ids of `shape` (B, T), in the form
@@ -323,6 +325,9 @@ class Transformer(nn.Module):
         if recompute and not x.requires_grad:
             # The reentrant checkpoint builds a graph only for a layer whose input requires grad.
             x.requires_grad_()
+        offload = self.offload if recompute and self.offload_activations else None
+        if offload:
+            offload.begin()
         for i, layer in enumerate(self.model.layers):
             cos, sin = tables[layer.layer_type]
             args = (x, cos, sin, masks[layer.layer_type])
@@ -330,10 +335,12 @@ class Transformer(nn.Module):
                 # Reentrant: it saves a layer's inputs once, where the non-reentrant checkpoint puts
                 # every tensor saved inside the layer through Python hooks, a CPU cost that a
                 # CPU-bound step pays in full (docs/perf-notes.md, "reentrant checkpointing").
-                with torch.autograd.graph.save_on_cpu(pin_memory=x.is_cuda) if self.offload_activations else nullcontext():
+                with offload.hooks(x) if offload else nullcontext():
                     x = checkpoint(layer, *args, use_reentrant=True)
             else:
                 x = layer(*args, cache=None if cache is None else cache.layers[i])
+        if offload:
+            offload.end()
         return self.model.norm(x)
 
     def logits(self, h):

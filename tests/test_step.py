@@ -2,7 +2,7 @@
 
 The eager step is the reference. On CPU: bucket padding leaves the loss and gradients unchanged.
 On GPU (`pytest -m gpu`, a Llama 3-shaped tiny model whose head_dim takes FlexAttention): a replayed step gives the eager step's loss, gradients and updated LoRA
-weights, for packed and padded batches, with and without checkpointing, in fp32, bf16 and fp16
+weights, for packed and padded batches, with and without checkpointing (and activation offload), in fp32, bf16 and fp16
 (with a loss scale), with dropout, and across a change of length bucket.
 """
 import pytest
@@ -18,11 +18,12 @@ from tests.tiny_models import save_tiny
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
-def _model(folder, device, dtype=torch.float32, dropout=0.0, ckpt=False, kernels=False):
+def _model(folder, device, dtype=torch.float32, dropout=0.0, ckpt="off", kernels=False):
     model, _ = load_model(folder, dtype=dtype, device=device, use_kernels=kernels,
                           lora=LoRAConfig(r=4, alpha=8, dropout=dropout))
     randomize_lora_b(model)
-    model.gradient_checkpointing = ckpt
+    model.gradient_checkpointing = ckpt != "off"
+    model.offload_activations = ckpt == "on+offload"
     model.train()
     return model, [p for _, p in lora_parameters(model)]
 
@@ -99,7 +100,7 @@ TOL = {torch.float32: 1e-5, torch.bfloat16: 3e-2, torch.float16: 1e-2}
 @gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("layout", ["packed", "padded"])
-@pytest.mark.parametrize("ckpt", [False, True], ids=["ckpt_off", "ckpt_on"])
+@pytest.mark.parametrize("ckpt", ["off", "on", "on+offload"])
 def test_graph_step_matches_eager(llama_folder, dtype, layout, ckpt):
     """A replayed step gives the eager step's loss, gradients and AdamW update."""
     dev = torch.device("cuda")
@@ -171,14 +172,13 @@ def test_graph_step_dropout_draws_new_masks(llama_folder):
     ("auto", 0.0, None), ("auto", 0.1, "--lora-dropout"), ("on", 0.1, None), ("off", 0.0, "--cuda-graphs off")])
 def test_when_graphs_are_used(mode, dropout, expected):
     """auto replays graphs on one CUDA GPU, but stays eager with dropout (so that a resume is exact)."""
-    reason = step.graphs_off_reason(mode, torch.device("cuda"), 1, False, None, dropout)
+    reason = step.graphs_off_reason(mode, torch.device("cuda"), 1, None, dropout)
     assert reason == expected if expected is None else reason.startswith(expected)
 
 
-@pytest.mark.parametrize("device, world, offload, quantize, why", [
-    ("cpu", 1, False, None, "no CUDA GPU"), ("cuda", 2, False, None, "data parallelism"),
-    ("cuda", 1, True, None, "--offload-activations"), ("cuda", 1, False, "nf4", "--quantize nf4")])
-def test_graphs_on_refuses_what_cannot_be_captured(device, world, offload, quantize, why):
-    assert why in step.graphs_off_reason("auto", torch.device(device), world, offload, quantize)
+@pytest.mark.parametrize("device, world, quantize, why", [
+    ("cpu", 1, None, "no CUDA GPU"), ("cuda", 2, None, "data parallelism"), ("cuda", 1, "nf4", "--quantize nf4")])
+def test_graphs_on_refuses_what_cannot_be_captured(device, world, quantize, why):
+    assert why in step.graphs_off_reason("auto", torch.device(device), world, quantize)
     with pytest.raises(ValueError, match=f"--cuda-graphs on: not possible because .*{why}"):
-        step.graphs_off_reason("on", torch.device(device), world, offload, quantize)
+        step.graphs_off_reason("on", torch.device(device), world, quantize)

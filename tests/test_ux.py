@@ -237,6 +237,7 @@ def test_cpu_defaults_fill_what_is_unset():
     assert (cfg.max_len, cfg.batch_size, cfg.eval_batches, cfg.max_steps) == (
         train.CPU_DEFAULTS["max_len"], train.CPU_DEFAULTS["batch_size"], 5, train.CPU_DEFAULTS["max_steps"])
     assert line == f"CPU defaults: max-len {train.CPU_DEFAULTS['max_len']}; set them to override"
+    assert cfg.offload_activations is False, "layer inputs have no slower memory to go to on the CPU"
     cfg, _ = train.with_hardware_defaults(train.TrainConfig(device="cpu", num_epochs=1.0), "cpu")
     assert cfg.max_steps is None, "--num-epochs decides the steps once the data is read"
 
@@ -244,6 +245,9 @@ def test_cpu_defaults_fill_what_is_unset():
 def test_gpu_defaults():
     cfg, line = train.with_hardware_defaults(train.TrainConfig(device="cuda"), "cuda")
     assert line is None and {k: getattr(cfg, k) for k in train.GPU_DEFAULTS} == train.GPU_DEFAULTS
+    assert cfg.offload_activations is True, "checkpointed layer inputs wait in pinned CPU memory by default"
+    cfg, _ = train.with_hardware_defaults(train.parse_args(["--no-offload-activations"]), "cuda")
+    assert cfg.offload_activations is False
 
 
 @pytest.mark.parametrize("cuda, mps, picked", [(True, True, "cuda"), (False, True, "mps"), (False, False, "cpu")])

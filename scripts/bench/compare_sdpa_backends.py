@@ -9,9 +9,11 @@ Cases, bf16, LoRA r=16 on all projections, Triton kernels on:
               of [T/2, T], right-padded to T with the padding a document of its own (a dense
               mask), as `train.py --no-packing` makes them
 
-Reports the median of 10 steps after 3 warm-up steps, real (unpadded) tokens per second, and
-which attention kernels ran. The order is switched by rewriting the list
-model.transformer.SDPA_BACKENDS in place.
+Each step is replayed from CUDA graphs, as train.py runs it, so the CPU cost of a backend's
+call does not count, only its kernels. Reports the median of 10 steps after 3 warm-up steps,
+real (unpadded) tokens per second, and which attention kernels ran. The order is switched by
+rewriting the list model.transformer.SDPA_BACKENDS in place, with a new step (new graphs) for
+each order.
 """
 import os
 import sys
@@ -38,22 +40,23 @@ def padded_lengths(rng, B=4):
 def main():
     for folder in gpu_folders(__doc__, "compare_sdpa_backends.py"):
         for ckpt, case in (("off", "causal"), ("on", "causal"), ("on", "padded")):
-            step = nanotune_step(folder, "cuda", ckpt)
             name = f"{case} 4x{'2048' if case == 'causal' else '[150,400]'} ckpt {ckpt}"
             for order_name, order in ORDERS.items():
                 transformer.SDPA_BACKENDS[:] = order
+                step = nanotune_step(folder, "cuda", ckpt, cuda_graphs="on")
                 batches = (repeat(fixed_batch(step.vocab_size, 4, 2048, "cuda")) if case == "causal"
                            else padded_batches(step.vocab_size, padded_lengths, "cuda"))
                 r = time_steps(step, batches, warmup=3, steps=10, device="cuda")
+                eager = nanotune_step(folder, "cuda", ckpt)  # a replay shows no aten calls: which kernel runs
                 with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-                    step(next(batches))
+                    eager(next(batches))
                 kernels = sorted({e.key.removeprefix("aten::_") for e in prof.key_averages()
                                   if e.key.startswith("aten::_") and e.key.endswith("attention_forward")})
                 print(f"{os.path.basename(folder)} {name} | {order_name}: median {r['median_step_s'] * 1e3:.1f} ms,"
                       f" {r['tokens_per_s']:,.0f} tok/s | {', '.join(kernels)}", flush=True)
+                del step, eager
+                torch.cuda.empty_cache()
             transformer.SDPA_BACKENDS[:] = ORDERS["nanotune (flash first)"]
-            del step
-            torch.cuda.empty_cache()
 
 
 if __name__ == "__main__":

@@ -1,0 +1,135 @@
+"""Activation offload: the checkpointed layer inputs wait in pinned CPU memory, copied on a side stream.
+
+With gradient checkpointing the only activations kept from forward to backward are the layer
+inputs, one (B, T, H) tensor per layer (TinyLlama at 4 x 2048 in bf16: 32 MiB each, 0.7 GiB in all).
+`ActivationOffload` moves each of them to the CPU while the next layers compute, and brings it
+back while the layer after it in backward order is recomputed:
+
+    forward, layer i    the copy stream waits for layer i's output, then copies x_i to its CPU buffer.
+                        At layer i + 1 the compute stream waits for that copy and x_i is freed, so
+                        at most two layer inputs are on the GPU at any time.
+    end of forward      the last layer's input stays on the GPU: backward needs it first.
+    backward, layer i   the compute stream waits for x_i (already on its way), and the copy stream
+                        starts bringing x_{i-1} back while layer i is recomputed and differentiated.
+
+The copies run on the GPU's copy engines, beside the compute stream. Everything is a stream
+operation on fixed buffers (the CPU buffers stay allocated from step to step), so a training step
+with offload captures into a CUDA graph and replays (step.py). On a CPU device the copies are
+plain copies into CPU buffers, which keeps the bookkeeping testable there.
+
+The hooks are torch's saved-tensor hooks around the reentrant checkpoint of one layer: the
+checkpoint saves its inputs (x, the RoPE tables, the mask), and only x is moved.
+"""
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class _Saved:
+    """One layer input while it is away: its CPU copy, and on the GPU again once fetched."""
+    index: int  # the layer's place in this forward
+    host: torch.Tensor  # the CPU copy (a view of that layer's buffer)
+    step: int  # the forward that wrote it; a later forward overwrites the buffer
+    cuda: bool  # copied out on the copy stream (else a plain CPU copy)
+    gpu: torch.Tensor | None = None  # the tensor backward gets, once a copy back has been issued
+    ready: torch.cuda.Event | None = None  # recorded on the copy stream when `gpu` holds the data
+
+
+class ActivationOffload:
+    """The layer inputs of one forward at a time: `begin()`, then each layer's checkpoint inside
+    `hooks(x)`, then `end()`; backward unpacks them in reverse order."""
+
+    def __init__(self):
+        self.stream = None  # the copy stream (made on first use, on the device of the inputs)
+        self.buffers = {}  # layer index -> flat CPU buffer (pinned on CUDA), grown for a longer batch
+        self.kept = []  # every buffer ever made: a graph captured with an older one still reads it
+        self.saved = []  # this forward's layer inputs, in layer order
+        self.leaving = []  # (GPU tensor, event): inputs being copied out, freed once the compute stream waits
+        self.step = 0
+        self.layer_input = None  # (data_ptr, shape) of the input of the layer being checkpointed
+
+    def begin(self):
+        """Start a forward: the previous one's inputs are released (their backward is over)."""
+        self._release()
+        self.saved = []
+        self.step += 1
+
+    def hooks(self, x):
+        """The saved-tensor hooks for the checkpoint of one layer whose input is x (B, T, H). They
+        recognise x by its address and shape: autograd keeps the hooks as long as what they saved,
+        so a reference to x inside them would keep x on the GPU."""
+        self.layer_input = (x.data_ptr(), x.shape)
+        return torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+
+    def end(self):
+        """End a forward: the last layer's input stays on the GPU, since backward needs it first."""
+        if self.saved and self.leaving:
+            self.saved[-1].gpu = self.leaving[-1][0]
+
+    def _pack(self, t):
+        if (t.data_ptr(), t.shape) != self.layer_input:
+            return t  # the RoPE tables and the mask: shared by every layer, they cost nothing to keep
+        saved = _Saved(len(self.saved), self._host_view(len(self.saved), t), self.step, t.is_cuda)
+        self.saved.append(saved)
+        if not t.is_cuda:
+            saved.host.copy_(t)
+            return saved
+        self._release()  # the previous layer's input: its copy has had this layer's compute to finish
+        stream = self._stream(t.device)
+        stream.wait_stream(torch.cuda.current_stream(t.device))  # t is complete once this layer has run
+        with torch.cuda.stream(stream):
+            saved.host.copy_(t, non_blocking=True)
+            done = stream.record_event()
+        self.leaving.append((t, done))  # t must outlive the copy: the compute stream waits for it first
+        return saved
+
+    def _unpack(self, saved):
+        if not isinstance(saved, _Saved):
+            return saved
+        if saved.step != self.step:
+            raise RuntimeError("activation offload keeps the layer inputs of one forward at a time: run "
+                               "backward before the next forward (or turn off offload_activations)")
+        if not saved.cuda:
+            return saved.host
+        compute = torch.cuda.current_stream()
+        self._release()  # the copies out are long done; the compute stream must wait for them before reuse
+        if saved.gpu is None:  # not prefetched (a second backward through a retained graph)
+            self._fetch(saved)
+        if saved.ready is not None:
+            compute.wait_event(saved.ready)
+        x, saved.gpu, saved.ready = saved.gpu, None, None
+        if saved.index > 0:
+            self._fetch(self.saved[saved.index - 1])  # the next layer backward will need
+        return x
+
+    def _fetch(self, saved):
+        """Start copying a layer input back to the GPU on the copy stream."""
+        compute = torch.cuda.current_stream()
+        gpu = torch.empty(saved.host.shape, dtype=saved.host.dtype, device=compute.device)
+        stream = self._stream(compute.device)
+        stream.wait_stream(compute)  # the memory of `gpu` may have been in use until now
+        with torch.cuda.stream(stream):
+            gpu.copy_(saved.host, non_blocking=True)
+            saved.ready = stream.record_event()
+        saved.gpu = gpu
+
+    def _release(self):
+        """The compute stream waits for every copy out, after which those GPU tensors may be freed."""
+        for t, done in self.leaving:
+            torch.cuda.current_stream(t.device).wait_event(done)
+        self.leaving = []
+
+    def _host_view(self, i, t):
+        """A (B, T, H) view of layer i's CPU buffer, made or grown (at least doubled) when too small."""
+        buf = self.buffers.get(i)
+        if buf is None or buf.numel() < t.numel() or buf.dtype != t.dtype:
+            size = t.numel() if buf is None or buf.dtype != t.dtype else max(t.numel(), 2 * buf.numel())
+            buf = self.buffers[i] = torch.empty(size, dtype=t.dtype, pin_memory=t.is_cuda)
+            self.kept.append(buf)
+        return buf[:t.numel()].view(t.shape)
+
+    def _stream(self, device):
+        if self.stream is None:
+            self.stream = torch.cuda.Stream(device)
+        return self.stream

@@ -1,0 +1,147 @@
+"""Activation offload (model/offload.py): checkpointed layer inputs kept in CPU memory.
+
+On CPU: the same loss and gradients as checkpointing alone, buffers kept from step to step and
+grown for a longer batch, and a clear error when a second forward would overwrite the inputs a
+pending backward needs. On GPU (`pytest -m gpu`): the same results through the side-stream copies,
+and a peak memory that holds about two layer inputs instead of all of them.
+"""
+import weakref
+
+import pytest
+import torch
+
+from model import LoRAConfig, ModelConfig, Transformer, load_model
+from model.lora import lora_parameters
+from tests.helpers import randomize_lora_b, rel_err
+
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def _batch(vocab, B, T, device, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab, (B, T + 1), generator=g).to(device)
+    return ids[:, :-1], ids[:, 1:]
+
+
+def _loss_and_grads(model, ids, targets):
+    model.zero_grad(set_to_none=True)
+    loss = model(ids, targets=targets)
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in lora_parameters(model)}
+
+
+def _modes(model, ids, targets):
+    """loss and LoRA gradients without checkpointing, with it, and with it and offload."""
+    out = {}
+    for mode in ("off", "on", "offload"):
+        model.gradient_checkpointing = mode != "off"
+        model.offload_activations = mode == "offload"
+        out[mode] = _loss_and_grads(model, ids, targets)
+    return out
+
+
+def _assert_same(out, tol):
+    for mode in ("on", "offload"):
+        assert rel_err(out[mode][0], out["off"][0]) < tol, mode
+        for n, g in out["off"][1].items():
+            assert rel_err(out[mode][1][n], g) < tol, (mode, n)
+
+
+def test_offload_gives_the_checkpointed_results(llama_folder):
+    model, cfg = load_model(llama_folder, lora=LoRAConfig(r=4, alpha=8))
+    randomize_lora_b(model)
+    ids, targets = _batch(cfg.vocab_size, 2, 24, "cpu")
+    out = _modes(model, ids, targets)
+    _assert_same(out, 1e-6)
+    assert torch.equal(out["offload"][0], out["on"][0])
+
+
+@pytest.mark.parametrize("offload", [False, True])
+def test_offloaded_inputs_are_freed_after_forward(llama_folder, offload):
+    """Checkpointing alone keeps the second layer's input alive until backward; offload lets it go."""
+    model, cfg = load_model(llama_folder, lora=LoRAConfig(r=4), gradient_checkpointing=True,
+                            offload_activations=offload)
+    inputs = []
+    model.model.layers[1].register_forward_pre_hook(lambda _, args: inputs.append(weakref.ref(args[0])))
+    ids, targets = _batch(cfg.vocab_size, 2, 16, "cpu")
+    loss = model(ids, targets=targets)
+    assert (inputs[0]() is None) == offload
+    loss.backward()
+
+
+def test_offload_buffers_are_kept_and_grown(llama_folder):
+    """Every step reuses the layer buffers; a longer batch grows them (at least doubled), a shorter one fits."""
+    model, cfg = load_model(llama_folder, lora=LoRAConfig(r=4), gradient_checkpointing=True,
+                            offload_activations=True)
+    off = model.offload
+    _loss_and_grads(model, *_batch(cfg.vocab_size, 2, 16, "cpu"))
+    first = dict(off.buffers)
+    assert sorted(first) == list(range(cfg.n_layers))
+    assert all(b.numel() == 2 * 16 * cfg.hidden_size for b in first.values())
+    _loss_and_grads(model, *_batch(cfg.vocab_size, 2, 16, "cpu", seed=1))
+    assert all(off.buffers[i] is b for i, b in first.items())
+    _loss_and_grads(model, *_batch(cfg.vocab_size, 2, 20, "cpu"))
+    assert all(off.buffers[i].numel() == 2 * first[i].numel() for i in first)
+    grown = dict(off.buffers)
+    _loss_and_grads(model, *_batch(cfg.vocab_size, 1, 8, "cpu"))
+    assert all(off.buffers[i] is b for i, b in grown.items())
+
+
+def test_a_second_forward_before_backward_is_refused(llama_folder):
+    """The buffers hold one forward's inputs: backward through an older forward would read the newer ones."""
+    model, cfg = load_model(llama_folder, lora=LoRAConfig(r=4), gradient_checkpointing=True,
+                            offload_activations=True)
+    ids, targets = _batch(cfg.vocab_size, 2, 16, "cpu")
+    first = model(ids, targets=targets)
+    model(ids.flip(1), targets=targets)
+    with pytest.raises(RuntimeError, match="run backward before the next forward"):
+        first.backward()
+
+
+def test_offload_without_checkpointing_keeps_nothing(llama_folder):
+    """offload_activations acts on the checkpointed inputs only: without checkpointing it is a no-op."""
+    model, cfg = load_model(llama_folder, lora=LoRAConfig(r=4), offload_activations=True)
+    _loss_and_grads(model, *_batch(cfg.vocab_size, 2, 16, "cpu"))
+    assert model.offload.buffers == {}
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_cuda_offload_gives_the_checkpointed_results(llama_folder, dtype):
+    model, cfg = load_model(llama_folder, dtype=dtype, device="cuda", lora=LoRAConfig(r=4, alpha=8),
+                            use_kernels=True)
+    randomize_lora_b(model)
+    ids, targets = _batch(cfg.vocab_size, 2, 256, "cuda")
+    out = _modes(model, ids, targets)
+    _assert_same(out, 1e-5 if dtype == torch.float32 else 2e-2)
+    assert torch.equal(out["offload"][0], out["on"][0])  # the same kernels on the same inputs
+    for n, g in out["on"][1].items():
+        assert torch.equal(out["offload"][1][n], g), n
+    assert all(b.is_pinned() for b in model.offload.buffers.values())
+
+
+@pytest.mark.gpu
+@gpu
+def test_cuda_offload_lowers_peak_memory():
+    """With 16 layers whose inputs dominate, offload keeps about two of them on the GPU, not sixteen."""
+    cfg = ModelConfig(vocab_size=512, hidden_size=256, intermediate_size=512, n_layers=16, n_heads=4,
+                      n_kv_heads=2, head_dim=64)
+    torch.manual_seed(0)
+    model = Transformer(cfg, lora=LoRAConfig(r=4), use_kernels=True, gradient_checkpointing=True).cuda()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.02)
+    for n, p in model.named_parameters():
+        p.requires_grad_("lora_" in n)
+    ids, targets = _batch(cfg.vocab_size, 8, 2048, "cuda")
+    layer_input = 8 * 2048 * cfg.hidden_size * 4  # fp32: 16 MiB
+    peaks = {}
+    for offload in (True, False, True):  # the first step warms up (cuBLAS workspace, buffers); the last counts
+        model.offload_activations = offload
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        model(ids, targets=targets).backward()
+        torch.cuda.synchronize()
+        peaks[offload] = torch.cuda.max_memory_allocated()
+    assert peaks[False] - peaks[True] > 10 * layer_input, (peaks, layer_input)
