@@ -18,10 +18,13 @@ therefore exist before the capture and are zeroed in place between optimizer ste
 numbers at every replay (PyTorch's CUDA generator advances its offset per replay).
 
 Shapes: a graph holds one batch shape. Packed rows always have [B, max_len]; a padded batch
-is padded further to its length bucket (a multiple of BUCKET tokens, at most max_len), so a
-run captures at most max_len / BUCKET graphs, lazily, all in one memory pool. The extra
+is padded further to its length bucket (a multiple of BUCKET tokens, at most max_len). The extra
 padding is one more stretch of the row's padding document: no target, no attention from
 real tokens, so the loss and gradients are those of the unpadded batch (to rounding).
+The documents of a batch (model.transformer.documents: where each starts, for flash attention's
+variable-length kernels) are bucketed too: their count is padded with empty documents to a power
+of two and their longest length rounded up to one, both part of the graph's key. A run thus
+captures a few graphs, lazily, all in one memory pool.
 
 Capture needs a warm-up on a side stream first (lazy initialisation, Triton and
 torch.compile builds, cuBLAS workspaces must not happen inside a capture). The warm-up
@@ -31,6 +34,7 @@ the first replay.
 import torch
 
 import data
+from model.transformer import Documents, documents
 
 BUCKET = 64  # padded batches are padded to a multiple of this many tokens (one graph per multiple)
 WARMUP = 2  # eager runs on a side stream before a capture
@@ -38,7 +42,8 @@ WARMUP = 2  # eager runs on a side stream before a capture
 
 class EagerStep:
     """The reference: forward and backward issued from Python every time. `batch` may be on the CPU;
-    its position_ids and doc_ids may be None (one causal sequence per row)."""
+    its position_ids and doc_ids may be None (one causal sequence per row). It may hold "docs", the
+    Documents of its doc_ids; otherwise they are computed here, from the doc_ids where they are."""
 
     graphed = False
 
@@ -46,9 +51,12 @@ class EagerStep:
         self.forward, self.device = forward, device
 
     def __call__(self, batch, num_targets, loss_mult):
-        batch = {k: None if v is None else v.to(self.device, non_blocking=True) for k, v in batch.items()}
+        if "docs" not in batch:
+            batch = {**batch, "docs": None if batch["doc_ids"] is None else documents(batch["doc_ids"])}
+        batch = {k: None if v is None else v.to(self.device) if k == "docs" else v.to(self.device, non_blocking=True)
+                 for k, v in batch.items()}
         loss = self.forward(batch["input_ids"], batch["position_ids"], batch["doc_ids"], targets=batch["targets"],
-                            num_targets=num_targets)
+                            num_targets=num_targets, docs=batch["docs"])
         assert loss.dtype == torch.float32, f"loss must be float32, got {loss.dtype}"
         (loss * loss_mult).backward()
         return loss.detach()
@@ -58,7 +66,10 @@ class _Graph:
     """One captured micro-step for one batch shape, with its static input and output buffers."""
 
     def __init__(self, batch, dev):
-        self.batch = {k: None if v is None else torch.empty_like(v, device=dev) for k, v in batch.items()}
+        self.batch = {k: None if v is None else torch.empty_like(v, device=dev) for k, v in batch.items() if k != "docs"}
+        docs = batch["docs"]  # its max_len is a number inside the graph: part of the graph's key
+        self.batch["docs"] = None if docs is None else Documents(torch.empty_like(docs.cu_seqlens, device=dev),
+                                                                 docs.max_len)
         self.num_targets = torch.zeros((), dtype=torch.float32, device=dev)
         self.loss_mult = torch.ones((), dtype=torch.float32, device=dev)
         self.graph = torch.cuda.CUDAGraph()
@@ -66,7 +77,9 @@ class _Graph:
 
     def load(self, batch, num_targets, loss_mult):
         for k, v in batch.items():
-            if v is not None:
+            if k == "docs" and v is not None:
+                self.batch[k].cu_seqlens.copy_(v.cu_seqlens, non_blocking=True)
+            elif v is not None:
                 self.batch[k].copy_(v, non_blocking=True)
         self.num_targets.fill_(num_targets)
         self.loss_mult.fill_(loss_mult)
@@ -83,7 +96,7 @@ class GraphStep:
         self.params = list(params)
         self.max_len = max_len
         self.log = log  # says once why the run goes on eagerly, if a capture fails
-        self.graphs = {}  # (B, T) -> _Graph
+        self.graphs = {}  # (B, T[, documents + 1, their max_len]) -> _Graph
         self.pool = None  # one memory pool for every graph: they never run at the same time
         self.failed = False
 
@@ -91,7 +104,9 @@ class GraphStep:
         if self.failed:
             return self.eager(batch, num_targets, loss_mult)
         batch = pad_to_bucket(batch, self.max_len)
-        shape = tuple(batch["input_ids"].shape)
+        docs = None if batch["doc_ids"] is None else documents(batch["doc_ids"], bucket=True)
+        batch = {**batch, "docs": docs}
+        shape = (*batch["input_ids"].shape, *(() if docs is None else (len(docs.cu_seqlens), docs.max_len)))
         g = self.graphs.get(shape)
         if g is None:
             try:

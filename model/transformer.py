@@ -13,17 +13,19 @@ Packed sequences: `forward` takes `position_ids` [B, T] (restarting at 0 for eve
 document) and `doc_ids` [B, T] (the document index of every token). A query attends
 only to earlier keys of the same document (and, on sliding layers, within the window).
 Every token can see itself, so no softmax row is ever fully masked: padding is given a
-document id of its own and never produces NaN.
+document id of its own and never produces NaN. On a GPU in fp16/bf16 the documents run through
+flash attention's variable-length kernels (`Documents`, `DocumentMask`); elsewhere through a dense
+boolean mask.
 """
 import math
 from contextlib import nullcontext
 from functools import partial
+from typing import NamedTuple
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
-from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 from torch.utils.checkpoint import checkpoint
 
 from kernels.references import (fused_linear_cross_entropy_reference, geglu_reference, rms_norm_reference,
@@ -124,46 +126,107 @@ def attention_mask(T, window, device, doc_ids=None, start=0):
     return (keep & same_doc)[:, None]
 
 
-def flex_block_mask(doc_ids, window):
-    """The same mask as `attention_mask`, as a FlexAttention BlockMask: O(T) memory, and blocks
-    that are fully masked (other documents, outside the window) are skipped, not computed."""
+class Documents(NamedTuple):
+    """The documents of a batch for flash attention's variable-length kernels: the rows (B, T) are
+    flattened to B*T tokens, and document i holds tokens cu_seqlens[i] to cu_seqlens[i + 1] - 1."""
+    cu_seqlens: torch.Tensor  # int32 (n + 1,): 0, each later document's start, B*T (repeated: empty documents)
+    max_len: int  # no document is longer; it sizes the kernels' grid
+
+    def to(self, device):
+        return Documents(self.cu_seqlens.to(device, non_blocking=True), self.max_len)
+
+
+def documents(doc_ids, bucket=False) -> Documents:
+    """The Documents of doc_ids (B, T), on doc_ids' device (for a GPU tensor: one host sync). A document
+    starts at every row and wherever doc_ids changes along a row. bucket: the count of documents is
+    padded with empty ones up to a power of two, and max_len rounded up to one (at most T), so that
+    one CUDA graph (step.py) serves every batch of the same bucket."""
     B, T = doc_ids.shape
+    start = torch.ones(B, T, dtype=torch.bool, device=doc_ids.device)
+    start[:, 1:] = doc_ids[:, 1:] != doc_ids[:, :-1]
+    starts = start.flatten().nonzero().flatten()
+    cu = torch.cat([starts, starts.new_tensor([B * T])])
+    longest = int((cu[1:] - cu[:-1]).max())
+    if bucket:
+        n = len(starts)
+        cu = torch.cat([cu, cu.new_full(((1 << (n - 1).bit_length()) - n,), B * T)])
+        longest = min(T, 1 << (longest - 1).bit_length())
+    return Documents(cu.to(torch.int32), longest)
 
-    def keep(b, h, q, kv):
-        ok = (kv <= q) & (doc_ids[b, q] == doc_ids[b, kv])
-        return ok & (q - kv < window) if window is not None else ok
 
-    return create_block_mask(keep, B, None, T, T, device=doc_ids.device)
+class DocumentMask(NamedTuple):
+    """Causal attention within each document (and, with a window, to the last `window` tokens),
+    run by flash attention's variable-length kernels: no mask tensor, no compilation."""
+    documents: Documents
+    window: int | None
 
 
-# FlexAttention is fast only when compiled: one fused kernel for any mask and score_mod.
-_flex_attention = torch.compile(flex_attention, dynamic=False)
+class _VarlenAttention(torch.autograd.Function):
+    """softmax(q kᵀ · scale + causal/document/window mask) v, per document, through PyTorch's flash
+    attention kernels for variable-length sequences (aten._flash_attention_forward / _backward with
+    cu_seqlens, Dao 2023 "FlashAttention-2"). q (N, Hq, D); k, v (N, Hk, D), Hk dividing Hq (grouped
+    kv heads are native); fp16 or bf16. The kernels' logsumexp is saved, and backward recomputes
+    the scores from q and k: no (T, T) tensor ever exists."""
 
-# SDPA backends in order of preference (the first that supports the inputs runs). Flash takes
-# plain causal attention, memory-efficient attention a dense mask. cuDNN comes after them because
-# its calls with a mask cost far more CPU time per call, which a CPU-bound step pays for in full
-# (docs/perf-notes.md, "SDPA backend order").
-SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION,
-                 SDPBackend.MATH]
+    @staticmethod
+    def forward(ctx, q, k, v, documents, scale, window):
+        assert q.dtype in (torch.float16, torch.bfloat16) and k.dtype == v.dtype == q.dtype, (q.dtype, k.dtype, v.dtype)
+        cu, n = documents.cu_seqlens, documents.max_len
+        left = None if window is None else window - 1  # keys at most window - 1 positions back
+        out, lse, rng, unused, _ = torch.ops.aten._flash_attention_forward(
+            q, k, v, cu, cu, n, n, 0.0, True, False, scale=scale, window_size_left=left)
+        ctx.save_for_backward(q, k, v, out, lse, cu, rng, unused)
+        ctx.max_len, ctx.scale, ctx.left = n, scale, left
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse, cu, rng, unused = ctx.saved_tensors
+        assert dout.dtype == q.dtype, f"gradient of the attention output: expected {q.dtype}, got {dout.dtype}"
+        n = ctx.max_len
+        dq, dk, dv = torch.ops.aten._flash_attention_backward(
+            dout.contiguous(), q, k, v, out, lse, cu, cu, n, n, 0.0, True, rng, unused, scale=ctx.scale,
+            window_size_left=ctx.left)
+        assert dq.dtype == dk.dtype == dv.dtype == q.dtype, (dq.dtype, dk.dtype, dv.dtype)
+        return dq, dk, dv, None, None, None
+
+
+def varlen_supported(device, dtype, head_dim):
+    """Whether flash attention's variable-length kernels take these inputs: an Ampere or newer NVIDIA
+    GPU, fp16/bf16, head_dim a multiple of 8 up to 256."""
+    return (device.type == "cuda" and dtype in (torch.float16, torch.bfloat16) and head_dim % 8 == 0
+            and head_dim <= 256 and torch.cuda.get_device_capability(device) >= (8, 0))
+
+
+# SDPA backends in order of preference (the first that supports the inputs runs). Plain causal rows:
+# cuDNN's attention kernels first, faster than flash's on Hopper (docs/perf-notes.md, "attention
+# kernels"). A dense mask: memory-efficient attention first (cuDNN with a mask is slower, and flash
+# takes no mask).
+CAUSAL_BACKENDS = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
+                   SDPBackend.MATH]
+MASKED_BACKENDS = [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION, SDPBackend.MATH]
 
 
 def attend(q, k, v, mask, scale, softcap):
     """Softmax attention. q (B, Hq, T, D); k, v (B, Hk, S, D), S >= T (S > T after a KV cache).
 
-    mask: None (plain causal, S = T), a bool (B or 1, 1, T, S) tensor, or a FlexAttention BlockMask
-    (GPU). SDPA is used wherever it is exact. Softcapping (Gemma 2) is a non-linearity on the scores
+    mask: None (plain causal, S = T), a bool (B or 1, 1, T, S) tensor, or a DocumentMask (GPU, fp16/bf16).
+    SDPA is used wherever it is exact. Softcapping (Gemma 2) is a non-linearity on the scores
     that SDPA cannot express (transformers' sdpa path silently drops it; this one never does),
     so those scores are computed explicitly.
     """
-    if isinstance(mask, BlockMask):
-        return _flex_attention(q, k, v, block_mask=mask, scale=scale, enable_gqa=True)
+    if isinstance(mask, DocumentMask):
+        B, Hq, T, D = q.shape
+        flat = lambda t: t.transpose(1, 2).reshape(B * T, t.shape[1], D)  # noqa: E731 (B*T, heads, D), a view
+        y = _VarlenAttention.apply(flat(q), flat(k), flat(v), mask.documents, scale, mask.window)
+        return y.view(B, T, Hq, D).transpose(1, 2)
     if softcap is None and mask is None:
-        with sdpa_kernel(SDPA_BACKENDS, set_priority=True):
+        with sdpa_kernel(CAUSAL_BACKENDS, set_priority=True):
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
     rep = q.shape[1] // k.shape[1]  # the kernels that take a mask do not take grouped kv heads
     k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
     if softcap is None:
-        with sdpa_kernel(SDPA_BACKENDS, set_priority=True):
+        with sdpa_kernel(MASKED_BACKENDS, set_priority=True):
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
     s = (q @ k.transpose(-1, -2)) * scale  # (B, Hq, T, S)
     s = softcap * torch.tanh(s / softcap)
@@ -279,30 +342,33 @@ class Transformer(nn.Module):
         self.offload_activations = offload_activations  # with checkpointing: keep layer inputs in pinned CPU memory
         self.offload = ActivationOffload()  # its CPU buffers, made on first use and kept from step to step
 
-    def layer_mask(self, layer_type, doc_ids, shape, start, device):
+    def varlen(self, device, dtype):
+        """Whether document and window masks run as flash attention's variable-length kernels here
+        (not with a softcap, which those kernels do not apply: see `attend`)."""
+        return self.config.attn_softcap is None and varlen_supported(device, dtype, self.config.head_dim)
+
+    def layer_mask(self, layer_type, doc_ids, docs, shape, start, device, dtype):
         """The attention mask of one layer type for input_ids of `shape` (B, T), in the form
-        `attend` runs fastest."""
+        `attend` runs fastest. docs: the Documents of doc_ids where `varlen` holds, else None."""
         cfg = self.config
         B, T = shape
         window = cfg.sliding_window if layer_type == "sliding" else None
         window = window if window is not None and window < start + T else None  # None: it masks nothing
         if start > 0:  # queries after a KV cache's positions: an explicit mask
             return attention_mask(T, window, device, start=start)
-        # FlexAttention for document/window masks on GPU. Not with a softcap: a softcap score_mod
-        # inside gradient checkpointing does not trace (docs/perf-notes.md), so those layers take
-        # the explicit path in `attend`. FlexAttention's compiled kernel works in blocks of 128
-        # tokens: other lengths (padded batches) take SDPA with a dense mask, O(T^2) bools but
-        # no O(T^2) scores. Its kernels need a head_dim of at least 16 (tiny test models have 8).
-        if (device.type == "cuda" and cfg.attn_softcap is None and T % 128 == 0 and cfg.head_dim >= 16
-                and (doc_ids is not None or window is not None)):
-            docs = doc_ids if doc_ids is not None else torch.zeros(B, T, dtype=torch.long, device=device)
-            return flex_block_mask(docs, window)
         if doc_ids is None and window is None:
-            return None  # plain causal: SDPA's fast (flash) path
-        return attention_mask(T, window, device, doc_ids)
+            return None  # plain causal: SDPA's fastest kernels
+        if self.varlen(device, dtype):  # documents and windows without an O(T^2) mask
+            if docs is None:  # every row one document
+                docs = Documents(torch.arange(0, B * T + 1, T, dtype=torch.int32, device=device), T)
+            return DocumentMask(docs, window)
+        return attention_mask(T, window, device, doc_ids)  # CPU, fp32, softcap: SDPA or explicit, dense mask
 
-    def hidden_states(self, input_ids, position_ids=None, doc_ids=None, cache=None):
+    def hidden_states(self, input_ids, position_ids=None, doc_ids=None, cache=None, docs=None):
         """Final-norm hidden states (B, T, H).
+
+        docs: `documents(doc_ids)` on the model's device, or None to compute them here when needed
+        (a host sync; a CUDA graph's step passes them in, see step.py).
 
         cache: a `KVCache` (model/generate.py) holding the earlier positions of these rows, or None.
         With one, input_ids continue those positions (position_ids default to them) and their
@@ -316,10 +382,12 @@ class Transformer(nn.Module):
         x = self.model.embed_tokens(input_ids)  # (B, T, H)
         if cfg.embed_scale != 1.0:  # Gemma; rounded to the activation dtype as in the reference
             x = x * torch.tensor(cfg.embed_scale, dtype=x.dtype)
+        if docs is None and doc_ids is not None and start == 0 and self.varlen(dev, x.dtype):
+            docs = documents(doc_ids)
         tables, masks = {}, {}
         for t in set(cfg.layer_types):
             tables[t] = rope_cos_sin(position_ids, rope_inv_freq(cfg, t, dev), x.dtype)
-            masks[t] = self.layer_mask(t, doc_ids, (B, T), start, dev)
+            masks[t] = self.layer_mask(t, doc_ids, docs, (B, T), start, dev, x.dtype)
         # Recomputing a layer would append its keys and values to a cache a second time.
         recompute = self.gradient_checkpointing and torch.is_grad_enabled() and cache is None
         if recompute and not x.requires_grad:
@@ -350,7 +418,7 @@ class Transformer(nn.Module):
         return logits if c is None else c * torch.tanh(logits / c)
 
     def forward(self, input_ids, position_ids=None, doc_ids=None, targets=None, num_targets=None,
-                ignore_index=-100, cache=None):
+                ignore_index=-100, cache=None, docs=None):
         """Logits (B, T, V) when `targets` is None.
 
         With `targets` (B, T), already shifted (targets[b, t] is the token that position t
@@ -358,9 +426,9 @@ class Transformer(nn.Module):
         Σ token losses / num_targets without materializing the logits. `num_targets`
         defaults to the count in this batch; the training loop passes the count of the
         whole optimizer step so that micro-batches are weighted by tokens.
-        cache: see `hidden_states` (generation, model/generate.py).
+        cache, docs: see `hidden_states` (generation, model/generate.py; the training step).
         """
-        h = self.hidden_states(input_ids, position_ids, doc_ids, cache)
+        h = self.hidden_states(input_ids, position_ids, doc_ids, cache, docs)
         if targets is None:
             return self.logits(h)
         return self.ops.linear_cross_entropy(

@@ -1,7 +1,7 @@
 """The training micro-step (step.py): eager on CPU, and the CUDA-graph replay against eager on GPU.
 
 The eager step is the reference. On CPU: bucket padding leaves the loss and gradients unchanged.
-On GPU (`pytest -m gpu`, a Llama 3-shaped tiny model whose head_dim takes FlexAttention): a replayed step gives the eager step's loss, gradients and updated LoRA
+On GPU (`pytest -m gpu`, a Llama 3-shaped tiny model): a replayed step gives the eager step's loss, gradients and updated LoRA
 weights, for packed and padded batches, with and without checkpointing (and activation offload), in fp32, bf16 and fp16
 (with a loss scale), with dropout, and across a change of length bucket.
 """
@@ -12,6 +12,7 @@ import data
 import step
 from model import LoRAConfig, load_model
 from model.lora import lora_parameters
+from model.transformer import documents
 from tests.helpers import randomize_lora_b, rel_err
 from tests.tiny_models import save_tiny
 
@@ -82,6 +83,21 @@ def test_bucket_never_exceeds_max_len():
     assert step.pad_to_bucket(batch, max_len=70)["input_ids"].shape[1] == 70
 
 
+def test_documents_of_packed_and_padded_rows():
+    """A document starts at every row and wherever doc_ids changes; bucketing pads the count with empty
+    documents to a power of two and rounds the longest length up to one, never past the row length."""
+    doc_ids = torch.tensor([[0, 0, 0, 1, 1, 2, 2, 2, 2, 2], [0, 0, 0, 0, 0, 0, 0, 1, 1, 1]])
+    docs = documents(doc_ids)
+    assert docs.cu_seqlens.tolist() == [0, 3, 5, 10, 17, 20] and docs.max_len == 7
+    assert docs.cu_seqlens.dtype == torch.int32, "flash attention's kernels read int32 offsets"
+    docs = documents(doc_ids, bucket=True)
+    assert docs.cu_seqlens.tolist() == [0, 3, 5, 10, 17, 20, 20, 20, 20] and docs.max_len == 8
+    docs = documents(torch.zeros(3, 10, dtype=torch.long), bucket=True)
+    assert docs.cu_seqlens.tolist() == [0, 10, 20, 30, 30] and docs.max_len == 10
+    batch = _padded(64, [37, 50, 21])  # each row: its example, then its padding as a document of its own
+    assert documents(batch["doc_ids"]).cu_seqlens.tolist() == [0, 37, 50, 100, 121, 150]
+
+
 def test_eager_step_accumulates_into_grads(run_model):
     """Two micro-steps add their gradients, as the optimizer step's grad accumulation needs."""
     model, params = _model(run_model, "cpu")
@@ -150,7 +166,7 @@ def test_graph_step_across_bucket_changes(llama_folder):
         assert abs(loss_g - loss_e) < 1e-5 * abs(loss_e)
         for ge, gg in zip(grads_e, grads_g):
             assert rel_err(gg, ge) < 1e-5
-    assert sorted(graph.graphs) == [(2, 64), (2, 128), (2, 192)]
+    assert [key[:2] for key in sorted(graph.graphs)] == [(2, 64), (2, 128), (2, 192)]  # (B, T, documents...)
 
 
 @pytest.mark.gpu
