@@ -38,6 +38,20 @@ def _packed_batch(vocab, B=2, lens=((13, 11, 8), (20, 12))):
 LENGTHS = {"long": ((60, 40, 28), (100, 20)), "short": ((13, 11, 8), (20, 7))}
 
 
+def _cpu_and_cuda(folder, batch, cuda_dtype, use_kernels):
+    """{device: (loss, LoRA grads)} of one packed batch: the fp32 CPU reference, and CUDA in cuda_dtype."""
+    ids, pos, doc, targets = batch
+    out = {}
+    for dev, dtype, kern in (("cpu", torch.float32, False), ("cuda", cuda_dtype, use_kernels)):
+        model, _ = load_model(folder, device=dev, dtype=dtype, lora=LoRAConfig(r=4, alpha=8), use_kernels=kern,
+                              lora_seed=1)
+        randomize_lora_b(model)
+        loss = model(ids.to(dev), pos.to(dev), doc.to(dev), targets=targets.to(dev))
+        loss.backward()
+        out[dev] = (loss.detach().cpu(), {n: p.grad.cpu() for n, p in lora_parameters(model)})
+    return out
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("use_kernels", [False, True])
 @pytest.mark.parametrize("path", ["long", "short"])
@@ -45,15 +59,7 @@ def test_cuda_packed_matches_cpu_reference(family, use_kernels, path, tmp_path):
     """Packed and padded rows (document masks, softcap and sliding window on GPU) give the CPU
     reference's loss and LoRA gradients in fp32."""
     save_tiny(family, str(tmp_path))
-    lora = LoRAConfig(r=4, alpha=8)
-    ids, pos, doc, targets = _packed_batch(256, lens=LENGTHS[path])
-    out = {}
-    for dev, kern in (("cpu", False), ("cuda", use_kernels)):
-        model, _ = load_model(str(tmp_path), device=dev, lora=lora, use_kernels=kern, lora_seed=1)
-        randomize_lora_b(model)
-        loss = model(ids.to(dev), pos.to(dev), doc.to(dev), targets=targets.to(dev))
-        loss.backward()
-        out[dev] = (loss.detach().cpu(), {n: p.grad.cpu() for n, p in lora_parameters(model)})
+    out = _cpu_and_cuda(str(tmp_path), _packed_batch(256, lens=LENGTHS[path]), torch.float32, use_kernels)
     assert rel_err(out["cuda"][0], out["cpu"][0]) < 1e-4
     for n, g in out["cpu"][1].items():
         assert rel_err(out["cuda"][1][n], g) < 2e-3, n  # tf32 reductions on GPU
@@ -146,15 +152,7 @@ def test_cuda_bf16_packed_loss_matches_cpu_reference(family, tmp_path):
     """In bf16 on GPU (documents and windows through the variable-length kernels, softcapped layers
     through explicit scores) the loss and LoRA gradients of packed rows follow the fp32 CPU reference."""
     save_tiny(family, str(tmp_path))
-    ids, pos, doc, targets = _packed_batch(256, lens=LENGTHS["long"])
-    out = {}
-    for dev, dtype in (("cpu", torch.float32), ("cuda", torch.bfloat16)):
-        model, _ = load_model(str(tmp_path), device=dev, dtype=dtype, lora=LoRAConfig(r=4, alpha=8),
-                              use_kernels=dev == "cuda", lora_seed=1)
-        randomize_lora_b(model)
-        loss = model(ids.to(dev), pos.to(dev), doc.to(dev), targets=targets.to(dev))
-        loss.backward()
-        out[dev] = (loss.detach().cpu(), {n: p.grad.cpu() for n, p in lora_parameters(model)})
+    out = _cpu_and_cuda(str(tmp_path), _packed_batch(256, lens=LENGTHS["long"]), torch.bfloat16, True)
     assert rel_err(out["cuda"][0], out["cpu"][0]) < 2e-2
     for n, g in out["cpu"][1].items():
         assert rel_err(out["cuda"][1][n], g) < 1e-1, n
