@@ -107,8 +107,8 @@ class TrainConfig:
                              "graph (step.py), which removes the per-step CPU cost of issuing its kernels. auto: on "
                              "with one CUDA GPU, unless --quantize nf4 or --lora-dropout "
                              "(with dropout, a resume is exact only eagerly). Padded batches are "
-                             "padded further to a multiple of 64 tokens (one graph per length, at most "
-                             "max_len / 64 graphs): at most 63 extra padding tokens per row, which nothing attends "
+                             "padded further to a multiple of 64 tokens, and the count of documents up to a power of two (one "
+                             "graph per such bucket): at most 63 extra padding tokens per row, which nothing attends "
                              "to or predicts"})
     loss_scale: float = field(default=2.0 ** 16, metadata={"help": "fp16: initial dynamic loss scale"})
     scale_growth_interval: int = field(default=200, metadata={"help": "fp16: double the scale after this many good steps"})
