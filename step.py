@@ -43,7 +43,7 @@ WARMUP = 2  # eager runs on a side stream before a capture
 class EagerStep:
     """The reference: forward and backward issued from Python every time. `batch` may be on the CPU;
     its position_ids and doc_ids may be None (one causal sequence per row). It may hold "docs", the
-    Documents of its doc_ids; otherwise they are computed here, from the doc_ids where they are."""
+    Documents of its doc_ids (GraphStep's buffers); otherwise the model computes them where it needs them."""
 
     graphed = False
 
@@ -51,12 +51,10 @@ class EagerStep:
         self.forward, self.device = forward, device
 
     def __call__(self, batch, num_targets, loss_mult):
-        if "docs" not in batch:
-            batch = {**batch, "docs": None if batch["doc_ids"] is None else documents(batch["doc_ids"])}
         batch = {k: None if v is None else v.to(self.device) if k == "docs" else v.to(self.device, non_blocking=True)
                  for k, v in batch.items()}
         loss = self.forward(batch["input_ids"], batch["position_ids"], batch["doc_ids"], targets=batch["targets"],
-                            num_targets=num_targets, docs=batch["docs"])
+                            num_targets=num_targets, docs=batch.get("docs"))
         assert loss.dtype == torch.float32, f"loss must be float32, got {loss.dtype}"
         (loss * loss_mult).backward()
         return loss.detach()
