@@ -21,7 +21,7 @@ Two execution paths, chosen by `Transformer(fused_lora=...)`:
   once, dX summed in one pass) and o in another; `lora_mlp` runs gate, up, the gated
   activation and down in one Function. For backward they save X, the dropped-out inputs
   X̃ (only when dropout is on), gate and up pre-activations G and U, the down-projection
-  dropout mask (bool), the small products X̃Aᵀ [N, r] and the LoRA weights cast to the
+  dropout mask (bool), the small products s·X̃Aᵀ [N, r] and the LoRA weights cast to the
   compute dtype (cast once per forward). They never save a dequantized or cast base
   weight (W is dequantized again in backward and freed after each matmul), nor the
   activation H = act(G) ⊙ U (recomputed from G and U).
@@ -33,11 +33,12 @@ Two execution paths, chosen by `Transformer(fused_lora=...)`:
 
 Backward of one projection, given dY [N, out]:
 
-    dB = s · dYᵀ (X̃ Aᵀ)                  [out, r]   (X̃ Aᵀ saved from forward)
+    dB = s · dYᵀ (X̃ Aᵀ)                  [out, r]   (s X̃ Aᵀ saved from forward)
     dA = s · (dY B)ᵀ X̃                   [r, in]
     dX̃ = s · (dY B) A                    [N, in]
     dX = dY W + dX̃ ⊙ M                   [N, in]
 
+The scale s is the alpha of the GEMMs that make s X̃ Aᵀ and s dY B, never a pass of its own.
 With dropout off X̃ = X and dX̃ is added to dX in place. With it on, X̃ is a separate
 input of the Function (drawn outside it) and autograd applies ⊙ M. Projections sharing
 X (q, k, v) sum their dX into one buffer.
@@ -261,15 +262,28 @@ def _check_grads(ctx, grads):
     return grads
 
 
+def _scaled_mm(a, b, scale):
+    """scale · (a @ b) as one GEMM (scale in its alpha; beta = 0 never reads the output's old values)."""
+    return torch.addmm(a.new_empty(a.shape[0], b.shape[1]), a, b, beta=0, alpha=scale)
+
+
+def _mm_to(a, b, dtype):
+    """a @ b in `dtype`: on CUDA a half-precision product is written in fp32 by the GEMM itself (no
+    rounding to half precision, no cast kernel); elsewhere the product is cast."""
+    if a.is_cuda and a.dtype != dtype:
+        return torch.mm(a, b, out_dtype=dtype)
+    return torch.mm(a, b).to(dtype)
+
+
 def _project(p, x, x_lora, a, b, dtype):
-    """(Y, X̃ Aᵀ, A, B) of one projection in `dtype`, A and B cast to it (saved for backward, so that
+    """(Y, s X̃ Aᵀ, A, B) of one projection in `dtype`, A and B cast to it (saved for backward, so that
     it does not cast them again). The dequantized / cast W is freed on return."""
     y = F.linear(x, p.base_weight().to(dtype), None if p.bias is None else p.bias.to(dtype))  # (N, out)
     if a is None:
         return y, None, None, None
     a, b = a.to(dtype), b.to(dtype)
-    xa = (x if x_lora is None else x_lora) @ a.t()  # (N, r)
-    return y.addmm_(xa, b.t(), alpha=p.scale), xa, a, b
+    xa = _scaled_mm(x if x_lora is None else x_lora, a.t(), p.scale)  # (N, r), s X̃ Aᵀ
+    return y.addmm_(xa, b.t()), xa, a, b
 
 
 def _project_backward(p, dy, x, x_lora, xa, a, b, dx, need, master_dtype):
@@ -281,15 +295,15 @@ def _project_backward(p, dy, x, x_lora, xa, a, b, dx, need, master_dtype):
     if a is None:
         return [None, None, None]
     _expect(a, dy.dtype, f"saved lora_A of {p.name}")
-    dyb = dy @ b  # (N, r)
-    db = torch.mm(dy.t(), xa).mul_(p.scale).to(master_dtype) if need[2] else None
-    da = torch.mm(dyb.t(), x if x_lora is None else x_lora).mul_(p.scale).to(master_dtype) if need[1] else None
+    dyb = _scaled_mm(dy, b, p.scale)  # (N, r), s dY B
+    db = _mm_to(dy.t(), xa, master_dtype) if need[2] else None  # xa holds s X̃ Aᵀ
+    da = _mm_to(dyb.t(), x if x_lora is None else x_lora, master_dtype) if need[1] else None
     dx_lora = None
     if x_lora is None:
         if dx is not None:
-            dx.addmm_(dyb, a, alpha=p.scale)
+            dx.addmm_(dyb, a)
     elif need[0]:
-        dx_lora = torch.mm(dyb, a).mul_(p.scale)  # in the compute dtype, like dx
+        dx_lora = torch.mm(dyb, a)  # in the compute dtype, like dx
     return [dx_lora, da, db]
 
 
