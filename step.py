@@ -64,7 +64,8 @@ class _Graph:
     """One captured micro-step for one batch shape, with its static input and output buffers."""
 
     def __init__(self, batch, dev):
-        self.batch = {k: None if v is None else torch.empty_like(v, device=dev) for k, v in batch.items() if k != "docs"}
+        self.batch = {k: None if v is None else torch.empty_like(v, device=dev)
+                      for k, v in batch.items() if k != "docs"}
         docs = batch["docs"]  # its max_len is a number inside the graph: part of the graph's key
         self.batch["docs"] = None if docs is None else Documents(torch.empty_like(docs.cu_seqlens, device=dev),
                                                                  docs.max_len)

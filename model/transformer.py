@@ -198,10 +198,10 @@ def varlen_supported(device, dtype, head_dim):
             and head_dim <= 256 and torch.cuda.get_device_capability(device) >= (8, 0))
 
 
-# SDPA backends in order of preference (the first that supports the inputs runs). Plain causal rows:
-# cuDNN's attention kernels first, faster than flash's on Hopper (docs/perf-notes.md, "the
-# attention backend under graphs"). A dense mask: memory-efficient attention first (cuDNN with a mask is slower, and flash
-# takes no mask).
+# SDPA backends in order of preference (the first that supports the inputs runs). Plain causal
+# rows: cuDNN's attention kernels first, faster than flash's on Hopper (docs/perf-notes.md, "the
+# attention backend under graphs"). A dense mask: memory-efficient attention first (cuDNN with a
+# mask is slower, and flash takes no mask).
 CAUSAL_BACKENDS = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
                    SDPBackend.MATH]
 MASKED_BACKENDS = [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION, SDPBackend.MATH]

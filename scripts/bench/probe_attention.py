@@ -5,10 +5,13 @@ padded to a power of two), with their largest differences and FlexAttention's fi
 time; then plain causal rows through SDPA's flash, cuDNN and memory-efficient kernels.
 
     python scripts/bench/probe_attention.py            # the tables of docs/perf-notes.md
-    python scripts/bench/probe_attention.py --graph    # capture the varlen fwd + bwd in a CUDA graph
+
+The variable-length kernels under CUDA graphs are tested in the model's step (tests/test_step.py).
 """
 import random
+import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -16,28 +19,11 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 from triton.testing import do_bench
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: `model`
+from model.transformer import Documents, _VarlenAttention  # noqa: E402
+
 flex = torch.compile(flex_attention, dynamic=False)
 dev = "cuda"
-import sys
-GRAPH = "--graph" in sys.argv
-
-
-class Varlen(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, cu, max_len, scale):
-        out, lse, rng, unused, _ = torch.ops.aten._flash_attention_forward(
-            q, k, v, cu, cu, max_len, max_len, 0.0, True, False, scale=scale)
-        ctx.save_for_backward(q, k, v, out, lse, cu, rng, unused)
-        ctx.max_len, ctx.scale = max_len, scale
-        return out
-
-    @staticmethod
-    def backward(ctx, dout):
-        q, k, v, out, lse, cu, rng, unused = ctx.saved_tensors
-        dq, dk, dv = torch.ops.aten._flash_attention_backward(
-            dout.contiguous(), q, k, v, out, lse, cu, cu, ctx.max_len, ctx.max_len, 0.0, True, rng, unused,
-            scale=ctx.scale)
-        return dq, dk, dv, None, None, None
 
 
 def docs_for(B, T, lo, hi, rng):
@@ -104,7 +90,8 @@ def case(name, B, T, Hq, Hk, D, lo, hi, seed=0):
 
     def f_var(cu_, m):
         def f():
-            o = Varlen.apply(q.view(B * T, Hq, D), k.view(B * T, Hk, D), v.view(B * T, Hk, D), cu_, m, scale)
+            o = _VarlenAttention.apply(q.view(B * T, Hq, D), k.view(B * T, Hk, D), v.view(B * T, Hk, D),
+                                       Documents(cu_, m), scale, None)
             o.backward(dout.view(B * T, Hq, D))
             return o.view(B, T, Hq, D)
         return f
@@ -115,52 +102,17 @@ def case(name, B, T, Hq, Hk, D, lo, hi, seed=0):
              (k.grad - gk).abs().max().item(), (v.grad - gv).abs().max().item()]
     q.grad = k.grad = v.grad = None
     p = [q, k, v]
-    if GRAPH:
-        try:
-            graph_check(q, k, v, B, T, lo, hi, seed, cap, cu_pad, f_var)
-        except Exception as e:
-            print(f"   graph failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
-        return
     r = {
         "flex": bench(f_flex, p),
         "varlen max=T": bench(f_var(cu, T), p),
         "varlen max=maxdoc": bench(f_var(cu, maxdoc), p),
         f"varlen padded cu ({len(lengths)}->{cap}) max=T": bench(f_var(cu_pad, T), p),
     }
-    print(f"{name} B{B} T{T} Hq{Hq} Hk{Hk} D{D} docs {len(lengths)} (len {lo}-{hi}, max {maxdoc}) | mask {t_mask*1e3:.0f} ms,"
+    print(f"{name} B{B} T{T} Hq{Hq} Hk{Hk} D{D} docs {len(lengths)} (len {lo}-{hi}, max {maxdoc}) |"
+          f" mask {t_mask*1e3:.0f} ms,"
           f" flex first call {t_first:.2f} s | diff vs flex out/dq/dk/dv {['%.3g' % d for d in diffs]}", flush=True)
     for k_, v_ in r.items():
         print(f"   {k_}: {v_:.3f} ms", flush=True)
-
-
-def graph_check(q, k, v, B, T, lo, hi, seed, cap, cu_pad, f_var):
-    static_cu = cu_pad.clone()
-    f = f_var(static_cu, T)
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for t in (q, k, v):
-            t.grad = torch.zeros_like(t)
-        for _ in range(2):
-            f()
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        og = f()
-    doc2, len2 = docs_for(B, T, lo, hi, random.Random(seed + 1))
-    len2 = len2[:cap] if len(len2) <= cap else None
-    ok = "skipped (more docs than cap)"
-    if len2 is not None:
-        static_cu.copy_(cu_of(len2, cap))
-        q.grad.zero_(); k.grad.zero_(); v.grad.zero_()
-        graph.replay()
-        torch.cuda.synchronize()
-        og2, gq2 = og.clone(), q.grad.clone()
-        q.grad = k.grad = v.grad = None
-        oe = f_var(cu_of(len2), T)()
-        ok = f"replay vs eager max diff out {(og2 - oe).abs().max().item():.3g} dq {(gq2 - q.grad).abs().max().item():.3g}"
-        q.grad = k.grad = v.grad = None
-    print(f"   graph: {ok}", flush=True)
 
 
 def causal(name, B, T, Hq, Hk, D):
@@ -181,19 +133,20 @@ def causal(name, B, T, Hq, Hk, D):
             out[be.name] = f"failed {type(e).__name__}: {str(e)[:100]}"
 
     def fv():
-        o = Varlen.apply(q.transpose(1, 2).reshape(B * T, Hq, D), k.transpose(1, 2).reshape(B * T, Hk, D),
-                         v.transpose(1, 2).reshape(B * T, Hk, D),
-                         torch.arange(0, B * T + 1, T, dtype=torch.int32, device=dev), T, D ** -0.5)
+        o = _VarlenAttention.apply(q.transpose(1, 2).reshape(B * T, Hq, D), k.transpose(1, 2).reshape(B * T, Hk, D),
+                                   v.transpose(1, 2).reshape(B * T, Hk, D),
+                                   Documents(torch.arange(0, B * T + 1, T, dtype=torch.int32, device=dev), T),
+                                   D ** -0.5, None)
         o.backward(dout.transpose(1, 2).reshape(B * T, Hq, D))
     out["varlen (B docs)"] = f"{bench(fv, [q, k, v]):.3f} ms"
     print(f"causal {name} B{B} T{T}: {out}", flush=True)
 
 
 if __name__ == "__main__":
+    if not torch.cuda.is_available():
+        sys.exit("error: probe_attention.py needs a CUDA GPU")
     print(torch.__version__, torch.cuda.get_device_name())
     case("tinyllama", 4, 2048, 32, 4, 64, 20, 120)
-    if GRAPH:
-        sys.exit()
     case("tinyllama", 4, 2048, 32, 4, 64, 100, 1000)
     case("smollm2", 4, 2048, 9, 3, 64, 20, 120)
     case("smollm2", 8, 512, 9, 3, 64, 20, 120)
