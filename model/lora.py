@@ -21,8 +21,8 @@ Two execution paths, chosen by `Transformer(fused_lora=...)`:
   once, dX summed in one pass) and o in another; `lora_mlp` runs gate, up, the gated
   activation and down in one Function. For backward they save X, the dropped-out inputs
   X̃ (only when dropout is on), gate and up pre-activations G and U, the down-projection
-  dropout mask (bool), the small products s·X̃Aᵀ [N, r] and the LoRA weights cast to the
-  compute dtype (cast once per forward). They never save a dequantized or cast base
+  dropout mask (bool), the small products s·X̃Aᵀ [N, Σr] and the LoRA weights cast to the
+  compute dtype (cast once per forward, A stacked per group as below). They never save a dequantized or cast base
   weight (W is dequantized again in backward and freed after each matmul), nor the
   activation H = act(G) ⊙ U (recomputed from G and U).
   Dropout > 0 and biases are supported on this path. Dropout masks are drawn with
@@ -41,7 +41,13 @@ Backward of one projection, given dY [N, out]:
 The scale s is the alpha of the GEMMs that make s X̃ Aᵀ and s dY B, never a pass of its own.
 With dropout off X̃ = X and dX̃ is added to dX in place. With it on, X̃ is a separate
 input of the Function (drawn outside it) and autograd applies ⊙ M. Projections sharing
-X (q, k, v) sum their dX into one buffer.
+X (q, k, v) sum their dX into one buffer, the first product written, the others added.
+
+Adapters that read the same input with the same scale (q, k, v, or gate and up, when dropout is
+off) are stacked: A = [A_q; A_k; A_v] (Σr, in), so that s X Aᵀ (N, Σr), dA = (s dY B)ᵀ X and
+the input's gradient (s dY B) A are one GEMM each for the group, with s dY B = [s dY_q B_q | ...]
+side by side. For a small model these r-wide GEMMs cost their launch more than their arithmetic,
+so fewer, wider ones are faster.
 
 The MLP, with act(g) = g·σ(g) (SwiGLU) or gelu(g) (GeGLU):
 
@@ -67,6 +73,7 @@ backward, where autocast no longer applies, is the classic "expected BFloat16 bu
 Float" failure; tests/test_lora.py reproduces it. Every tensor entering and leaving the
 Functions has its dtype asserted.
 """
+import itertools
 import math
 from dataclasses import dataclass
 from typing import Callable, NamedTuple
@@ -275,36 +282,80 @@ def _mm_to(a, b, dtype):
     return torch.mm(a, b).to(dtype)
 
 
-def _project(p, x, x_lora, a, b, dtype):
-    """(Y, s X̃ Aᵀ, A, B) of one projection in `dtype`, A and B cast to it (saved for backward, so that
-    it does not cast them again). The dequantized / cast W is freed on return."""
-    y = F.linear(x, p.base_weight().to(dtype), None if p.bias is None else p.bias.to(dtype))  # (N, out)
-    if a is None:
-        return y, None, None, None
-    a, b = a.to(dtype), b.to(dtype)
-    xa = _scaled_mm(x if x_lora is None else x_lora, a.t(), p.scale)  # (N, r), s X̃ Aᵀ
-    return y.addmm_(xa, b.t()), xa, a, b
+def _base(p, x, dtype):
+    """X Wᵀ + b of one projection in `dtype`; the dequantized or cast W is freed on return."""
+    return F.linear(x, p.base_weight().to(dtype), None if p.bias is None else p.bias.to(dtype))
 
 
-def _project_backward(p, dy, x, x_lora, xa, a, b, dx, need, master_dtype):
-    """Add dY W into dx (and s (dY B) A when the adapter reads X itself); return [dX̃, dA, dB].
-    a, b: the LoRA weights in dy's dtype; dA, dB come back in `master_dtype`.
-    dx: an (N, in) buffer, or None when nothing needs dX. need: whether dX̃, dA, dB are wanted."""
-    if dx is not None:
-        dx.addmm_(dy, p.base_weight().to(dy.dtype))  # dequantized again, freed on return
-    if a is None:
-        return [None, None, None]
-    _expect(a, dy.dtype, f"saved lora_A of {p.name}")
-    dyb = _scaled_mm(dy, b, p.scale)  # (N, r), s dY B
-    db = _mm_to(dy.t(), xa, master_dtype) if need[2] else None  # xa holds s X̃ Aᵀ
-    da = _mm_to(dyb.t(), x if x_lora is None else x_lora, master_dtype) if need[1] else None
-    dx_lora = None
-    if x_lora is None:
-        if dx is not None:
-            dx.addmm_(dyb, a)
-    elif need[0]:
-        dx_lora = torch.mm(dyb, a)  # in the compute dtype, like dx
-    return [dx_lora, da, db]
+def _base_backward(projs, dys):
+    """Σ_i dY_i W_i, the gradient of the projections' shared input through their base weights. The first
+    product is written and the others added into it (no buffer of zeros); each W is dequantized again and
+    freed after its GEMM."""
+    dx = None
+    for p, dy in zip(projs, dys):
+        w = p.base_weight().to(dy.dtype)
+        dx = torch.mm(dy, w) if dx is None else dx.addmm_(dy, w)
+    return dx
+
+
+def _adapter_groups(projs, x_loras):
+    """The adapted projections (indices into projs), grouped by the input their adapters read: those
+    without dropout read X (one group per scale); one with dropout reads its own X̃ (a group of its own).
+    A group's A matrices are stacked, [A_1; A_2; ...] (Σr, in), so that s X Aᵀ, dA and the input's
+    gradient take one GEMM per group instead of one per projection."""
+    shared, groups = {}, []
+    for i, (p, x_lora) in enumerate(zip(projs, x_loras)):
+        if not p.r:
+            continue
+        if x_lora is not None:
+            groups.append([i])
+        elif p.scale in shared:
+            shared[p.scale].append(i)
+        else:
+            shared[p.scale] = [i]
+            groups.append(shared[p.scale])
+    return groups
+
+
+def _read(group, x_loras, x):
+    """The input the group's adapters read: its X̃ when it is a dropout group, else X."""
+    return x if x_loras[group[0]] is None else x_loras[group[0]]
+
+
+def _columns(projs, group):
+    """Each member's columns in the group's (N, Σr) products."""
+    ends = list(itertools.accumulate(projs[i].r for i in group))
+    return [slice(e - projs[i].r, e) for i, e in zip(group, ends)]
+
+
+def _adapt(ys, projs, group, x, a_masters, b_masters, dtype):
+    """Add s (X Aᵢᵀ) Bᵢᵀ into Y_i for the group's members i, whose adapters read x. Returns what backward
+    needs, in `dtype` (so that it casts nothing again): s X [A_1; A_2; ...]ᵀ (N, Σr), the stacked A
+    (Σr, in), then each B_i."""
+    a = [a_masters[i] for i in group]
+    a = (a[0] if len(a) == 1 else torch.cat(a)).to(dtype)
+    xa = _scaled_mm(x, a.t(), projs[group[0]].scale)
+    bs = [b_masters[i].to(dtype) for i in group]
+    for i, cols, b in zip(group, _columns(projs, group), bs):
+        ys[i].addmm_(xa[:, cols], b.t())
+    return [xa, a, *bs]
+
+
+def _adapt_backward(projs, group, dys, x, xa, bs, need_a, need_b, masters, da, db):
+    """The group's LoRA gradients from its members' dY_i: dA_i and dB_i, in the masters' dtypes, go into
+    da[i] and db[i] where need_a[i], need_b[i] ask for them. Returns s [dY_1 B_1 | dY_2 B_2 | ...]
+    (N, Σr): times the stacked A it is the gradient of the adapters' input, in one GEMM."""
+    cols = _columns(projs, group)
+    dyb = xa.new_empty(xa.shape)
+    for i, c, b in zip(group, cols, bs):
+        dyb[:, c].addmm_(dys[i], b, beta=0, alpha=projs[i].scale)  # beta = 0: the empty buffer is never read
+        if need_b[i]:
+            db[i] = _mm_to(dys[i].t(), xa[:, c], masters[i])  # xa holds s X̃ Aᵀ
+    if any(need_a[i] for i in group):
+        da_stacked = _mm_to(dyb.t(), x, masters[group[0]])  # (Σr, in)
+        for i, c in zip(group, cols):
+            da[i] = da_stacked[c] if need_a[i] else None  # rows of the stack: contiguous
+    return dyb
 
 
 class _LoRAProjections(torch.autograd.Function):
@@ -319,34 +370,45 @@ class _LoRAProjections(torch.autograd.Function):
         dtype = compute_dtype(x)
         names = ["x"] + [f"{n} of {p.name}" for p in projs for n in ("dropout(x)", "lora_A", "lora_B")]
         _check_inputs(ctx, names, (x, *lora), x)
-        ys, saved = [], []
+        a_masters, b_masters = lora[1::3], lora[2::3]
         with torch.autocast(x.device.type, enabled=False):
             xc = x.to(dtype)
-            for i, p in enumerate(projs):
-                x_lora, a, b = lora[3 * i: 3 * i + 3]
-                x_lora = _to(x_lora, dtype)
-                y, xa, a_c, b_c = _project(p, xc, x_lora, a, b, dtype)
-                _expect(y, dtype, f"output of {p.name}")
-                ys.append(y)
-                saved += [x_lora, xa, a_c, b_c]
-        ctx.save_for_backward(xc, *saved)
-        ctx.projs = projs
+            x_loras = [_to(t, dtype) for t in lora[0::3]]
+            ys = [_base(p, xc, dtype) for p in projs]
+            groups = _adapter_groups(projs, x_loras)
+            saved = [t for g in groups for t in _adapt(ys, projs, g, _read(g, x_loras, xc), a_masters, b_masters,
+                                                       dtype)]
+        for p, y in zip(projs, ys):
+            _expect(y, dtype, f"output of {p.name}")
+        ctx.save_for_backward(xc, *x_loras, *saved)
+        ctx.projs, ctx.groups = projs, groups
         return tuple(ys)
 
     @staticmethod
     def backward(ctx, *dys):
+        projs, n = ctx.projs, len(ctx.projs)
         xc, *saved = ctx.saved_tensors
-        x_dtype = ctx.dtypes[0]  # X's, and every X̃_i's (asserted in forward)
+        x_loras, saved = saved[:n], saved[n:]
         need = ctx.needs_input_grad[1:]  # x, then (X̃_i, A_i, B_i) per projection
-        grads = []
+        masters = ctx.dtypes[2::3]  # lora_A's dtype per projection (lora_B's is asserted equal by _check_grads)
+        dx_loras, da, db = [None] * n, [None] * n, [None] * n
         with torch.autocast(xc.device.type, enabled=False):
-            dx = torch.zeros_like(xc) if need[0] else None
-            for i, (p, dy) in enumerate(zip(ctx.projs, dys)):
+            for p, dy in zip(projs, dys):
                 _expect(dy, xc.dtype, f"gradient of the {p.name} output")
-                x_lora, xa, a, b = saved[4 * i: 4 * i + 4]
-                master = ctx.dtypes[2 + 3 * i]  # lora_A's (lora_B's is asserted equal by _check_grads)
-                dx_lora, da, db = _project_backward(p, dy, xc, x_lora, xa, a, b, dx, need[1 + 3 * i: 4 + 3 * i], master)
-                grads += [_to(dx_lora, x_dtype), da, db]
+            dx = _base_backward(projs, dys) if need[0] else None
+            for g in ctx.groups:
+                xa, a, *bs = saved[:2 + len(g)]
+                saved = saved[2 + len(g):]
+                _expect(a, xc.dtype, f"saved lora_A of {projs[g[0]].name}")
+                dyb = _adapt_backward(projs, g, dys, _read(g, x_loras, xc), xa, bs, need[2::3], need[3::3], masters,
+                                      da, db)
+                if x_loras[g[0]] is None:
+                    if dx is not None:
+                        dx.addmm_(dyb, a)
+                elif need[1 + 3 * g[0]]:
+                    dx_loras[g[0]] = torch.mm(dyb, a)  # in the compute dtype, like dx
+        x_dtype = ctx.dtypes[0]  # X's, and every X̃_i's (asserted in forward)
+        grads = [t for i in range(n) for t in (_to(dx_loras[i], x_dtype), da[i], db[i])]
         return (None, *_check_grads(ctx, [_to(dx, x_dtype)] + grads))
 
 
@@ -365,25 +427,31 @@ class _LoRAMLP(torch.autograd.Function):
         names = ["x", "dropout(x) of gate_proj", "dropout(x) of up_proj"] + [
             f"{n} of {p.name}" for p in projs for n in ("lora_A", "lora_B")]
         _check_inputs(ctx, names, (x, x_gate, x_up, *ab), x)
-        a_g, b_g, a_u, b_u, a_d, b_d = ab
+        a_masters, b_masters = ab[0::2], ab[1::2]  # of gate, up, down
         p_drop = down.dropout_p if down.r and down.training else 0.0
         with torch.autocast(x.device.type, enabled=False):
             xc = x.to(dtype)
-            x_gate, x_up = _to(x_gate, dtype), _to(x_up, dtype)
-            g, xa_g, a_g, b_g = _project(gate, xc, x_gate, a_g, b_g, dtype)  # (N, I)
-            u, xa_u, a_u, b_u = _project(up, xc, x_up, a_u, b_u, dtype)  # (N, I)
+            x_loras = [_to(x_gate, dtype), _to(x_up, dtype)]
+            gu = [_base(gate, xc, dtype), _base(up, xc, dtype)]  # G, U (N, I)
+            groups = _adapter_groups(projs[:2], x_loras)
+            saved = [t for g in groups for t in _adapt(gu, projs, g, _read(g, x_loras, xc), a_masters, b_masters,
+                                                       dtype)]
+            g, u = gu
             h = glu.forward(g, u)  # (N, I)
             keep, h_lora = None, None
             if p_drop > 0:
                 mask = F.dropout(torch.ones_like(h), p_drop)  # 0 or 1/(1-p), drawn as F.dropout(h) draws
                 keep, h_lora = mask != 0, h * mask
                 del mask
-            y, xa_d, a_d, b_d = _project(down, h, h_lora, a_d, b_d, dtype)  # (N, H)
+            ys = [None, None, _base(down, h, dtype)]  # indexed like projs
+            if down.r:
+                saved += _adapt(ys, projs, [2], h if h_lora is None else h_lora, a_masters, b_masters, dtype)
+            y = ys[2]
             del h, h_lora
         for t, name in ((g, "gate"), (u, "up"), (y, "output")):
             _expect(t, dtype, f"MLP {name}")
-        ctx.save_for_backward(xc, x_gate, x_up, g, u, keep, xa_g, xa_u, xa_d, a_g, b_g, a_u, b_u, a_d, b_d)
-        ctx.projs, ctx.glu, ctx.p_drop = projs, glu, p_drop
+        ctx.save_for_backward(xc, *x_loras, g, u, keep, *saved)
+        ctx.projs, ctx.glu, ctx.p_drop, ctx.groups = projs, glu, p_drop, groups
         return y
 
     @staticmethod
@@ -396,31 +464,43 @@ class _LoRAMLP(torch.autograd.Function):
                                    "but the first overwrote the saved gate/up activations with their gradients. "
                                    "Build the model with fused_lora=False to backpropagate twice")
             ctx.consumed = True
-        xc, x_gate, x_up, g, u, keep, xa_g, xa_u, xa_d, a_g, b_g, a_u, b_u, a_d, b_d = ctx.saved_tensors
-        gate, up, down = ctx.projs
+        xc, x_gate, x_up, g, u, keep, *saved = ctx.saved_tensors
+        x_loras, projs = [x_gate, x_up], ctx.projs
         need = ctx.needs_input_grad[2:]  # x, X̃_gate, X̃_up, A_g, B_g, A_u, B_u, A_d, B_d
+        need_a, need_b = need[3::2], need[4::2]  # of gate, up, down
+        masters = ctx.dtypes[3::2]  # lora_A's dtype of gate, up, down
+        dx_loras, da, db = [None] * 2, [None] * 3, [None] * 3
         _expect(dy, xc.dtype, "gradient of the MLP output")
         with torch.autocast(xc.device.type, enabled=False):
             h = ctx.glu.forward(g, u)  # recomputed: never saved
-            mask = None if keep is None else keep.to(h.dtype).div_(1 - ctx.p_drop)  # as F.dropout scales
-            h_lora = None if mask is None else h * mask
-            dh = torch.zeros_like(h)
-            masters = ctx.dtypes[3::2]  # lora_A's dtype of gate, up, down
-            dh_lora, da_d, db_d = _project_backward(down, dy, h, h_lora, xa_d, a_d, b_d, dh, (True, *need[7:9]),
-                                                    masters[2])
-            if dh_lora is not None:
-                dh.addcmul_(dh_lora, mask)
-            del h, h_lora, dh_lora, mask
+            dh = _base_backward(projs[2:], (dy,))  # (N, I)
+            if projs[2].r:
+                xa, a, b = saved[-3:]
+                mask = None if keep is None else keep.to(h.dtype).div_(1 - ctx.p_drop)  # as F.dropout scales
+                h_in = h if mask is None else h * mask
+                dyb = _adapt_backward(projs, [2], (None, None, dy), h_in, xa, [b], need_a, need_b, masters, da, db)
+                if mask is None:
+                    dh.addmm_(dyb, a)
+                else:
+                    dh.addcmul_(torch.mm(dyb, a), mask)
+                del h_in, mask, dyb
+            del h
             dg, du = ctx.glu.backward(dh, g, u)  # with the kernels: written over g, u
             del dh
-            dx = torch.zeros_like(xc) if need[0] else None
-            dx_gate, da_g, db_g = _project_backward(gate, dg, xc, x_gate, xa_g, a_g, b_g, dx, (need[1], *need[3:5]),
-                                                    masters[0])
-            dx_up, da_u, db_u = _project_backward(up, du, xc, x_up, xa_u, a_u, b_u, dx, (need[2], *need[5:7]),
-                                                  masters[1])
+            dx = _base_backward(projs[:2], (dg, du)) if need[0] else None
+            for grp in ctx.groups:
+                xa, a, *bs = saved[:2 + len(grp)]
+                saved = saved[2 + len(grp):]
+                dyb = _adapt_backward(projs, grp, (dg, du), _read(grp, x_loras, xc), xa, bs, need_a, need_b, masters,
+                                      da, db)
+                if x_loras[grp[0]] is None:
+                    if dx is not None:
+                        dx.addmm_(dyb, a)
+                elif need[1 + grp[0]]:
+                    dx_loras[grp[0]] = torch.mm(dyb, a)
         x_dtype = ctx.dtypes[0]  # X's, and X̃_gate's and X̃_up's (asserted in forward)
-        dxs = [_to(t, x_dtype) for t in (dx, dx_gate, dx_up)]
-        return (None, None, *_check_grads(ctx, dxs + [da_g, db_g, da_u, db_u, da_d, db_d]))
+        dxs = [_to(t, x_dtype) for t in (dx, *dx_loras)]
+        return (None, None, *_check_grads(ctx, dxs + [da[0], db[0], da[1], db[1], da[2], db[2]]))
 
 
 def lora_projections(x, projs):

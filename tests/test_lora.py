@@ -79,9 +79,18 @@ def maybe_autocast(amp):
     return torch.autocast("cpu", dtype=amp) if amp else torch.autocast("cpu", enabled=False)
 
 
+def set_dropout(projs, dropout):
+    """Dropout on every adapter ("on"), on none ("off": the adapters that read X share one stacked A), or
+    on the first only ("mixed": it reads its own X̃, the others X)."""
+    for i, p in enumerate(projs):
+        p.dropout_p = 0.0 if dropout == "off" or (dropout == "mixed" and i > 0) else P
+
+
+@pytest.mark.parametrize("dropout", ["on", "off", "mixed"])
 @pytest.mark.parametrize("dtype,amp", DTYPE_CASES, ids=DTYPE_IDS)
-def test_fused_projections_match_unfused(dtype, amp):
+def test_fused_projections_match_unfused(dtype, amp, dropout):
     qkv, o = attention_projs(dtype)
+    set_dropout(qkv, dropout)
     x = torch.randn(3, 7, H).to(dtype)
     y = torch.randn(3, 7, 64).to(dtype)
     with maybe_autocast(amp):
@@ -90,10 +99,12 @@ def test_fused_projections_match_unfused(dtype, amp):
         compare(run(lambda t: lora_projections(t, (o,)), y, (o,)), run(o, y, (o,)), amp or dtype, "o")
 
 
+@pytest.mark.parametrize("dropout", ["on", "off", "mixed"])
 @pytest.mark.parametrize("act", ["silu", "gelu_tanh"])
 @pytest.mark.parametrize("dtype,amp", DTYPE_CASES, ids=DTYPE_IDS)
-def test_fused_mlp_matches_unfused(dtype, amp, act):
+def test_fused_mlp_matches_unfused(dtype, amp, act, dropout):
     projs = mlp_projs(dtype)
+    set_dropout(projs, dropout)
     x = torch.randn(3, 7, H).to(dtype)
     with maybe_autocast(amp):
         compare(run(lambda t: lora_mlp(t, projs, glu(act)), x, projs),
@@ -157,6 +168,38 @@ def test_gradcheck_float64():
 
     leaves = [t.detach().clone().requires_grad_() for m in (gate, up, down) for t in (m.lora_A, m.lora_B)]
     assert torch.autograd.gradcheck(mlp, (x, *leaves))
+
+
+def test_gradcheck_stacked_adapters():
+    """Adapters that read the same X with the same scale run as one stacked A (ranks 2 and 3 here); one
+    with another scale forms a group of its own. Against finite differences in float64."""
+    f64 = torch.float64
+    projs = [make_proj(6, o, False, r, f64, n, s) for s, (n, o, r) in
+             enumerate([("q", 4, 2), ("k", 2, 0), ("v", 2, 3), ("x", 3, 2)])]
+    for p in projs:
+        p.eval()  # no dropout: every adapter reads X
+        if p.r:
+            p.lora_A.data, p.lora_B.data = p.lora_A.data.double(), p.lora_B.data.double()
+    projs[3].scale = 0.5  # q and v stack (scale 2), x_proj is its own group
+    x = torch.randn(5, 6, dtype=f64, requires_grad=True)
+
+    def projections(x, *ab):
+        it = iter(ab)
+        lora = [t for p in projs for t in ((None, next(it), next(it)) if p.r else (None, None, None))]
+        return _LoRAProjections.apply(tuple(projs), x, *lora)
+
+    leaves = [t.detach().clone().requires_grad_() for p in projs if p.r for t in (p.lora_A, p.lora_B)]
+    assert torch.autograd.gradcheck(projections, (x, *leaves))
+
+    gate, up, down = (make_proj(i, o, True, r, f64, n, s) for s, (n, i, o, r) in
+                      enumerate([("gate", 6, 10, 2), ("up", 6, 10, 3), ("down", 10, 6, 2)]))
+    for p in (gate, up, down):
+        p.eval()
+        p.lora_A.data, p.lora_B.data = p.lora_A.data.double(), p.lora_B.data.double()
+    silu = glu("silu")
+    leaves = [t.detach().clone().requires_grad_() for m in (gate, up, down) for t in (m.lora_A, m.lora_B)]
+    assert torch.autograd.gradcheck(lambda x, *ab: _LoRAMLP.apply((gate, up, down), silu, x, None, None, *ab),
+                                    (x, *leaves))
 
 
 def test_fused_mlp_saves_no_weight_and_no_h():
@@ -285,15 +328,19 @@ def test_checkpointing_keeps_dropout_masks(llama_folder):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dropout", ["on", "off", "mixed"])
 @pytest.mark.parametrize("act", ["silu", "gelu_tanh"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-def test_cuda_fused_lora_matches_unfused(dtype, act):
-    """On CUDA in bf16 and fp16, with the Triton kernels inside: fused MLP and q/k/v/o vs the unfused path."""
+def test_cuda_fused_lora_matches_unfused(dtype, act, dropout):
+    """On CUDA in bf16 and fp16, with the Triton kernels inside: fused MLP and q/k/v/o vs the unfused path,
+    with adapters stacked (dropout off), each on its own (on), and both (mixed)."""
     projs = [m.cuda() for m in mlp_projs(dtype)]
+    set_dropout(projs, dropout)
     x = torch.randn(4, 33, H, device="cuda").to(dtype)
     compare(run(lambda t: lora_mlp(t, projs, glu(act, use_kernels=True)), x, projs),
             run(lambda t: unfused_mlp(t, projs, act), x, projs), dtype, f"cuda {act} MLP")
     qkv, o = attention_projs(dtype)
     qkv, o = tuple(m.cuda() for m in qkv), o.cuda()
+    set_dropout(qkv, dropout)
     compare(run(lambda t: lora_projections(t, qkv), x, qkv), run(lambda t: tuple(p(t) for p in qkv), x, qkv),
             dtype, "cuda q/k/v")
