@@ -109,6 +109,26 @@ def test_eager_step_accumulates_into_grads(run_model):
         assert rel_err(p.grad, 2 * g) < 1e-6
 
 
+@pytest.mark.parametrize("ckpt", ["off", "on"])
+def test_graph_body_matches_eager_backward(run_model, ckpt):
+    """What a graph records (autograd.grad, then one multi-tensor add into .grad), run uncaptured on the CPU:
+    the loss and the accumulated gradients of backward(), with the loss multiplier applied, twice in a row."""
+    from types import SimpleNamespace
+    model, params = _model(run_model, "cpu", ckpt=ckpt)
+    batch = _packed(model.config.vocab_size)
+    n = data.num_targets(batch)
+    loss, want = _run(step.EagerStep(model, torch.device("cpu")), params, batch, loss_mult=3.0)
+    body = step.GraphStep(model, torch.device("cpu"), params, max_len=128)
+    g = SimpleNamespace(batch={**batch, "docs": None}, num_targets=torch.tensor(float(n)),
+                        loss_mult=torch.tensor(3.0))
+    _zero(params)
+    for times in (1, 2):
+        got = body._step(g)
+        assert abs(float(got) - loss) < 1e-6
+        for p, w in zip(params, want):
+            assert rel_err(p.grad, times * w) < 1e-6
+
+
 TOL = {torch.float32: 1e-5, torch.bfloat16: 3e-2, torch.float16: 1e-2}
 
 
