@@ -731,26 +731,38 @@ def count_targets(micro, world, device):
     return n
 
 
-def step_stats(loss_sum, grad_norm, world):
-    """(the step's loss summed over ranks, its grad norm) as floats: the step's one host sync."""
+def issue_update(optimizer, loss_sum, grad_norm, world):
+    """optimizer.step(), issued before the host has read the step's loss and grad norm: fused AdamW reads
+    found_inf on the device and leaves the weights and its state as they were where it is 1 (a NaN/inf loss or
+    gradient). So the CPU queues the update while the GPU is still running the step's backward, and reads the
+    numbers afterwards (`step_stats`). loss_sum becomes the sum over ranks, so that every rank decides alike."""
     if world > 1:
         dist.all_reduce(loss_sum)
+    optimizer.found_inf = (~(loss_sum.isfinite() & grad_norm.isfinite())).float()
+    optimizer.step()
+
+
+def step_stats(loss_sum, grad_norm):
+    """(the step's loss, its grad norm) as floats: the step's one host sync."""
     loss, norm = torch.stack([loss_sum, grad_norm.to(loss_sum.dtype)]).tolist()
     return loss, norm
 
 
-def apply_step(optimizer, scaler, loss, norm, step, cfg, run, log):
-    """optimizer.step() when the loss and grad norm are finite. fp16 skips a step that is not (the scaler backs
-    off) and stops after too many in a row; bf16 and fp32 stop at once. Returns whether the step was applied."""
+def updates_applied(optimizer):
+    """How many updates AdamW has applied to the adapter (a skipped step does not count); 0 before the first."""
+    return max((int(s["step"]) for s in optimizer.state.values()), default=0)
+
+
+def check_step(optimizer, scaler, loss, norm, step, cfg, run, log):
+    """The host's part of a step whose update `issue_update` queued: where the loss or grad norm is NaN/inf (the
+    update was skipped on the device), fp16 backs the loss scale off and stops after too many such steps in a
+    row; bf16 and fp32 stop at once. Returns whether the step's update was applied."""
     finite = math.isfinite(loss) and math.isfinite(norm)  # the same on every rank
-    if finite:
-        optimizer.step()
-    elif not scaler.enabled:
-        # No optimizer step yet (AdamW's state is created by the first): the adapter is as initialized, so
-        # the learning rate cannot be the cause.
+    if not finite and not scaler.enabled:
+        # Without any update yet the adapter is as initialized, so the learning rate cannot be the cause.
         cause = ("This is before any update of the adapter, so the learning rate is not the cause: the input "
                  "holds a NaN/inf. Check the base model's weights, the data and the options (e.g. --lora-alpha), "
-                 "then start again" if not optimizer.state else run.next_steps("lower --lr (or check the data)"))
+                 "then start again" if not updates_applied(optimizer) else run.next_steps("lower --lr (or check the data)"))
         raise UserError(f"the loss or gradient is NaN/inf at step {step} (loss {loss:g}, grad norm {norm:g}). {cause}")
     scaler.update(finite)
     if not finite:
@@ -957,7 +969,7 @@ def main(cfg: TrainConfig) -> int:
         if warning := memory_warning(cfg, mcfg, dtype, use_kernels, device):  # CUDA only
             log(warning)
         optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.999),
-                                      **({"fused": True} if device.type == "cuda" else {"foreach": True}))
+                                      fused=True)  # one kernel for all weights; skips NaN/inf steps on the device
         scaler = LossScaler(cfg.loss_scale, cfg.scale_growth_interval, enabled=dtype == torch.float16)
         step = run.restore(ck, model, optimizer, scaler, batches)
         ddp = torch.nn.parallel.DistributedDataParallel(
@@ -999,9 +1011,10 @@ def main(cfg: TrainConfig) -> int:
 
                 scaler.unscale_(params)
                 grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip or float("inf"))
-                loss, norm = step_stats(loss_sum, grad_norm, world)
-                applied = apply_step(optimizer, scaler, loss, norm, step + 1, cfg, run, log)
+                issue_update(optimizer, loss_sum, grad_norm, world)  # skipped on the device if not finite
                 optimizer.zero_grad(set_to_none=not micro_step.graphed)  # a graph adds into fixed .grad buffers
+                loss, norm = step_stats(loss_sum, grad_norm)
+                applied = check_step(optimizer, scaler, loss, norm, step + 1, cfg, run, log)
                 step += 1
 
                 progress.advance(step)

@@ -597,6 +597,27 @@ def test_nan_on_the_first_step_points_at_the_inputs(run_model, dataset, tmp_path
     assert "Check the base model's weights, the data and the options" in err and "lower --lr" not in err
 
 
+@pytest.mark.parametrize("bad", ["loss", "grad norm"])
+def test_nonfinite_step_is_skipped_on_the_device(bad):
+    """The update is issued before the host reads the loss and grad norm: where either is NaN/inf, fused AdamW
+    leaves the weights and its state exactly as they were, and the step does not count as an update."""
+    torch.manual_seed(0)
+    w = torch.nn.Parameter(torch.randn(4, 3))
+    optimizer = torch.optim.AdamW([w], lr=0.1, fused=True)
+    w.grad = torch.randn(4, 3)
+    train.issue_update(optimizer, torch.tensor(1.0), torch.tensor(2.0), world=1)
+    assert train.updates_applied(optimizer) == 1
+    before = w.detach().clone(), {k: v.clone() for k, v in optimizer.state[w].items()}
+    w.grad = torch.randn(4, 3)
+    loss, norm = (float("nan"), 2.0) if bad == "loss" else (1.0, float("inf"))
+    train.issue_update(optimizer, torch.tensor(loss), torch.tensor(norm), world=1)
+    assert torch.equal(w, before[0])
+    assert all(torch.equal(optimizer.state[w][k], v) for k, v in before[1].items())
+    assert train.updates_applied(optimizer) == 1
+    train.issue_update(optimizer, torch.tensor(1.0), torch.tensor(2.0), world=1)
+    assert not torch.equal(w, before[0]) and train.updates_applied(optimizer) == 2
+
+
 # ----------------------------------------------------------------------------- exact resume
 
 
