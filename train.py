@@ -762,7 +762,8 @@ def check_step(optimizer, scaler, loss, norm, step, cfg, run, log):
         # Without any update yet the adapter is as initialized, so the learning rate cannot be the cause.
         cause = ("This is before any update of the adapter, so the learning rate is not the cause: the input "
                  "holds a NaN/inf. Check the base model's weights, the data and the options (e.g. --lora-alpha), "
-                 "then start again" if not updates_applied(optimizer) else run.next_steps("lower --lr (or check the data)"))
+                 "then start again" if not updates_applied(optimizer)
+                 else run.next_steps("lower --lr (or check the data)"))
         raise UserError(f"the loss or gradient is NaN/inf at step {step} (loss {loss:g}, grad norm {norm:g}). {cause}")
     scaler.update(finite)
     if not finite:

@@ -358,6 +358,29 @@ def _adapt_backward(projs, group, dys, x, xa, bs, need_a, need_b, masters, da, d
     return dyb
 
 
+def _adapt_groups(ys, projs, groups, x_loras, x, a_masters, b_masters, dtype):
+    """`_adapt` for every group, each reading its own input (`_read`); what backward needs, in one list."""
+    return [t for g in groups for t in _adapt(ys, projs, g, _read(g, x_loras, x), a_masters, b_masters, dtype)]
+
+
+def _adapt_groups_backward(projs, groups, saved, dys, x_loras, x, dx, need_x, need_a, need_b, masters, da, db):
+    """`_adapt_backward` for every group; saved starts with what `_adapt_groups` returned. A group that reads
+    X adds its (s dY B) A into dx (unless dx is None: X needs no gradient); a dropout group's is its dX̃_i,
+    returned where need_x[i] asks for it (in a list indexed like x_loras)."""
+    dx_loras = [None] * len(x_loras)
+    for g in groups:
+        xa, a, *bs = saved[:2 + len(g)]
+        saved = saved[2 + len(g):]
+        _expect(a, x.dtype, f"saved lora_A of {projs[g[0]].name}")
+        dyb = _adapt_backward(projs, g, dys, _read(g, x_loras, x), xa, bs, need_a, need_b, masters, da, db)
+        if x_loras[g[0]] is None:
+            if dx is not None:
+                dx.addmm_(dyb, a)
+        elif need_x[g[0]]:
+            dx_loras[g[0]] = torch.mm(dyb, a)  # in the compute dtype, like dx
+    return dx_loras
+
+
 class _LoRAProjections(torch.autograd.Function):
     """Y_i = X W_iᵀ + b_i + s_i (X̃_i A_iᵀ) B_iᵀ for projections i that share the input X [N, in].
 
@@ -376,8 +399,7 @@ class _LoRAProjections(torch.autograd.Function):
             x_loras = [_to(t, dtype) for t in lora[0::3]]
             ys = [_base(p, xc, dtype) for p in projs]
             groups = _adapter_groups(projs, x_loras)
-            saved = [t for g in groups for t in _adapt(ys, projs, g, _read(g, x_loras, xc), a_masters, b_masters,
-                                                       dtype)]
+            saved = _adapt_groups(ys, projs, groups, x_loras, xc, a_masters, b_masters, dtype)
         for p, y in zip(projs, ys):
             _expect(y, dtype, f"output of {p.name}")
         ctx.save_for_backward(xc, *x_loras, *saved)
@@ -391,22 +413,13 @@ class _LoRAProjections(torch.autograd.Function):
         x_loras, saved = saved[:n], saved[n:]
         need = ctx.needs_input_grad[1:]  # x, then (X̃_i, A_i, B_i) per projection
         masters = ctx.dtypes[2::3]  # lora_A's dtype per projection (lora_B's is asserted equal by _check_grads)
-        dx_loras, da, db = [None] * n, [None] * n, [None] * n
+        da, db = [None] * n, [None] * n
         with torch.autocast(xc.device.type, enabled=False):
             for p, dy in zip(projs, dys):
                 _expect(dy, xc.dtype, f"gradient of the {p.name} output")
             dx = _base_backward(projs, dys) if need[0] else None
-            for g in ctx.groups:
-                xa, a, *bs = saved[:2 + len(g)]
-                saved = saved[2 + len(g):]
-                _expect(a, xc.dtype, f"saved lora_A of {projs[g[0]].name}")
-                dyb = _adapt_backward(projs, g, dys, _read(g, x_loras, xc), xa, bs, need[2::3], need[3::3], masters,
-                                      da, db)
-                if x_loras[g[0]] is None:
-                    if dx is not None:
-                        dx.addmm_(dyb, a)
-                elif need[1 + 3 * g[0]]:
-                    dx_loras[g[0]] = torch.mm(dyb, a)  # in the compute dtype, like dx
+            dx_loras = _adapt_groups_backward(projs, ctx.groups, saved, dys, x_loras, xc, dx, need[1::3], need[2::3],
+                                              need[3::3], masters, da, db)
         x_dtype = ctx.dtypes[0]  # X's, and every X̃_i's (asserted in forward)
         grads = [t for i in range(n) for t in (_to(dx_loras[i], x_dtype), da[i], db[i])]
         return (None, *_check_grads(ctx, [_to(dx, x_dtype)] + grads))
@@ -434,8 +447,7 @@ class _LoRAMLP(torch.autograd.Function):
             x_loras = [_to(x_gate, dtype), _to(x_up, dtype)]
             gu = [_base(gate, xc, dtype), _base(up, xc, dtype)]  # G, U (N, I)
             groups = _adapter_groups(projs[:2], x_loras)
-            saved = [t for g in groups for t in _adapt(gu, projs, g, _read(g, x_loras, xc), a_masters, b_masters,
-                                                       dtype)]
+            saved = _adapt_groups(gu, projs, groups, x_loras, xc, a_masters, b_masters, dtype)
             g, u = gu
             h = glu.forward(g, u)  # (N, I)
             keep, h_lora = None, None
@@ -469,7 +481,7 @@ class _LoRAMLP(torch.autograd.Function):
         need = ctx.needs_input_grad[2:]  # x, X̃_gate, X̃_up, A_g, B_g, A_u, B_u, A_d, B_d
         need_a, need_b = need[3::2], need[4::2]  # of gate, up, down
         masters = ctx.dtypes[3::2]  # lora_A's dtype of gate, up, down
-        dx_loras, da, db = [None] * 2, [None] * 3, [None] * 3
+        da, db = [None] * 3, [None] * 3
         _expect(dy, xc.dtype, "gradient of the MLP output")
         with torch.autocast(xc.device.type, enabled=False):
             h = ctx.glu.forward(g, u)  # recomputed: never saved
@@ -488,16 +500,8 @@ class _LoRAMLP(torch.autograd.Function):
             dg, du = ctx.glu.backward(dh, g, u)  # with the kernels: written over g, u
             del dh
             dx = _base_backward(projs[:2], (dg, du)) if need[0] else None
-            for grp in ctx.groups:
-                xa, a, *bs = saved[:2 + len(grp)]
-                saved = saved[2 + len(grp):]
-                dyb = _adapt_backward(projs, grp, (dg, du), _read(grp, x_loras, xc), xa, bs, need_a, need_b, masters,
-                                      da, db)
-                if x_loras[grp[0]] is None:
-                    if dx is not None:
-                        dx.addmm_(dyb, a)
-                elif need[1 + grp[0]]:
-                    dx_loras[grp[0]] = torch.mm(dyb, a)
+            dx_loras = _adapt_groups_backward(projs, ctx.groups, saved, (dg, du), x_loras, xc, dx, need[1:3], need_a,
+                                              need_b, masters, da, db)
         x_dtype = ctx.dtypes[0]  # X's, and X̃_gate's and X̃_up's (asserted in forward)
         dxs = [_to(t, x_dtype) for t in (dx, *dx_loras)]
         return (None, None, *_check_grads(ctx, dxs + [da[0], db[0], da[1], db[1], da[2], db[2]]))
