@@ -44,7 +44,8 @@ def _rotate_heads(x_ptr, out_ptr, n_heads, HALF, c1, c2, s1, s2, BLOCK_H: tl.con
 
 @triton.jit
 def _rope_kernel(
-    q_ptr, k_ptr, q_out_ptr, k_out_ptr,  # [B, T, H, D] contiguous
+    q_ptr, k_ptr, q_token_stride, k_token_stride,  # [B*T, H, D], each token's heads contiguous
+    q_out_ptr, k_out_ptr,  # [B, T, H, D] contiguous
     cos_ptr, sin_ptr, cs_batch_stride, cs_token_stride,  # [B, T, D], last dim contiguous
     T, HQ, HK, HALF,
     BACKWARD: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_HALF: tl.constexpr,
@@ -61,10 +62,10 @@ def _rope_kernel(
     s2 = tl.load(sin_ptr + cs + HALF + d, mask=dmask, other=0.0).to(tl.float32)
     if BACKWARD:
         s1, s2 = -s2, -s1
-    q_offset = token * HQ * 2 * HALF
-    k_offset = token * HK * 2 * HALF
-    _rotate_heads(q_ptr + q_offset, q_out_ptr + q_offset, HQ, HALF, c1, c2, s1, s2, BLOCK_HQ, BLOCK_HALF)
-    _rotate_heads(k_ptr + k_offset, k_out_ptr + k_offset, HK, HALF, c1, c2, s1, s2, BLOCK_HK, BLOCK_HALF)
+    q_in, q_out = q_ptr + token * q_token_stride, q_out_ptr + token * HQ * 2 * HALF
+    k_in, k_out = k_ptr + token * k_token_stride, k_out_ptr + token * HK * 2 * HALF
+    _rotate_heads(q_in, q_out, HQ, HALF, c1, c2, s1, s2, BLOCK_HQ, BLOCK_HALF)
+    _rotate_heads(k_in, k_out, HK, HALF, c1, c2, s1, s2, BLOCK_HK, BLOCK_HALF)
 
 
 def launch_config(Hq: int, Hk: int, D: int) -> tuple[int, int, int, int]:
@@ -76,20 +77,30 @@ def launch_config(Hq: int, Hk: int, D: int) -> tuple[int, int, int, int]:
     return block_hq, block_hk, block_half, num_warps
 
 
+def _tokens(x):
+    """x [B, T, H, D] and the distance between its tokens, in elements. A view whose tokens are evenly
+    spaced, each with its heads contiguous (a column slice of the packed q/k/v projection output), is
+    read in place; any other layout is copied first."""
+    B, T, H, D = x.shape
+    if x.stride(3) == 1 and x.stride(2) == D and x.stride(0) == T * x.stride(1):
+        return x, x.stride(1)
+    return x.contiguous(), H * D
+
+
 def rope_rotate(q, k, cos, sin, backward=False):
     """The launcher: new (q_out, k_out), contiguous, q's and k's dtypes. backward=True applies
     the transpose map (dq, dk from dq_out, dk_out)."""
     B, T, Hq, D = q.shape
     Hk = k.shape[2]
-    q, k = q.contiguous(), k.contiguous()
+    (q, q_stride), (k, k_stride) = _tokens(q), _tokens(k)
     cos, sin = cos.expand(B, T, D), sin.expand(B, T, D)
     if cos.stride() != sin.stride() or cos.stride(-1) != 1:
         cos, sin = cos.contiguous(), sin.contiguous()
-    q_out, k_out = torch.empty_like(q), torch.empty_like(k)
+    q_out, k_out = q.new_empty(q.shape), k.new_empty(k.shape)
     if B * T > 0:
         block_hq, block_hk, block_half, num_warps = launch_config(Hq, Hk, D)
         _rope_kernel[(B * T,)](
-            q, k, q_out, k_out, cos, sin, cos.stride(0), cos.stride(1),
+            q, k, q_stride, k_stride, q_out, k_out, cos, sin, cos.stride(0), cos.stride(1),
             T, Hq, Hk, D // 2,
             BACKWARD=backward, BLOCK_HQ=block_hq, BLOCK_HK=block_hk, BLOCK_HALF=block_half, num_warps=num_warps)
     return q_out, k_out

@@ -18,11 +18,11 @@ Two execution paths, chosen by `Transformer(fused_lora=...)`:
   whenever a base weight requires grad (full fine-tuning): the fused Functions return no
   gradient for W or b.
 - fused (the default): `lora_projections` runs q, k, v in one Function (X cast and saved
-  once, dX summed in one pass) and o in another; `lora_mlp` runs gate, up, the gated
-  activation and down in one Function. For backward they save X, the dropped-out inputs
-  X̃ (only when dropout is on), gate and up pre-activations G and U, the down-projection
-  dropout mask (bool), the small products s·X̃Aᵀ [N, Σr] and the LoRA weights cast to the
-  compute dtype (cast once per forward, A stacked per group as below). They never save a dequantized or cast base
+  once) and o in another; `lora_mlp` runs gate, up, the gated activation and down in one
+  Function. For backward they save X, the dropped-out inputs X̃ (only when dropout is on),
+  the gate and up pre-activations [G | U], the down-projection dropout mask (bool), the
+  small products s·X̃Aᵀ [N, Σr] and the LoRA weights cast to the compute dtype (cast once
+  per forward, stacked per group as below). They never save a dequantized or cast base
   weight (W is dequantized again in backward and freed after each matmul), nor the
   activation H = act(G) ⊙ U (recomputed from G and U).
   Dropout > 0 and biases are supported on this path. Dropout masks are drawn with
@@ -40,14 +40,17 @@ Backward of one projection, given dY [N, out]:
 
 The scale s is the alpha of the GEMMs that make s X̃ Aᵀ and s dY B, never a pass of its own.
 With dropout off X̃ = X and dX̃ is added to dX in place. With it on, X̃ is a separate
-input of the Function (drawn outside it) and autograd applies ⊙ M. Projections sharing
-X (q, k, v) sum their dX into one buffer, the first product written, the others added.
+input of the Function (drawn outside it) and autograd applies ⊙ M.
 
-Adapters that read the same input with the same scale (q, k, v, or gate and up, when dropout is
-off) are stacked: A = [A_q; A_k; A_v] (Σr, in), so that s X Aᵀ (N, Σr), dA = (s dY B)ᵀ X and
-the input's gradient (s dY B) A are one GEMM each for the group, with s dY B = [s dY_q B_q | ...]
-side by side. For a small model these r-wide GEMMs cost their launch more than their arithmetic,
-so fewer, wider ones are faster.
+Projections that share X (q, k, v; gate and up) run as one: their base weights are stored as
+consecutive rows of one tensor (`pack_weights_`, called by the loaders; each projection's
+`weight` is a view of its rows), so Y = [Y_q | Y_k | Y_v] = X [W_q; W_k; W_v]ᵀ is one GEMM and
+dX = dY [W_q; W_k; W_v] another. Their adapters, when they read X with one scale (dropout off),
+are stacked: A = [A_q; A_k; A_v] (Σr, in), and the B matrices set on the diagonal of one block
+matrix B (Σout, Σr), so that s X Aᵀ, its product with Bᵀ, s dY B = [s dY_q B_q | ...], dA =
+(s dY B)ᵀ X and the input's gradient (s dY B) A are one GEMM each for the group (dB stays one
+GEMM per adapter, so that each gradient is a tensor of its own). For a small model these GEMMs
+cost their launch more than their arithmetic, so fewer, wider ones are faster.
 
 The MLP, with act(g) = g·σ(g) (SwiGLU) or gelu(g) (GeGLU):
 
@@ -60,9 +63,12 @@ The MLP, with act(g) = g·σ(g) (SwiGLU) or gelu(g) (GeGLU):
     dG  = dH ⊙ U ⊙ act'(G),    SwiGLU: act'(g) = σ(g) (1 + g (1 - σ(g)))
     then gate and up backward as single projections sharing X (dX summed).
 
-M_d is drawn inside the Function (H only exists there) and saved as a bool mask. With
-the Triton kernels, the activation backward writes dG and dU over the saved G and U, so
-the MLP Function's backward can run only once per forward (it raises if asked twice).
+M_d is drawn inside the Function (H only exists there) and saved as a bool mask. [G | U]
+is computed transposed, as the contiguous (2I, N) product [W_g; W_u] Xᵀ, so that Gᵀ and Uᵀ
+are each contiguous for the elementwise kernels; H and dH are handled transposed too (a
+GEMM reads a transposed operand at no cost). With the Triton kernels, the activation
+backward writes dG and dU over the saved G and U, so the MLP Function's backward can run
+only once per forward (it raises if asked twice).
 
 Dtypes. The compute dtype is autocast's dtype when autocast is on for X's device, else
 X's dtype. Inside the Functions autocast is off and every operand is cast explicitly: X,
@@ -282,27 +288,66 @@ def _mm_to(a, b, dtype):
     return torch.mm(a, b).to(dtype)
 
 
-def _base(p, x, dtype):
-    """X Wᵀ + b of one projection in `dtype`; the dequantized or cast W is freed on return."""
-    return F.linear(x, p.base_weight().to(dtype), None if p.bias is None else p.bias.to(dtype))
+def _packed(tensors):
+    """Tensors [n_i, ...] of one trailing shape as one [Σ n_i, ...]: a view when they lie one after the other in one
+    storage (as `pack_weights_` stores the base weights of q, k, v and of gate, up), else their concatenation."""
+    first = tensors[0]
+    end = first.data_ptr()
+    for t in tensors:
+        if not (t.is_contiguous() and t.data_ptr() == end and t.dtype == first.dtype and t.shape[1:] == first.shape[1:]
+                and t.untyped_storage().data_ptr() == first.untyped_storage().data_ptr()):
+            return torch.cat(tensors)
+        end += t.numel() * t.element_size()
+    return first.as_strided((sum(len(t) for t in tensors), *first.shape[1:]), first.stride())
 
 
-def _base_backward(projs, dys):
-    """Σ_i dY_i W_i, the gradient of the projections' shared input through their base weights. The first
-    product is written and the others added into it (no buffer of zeros); each W is dequantized again and
-    freed after its GEMM."""
-    dx = None
-    for p, dy in zip(projs, dys):
-        w = p.base_weight().to(dy.dtype)
-        dx = torch.mm(dy, w) if dx is None else dx.addmm_(dy, w)
-    return dx
+@torch.no_grad()
+def pack_weights_(projs):
+    """Store the frozen base weights (and biases) of projections that read one input as consecutive rows of one
+    tensor, so that the fused Functions run the projections as one GEMM without concatenating their weights at
+    every step (`_packed`). Each projection's `weight` becomes a view of its rows: names, shapes, state_dict and
+    checkpoints stay as they are. NF4 weights, weights that train and meta tensors are left alone."""
+    for attr in ("weight", "bias"):
+        ts = [getattr(p, attr) for p in projs]
+        if any(t is None or t.requires_grad or t.is_meta for t in ts) or len({(t.dtype, t.device) for t in ts}) > 1:
+            continue
+        packed, start = torch.cat(ts), 0
+        for p, t in zip(projs, ts):
+            setattr(p, attr, nn.Parameter(packed[start:start + len(t)], requires_grad=False))
+            start += len(t)
+
+
+def _spans(projs):
+    """Each projection's columns in the projections' (N, Σout) output."""
+    ends = list(itertools.accumulate(p.out_features for p in projs))
+    return [slice(e - p.out_features, e) for p, e in zip(projs, ends)]
+
+
+def _base(projs, x, dtype, transposed=False):
+    """X [W_1; W_2; ...]ᵀ + [b_1 | b_2 | ...], the projections' outputs side by side (N, Σout) in `dtype`, as one
+    GEMM. transposed: computed as the contiguous (Σout, N) product [W_1; W_2; ...] Xᵀ and returned transposed, so
+    that each projection's output, transposed back, is contiguous (the MLP's G and U, for the elementwise
+    kernels). A dequantized, concatenated or cast weight is freed on return."""
+    assert len({p.bias is None for p in projs}) == 1, "fused LoRA: projections of one input all have a bias or none"
+    w = _packed([p.base_weight() for p in projs]).to(dtype)
+    b = None if projs[0].bias is None else _packed([p.bias for p in projs]).to(dtype)
+    if not transposed:
+        return F.linear(x, w, b)
+    return (torch.mm(w, x.t()) if b is None else torch.addmm(b[:, None], w, x.t())).t()
+
+
+def _base_backward(projs, dy, transposed=False):
+    """dY [W_1; W_2; ...] (N, in), the gradient of the projections' shared input through their base weights, from
+    dY (N, Σout), as one GEMM; each W is dequantized again, and freed after it. transposed: computed as the
+    contiguous (in, N) product and returned transposed (the MLP's dH, which meets Gᵀ and Uᵀ in the kernels)."""
+    w = _packed([p.base_weight() for p in projs]).to(dy.dtype)
+    return torch.mm(w.t(), dy.t()).t() if transposed else torch.mm(dy, w)
 
 
 def _adapter_groups(projs, x_loras):
     """The adapted projections (indices into projs), grouped by the input their adapters read: those
     without dropout read X (one group per scale); one with dropout reads its own X̃ (a group of its own).
-    A group's A matrices are stacked, [A_1; A_2; ...] (Σr, in), so that s X Aᵀ, dA and the input's
-    gradient take one GEMM per group instead of one per projection."""
+    A group's adapters run as one: see `_adapt`."""
     shared, groups = {}, []
     for i, (p, x_lora) in enumerate(zip(projs, x_loras)):
         if not p.r:
@@ -328,51 +373,66 @@ def _columns(projs, group):
     return [slice(e - projs[i].r, e) for i, e in zip(group, ends)]
 
 
-def _adapt(ys, projs, group, x, a_masters, b_masters, dtype):
-    """Add s (X Aᵢᵀ) Bᵢᵀ into Y_i for the group's members i, whose adapters read x. Returns what backward
-    needs, in `dtype` (so that it casts nothing again): s X [A_1; A_2; ...]ᵀ (N, Σr), the stacked A
-    (Σr, in), then each B_i."""
+def _blocks(projs, group):
+    """The group's output columns (from its first member's first to its last member's last), and each member's
+    block of the group's block-diagonal B: (its rows among those columns, its columns of Σr)."""
+    spans = _spans(projs)
+    first = spans[group[0]].start
+    rows = [slice(spans[i].start - first, spans[i].stop - first) for i in group]
+    return slice(first, spans[group[-1]].stop), list(zip(rows, _columns(projs, group)))
+
+
+def _adapt(y, projs, group, x, a_masters, b_masters, dtype):
+    """Add s (X A_iᵀ) B_iᵀ into projection i's columns of y (N, Σout) for the group's members i, whose adapters read
+    x, in two GEMMs for the group: s X Aᵀ with the A stacked, [A_1; A_2; ...] (Σr, in), then its product with the
+    members' B set on the diagonal of one matrix (the group's output columns by Σr, zeros elsewhere). Returns what
+    backward needs, in `dtype` (so that it casts nothing again): s X Aᵀ (N, Σr), the stacked A and the block B."""
     a = [a_masters[i] for i in group]
     a = (a[0] if len(a) == 1 else torch.cat(a)).to(dtype)
     xa = _scaled_mm(x, a.t(), projs[group[0]].scale)
-    bs = [b_masters[i].to(dtype) for i in group]
-    for i, cols, b in zip(group, _columns(projs, group), bs):
-        ys[i].addmm_(xa[:, cols], b.t())
-    return [xa, a, *bs]
+    cols, blocks = _blocks(projs, group)
+    if len(group) == 1:
+        b = b_masters[group[0]].to(dtype)
+    else:
+        b = xa.new_zeros(cols.stop - cols.start, xa.shape[1])
+        for i, (rows, c) in zip(group, blocks):
+            b[rows, c] = b_masters[i]  # cast as it is copied
+    y[:, cols].addmm_(xa, b.t())
+    return [xa, a, b]
 
 
-def _adapt_backward(projs, group, dys, x, xa, bs, need_a, need_b, masters, da, db):
-    """The group's LoRA gradients from its members' dY_i: dA_i and dB_i, in the masters' dtypes, go into
-    da[i] and db[i] where need_a[i], need_b[i] ask for them. Returns s [dY_1 B_1 | dY_2 B_2 | ...]
-    (N, Σr): times the stacked A it is the gradient of the adapters' input, in one GEMM."""
-    cols = _columns(projs, group)
-    dyb = xa.new_empty(xa.shape)
-    for i, c, b in zip(group, cols, bs):
-        dyb[:, c].addmm_(dys[i], b, beta=0, alpha=projs[i].scale)  # beta = 0: the empty buffer is never read
-        if need_b[i]:
-            db[i] = _mm_to(dys[i].t(), xa[:, c], masters[i])  # xa holds s X̃ Aᵀ
+def _adapt_backward(projs, group, dy, x, xa, b, need_a, need_b, masters, da, db):
+    """The group's LoRA gradients from dY (N, Σout): dA_i and dB_i, in the masters' dtypes, go into da[i] and db[i]
+    where need_a[i], need_b[i] ask for them. Returns s dY B = s [dY_1 B_1 | dY_2 B_2 | ...] (N, Σr), one GEMM with
+    the block B: times the stacked A it is the gradient of the adapters' input, in one more."""
+    cols, blocks = _blocks(projs, group)
+    dyb = _scaled_mm(dy[:, cols], b, projs[group[0]].scale)
+    spans = _spans(projs)
+    for i, (_, c) in zip(group, blocks):
+        if need_b[i]:  # one GEMM per member, so that each dB_i is a whole tensor (one multi-tensor add in step.py)
+            db[i] = _mm_to(dy[:, spans[i]].t(), xa[:, c], masters[i])  # xa holds s X̃ Aᵀ
     if any(need_a[i] for i in group):
         da_stacked = _mm_to(dyb.t(), x, masters[group[0]])  # (Σr, in)
-        for i, c in zip(group, cols):
+        for i, (_, c) in zip(group, blocks):
             da[i] = da_stacked[c] if need_a[i] else None  # rows of the stack: contiguous
     return dyb
 
 
-def _adapt_groups(ys, projs, groups, x_loras, x, a_masters, b_masters, dtype):
-    """`_adapt` for every group, each reading its own input (`_read`); what backward needs, in one list."""
-    return [t for g in groups for t in _adapt(ys, projs, g, _read(g, x_loras, x), a_masters, b_masters, dtype)]
+def _adapt_groups(y, projs, groups, x_loras, x, a_masters, b_masters, dtype):
+    """`_adapt` for every group, each reading its own input (`_read`); what backward needs, three tensors a group."""
+    return [t for g in groups for t in _adapt(y, projs, g, _read(g, x_loras, x), a_masters, b_masters, dtype)]
 
 
-def _adapt_groups_backward(projs, groups, saved, dys, x_loras, x, dx, need_x, need_a, need_b, masters, da, db):
+def _adapt_groups_backward(projs, groups, saved, dy, x_loras, x, dx, need_x, need_a, need_b, masters, da, db):
     """`_adapt_backward` for every group; saved starts with what `_adapt_groups` returned. A group that reads
     X adds its (s dY B) A into dx (unless dx is None: X needs no gradient); a dropout group's is its dX̃_i,
     returned where need_x[i] asks for it (in a list indexed like x_loras)."""
     dx_loras = [None] * len(x_loras)
-    for g in groups:
-        xa, a, *bs = saved[:2 + len(g)]
-        saved = saved[2 + len(g):]
+    for n, g in enumerate(groups):
+        xa, a, b = saved[3 * n:3 * n + 3]
         _expect(a, x.dtype, f"saved lora_A of {projs[g[0]].name}")
-        dyb = _adapt_backward(projs, g, dys, _read(g, x_loras, x), xa, bs, need_a, need_b, masters, da, db)
+        _expect(b, x.dtype, f"saved lora_B of {projs[g[0]].name}")
+        dyb = _adapt_backward(projs, g, dy, _read(g, x_loras, x), xa, b, need_a, need_b, masters, da, db)
         if x_loras[g[0]] is None:
             if dx is not None:
                 dx.addmm_(dyb, a)
@@ -382,7 +442,8 @@ def _adapt_groups_backward(projs, groups, saved, dys, x_loras, x, dx, need_x, ne
 
 
 class _LoRAProjections(torch.autograd.Function):
-    """Y_i = X W_iᵀ + b_i + s_i (X̃_i A_iᵀ) B_iᵀ for projections i that share the input X [N, in].
+    """[Y_1 | Y_2 | ...] (N, Σout), Y_i = X W_iᵀ + b_i + s_i (X̃_i A_iᵀ) B_iᵀ, for projections i that share the
+    input X [N, in].
 
     Inputs after X: (X̃_i, A_i, B_i) per projection. A_i, B_i are None without an adapter;
     X̃_i is None unless that adapter's dropout is on (the adapter then reads X).
@@ -397,32 +458,35 @@ class _LoRAProjections(torch.autograd.Function):
         with torch.autocast(x.device.type, enabled=False):
             xc = x.to(dtype)
             x_loras = [_to(t, dtype) for t in lora[0::3]]
-            ys = [_base(p, xc, dtype) for p in projs]
+            y = _base(projs, xc, dtype)
             groups = _adapter_groups(projs, x_loras)
-            saved = _adapt_groups(ys, projs, groups, x_loras, xc, a_masters, b_masters, dtype)
-        for p, y in zip(projs, ys):
-            _expect(y, dtype, f"output of {p.name}")
+            saved = _adapt_groups(y, projs, groups, x_loras, xc, a_masters, b_masters, dtype)
+        _expect(y, dtype, "output of " + "/".join(p.name for p in projs))
         ctx.save_for_backward(xc, *x_loras, *saved)
         ctx.projs, ctx.groups = projs, groups
-        return tuple(ys)
+        return y
 
     @staticmethod
-    def backward(ctx, *dys):
+    def backward(ctx, dy):
         projs, n = ctx.projs, len(ctx.projs)
         xc, *saved = ctx.saved_tensors
         x_loras, saved = saved[:n], saved[n:]
         need = ctx.needs_input_grad[1:]  # x, then (X̃_i, A_i, B_i) per projection
         masters = ctx.dtypes[2::3]  # lora_A's dtype per projection (lora_B's is asserted equal by _check_grads)
         da, db = [None] * n, [None] * n
+        _expect(dy, xc.dtype, "gradient of the " + "/".join(p.name for p in projs) + " output")
         with torch.autocast(xc.device.type, enabled=False):
-            for p, dy in zip(projs, dys):
-                _expect(dy, xc.dtype, f"gradient of the {p.name} output")
-            dx = _base_backward(projs, dys) if need[0] else None
-            dx_loras = _adapt_groups_backward(projs, ctx.groups, saved, dys, x_loras, xc, dx, need[1::3], need[2::3],
+            dx = _base_backward(projs, dy) if need[0] else None
+            dx_loras = _adapt_groups_backward(projs, ctx.groups, saved, dy, x_loras, xc, dx, need[1::3], need[2::3],
                                               need[3::3], masters, da, db)
         x_dtype = ctx.dtypes[0]  # X's, and every X̃_i's (asserted in forward)
         grads = [t for i in range(n) for t in (_to(dx_loras[i], x_dtype), da[i], db[i])]
         return (None, *_check_grads(ctx, [_to(dx, x_dtype)] + grads))
+
+
+def _halves(gu):
+    """Gᵀ and Uᵀ, (I, N) each and contiguous, from [G | U] (N, 2I) stored as the contiguous (2I, N)."""
+    return gu.t().chunk(2)
 
 
 class _LoRAMLP(torch.autograd.Function):
@@ -430,7 +494,9 @@ class _LoRAMLP(torch.autograd.Function):
 
     Inputs: X [N, H]; X̃_gate, X̃_up (None unless that dropout is on); then A, B of gate,
     up and down (None where there is no adapter). The down-projection's dropout mask is
-    drawn here, since H only exists here.
+    drawn here, since H only exists here. Gate and up run as one projection (`_base`) whose
+    output [G | U] is stored transposed, so that Gᵀ and Uᵀ are contiguous for the elementwise
+    kernels; H and dH are handled transposed likewise, which the GEMMs take at no cost.
     """
 
     @staticmethod
@@ -445,24 +511,22 @@ class _LoRAMLP(torch.autograd.Function):
         with torch.autocast(x.device.type, enabled=False):
             xc = x.to(dtype)
             x_loras = [_to(x_gate, dtype), _to(x_up, dtype)]
-            gu = [_base(gate, xc, dtype), _base(up, xc, dtype)]  # G, U (N, I)
+            gu = _base(projs[:2], xc, dtype, transposed=True)  # [G | U] (N, 2I)
             groups = _adapter_groups(projs[:2], x_loras)
-            saved = _adapt_groups(gu, projs, groups, x_loras, xc, a_masters, b_masters, dtype)
-            g, u = gu
-            h = glu.forward(g, u)  # (N, I)
+            saved = _adapt_groups(gu, projs[:2], groups, x_loras, xc, a_masters, b_masters, dtype)
+            h = glu.forward(*_halves(gu)).t()  # (N, I)
             keep, h_lora = None, None
             if p_drop > 0:
-                mask = F.dropout(torch.ones_like(h), p_drop)  # 0 or 1/(1-p), drawn as F.dropout(h) draws
+                mask = F.dropout(h.new_ones(h.shape), p_drop)  # 0 or 1/(1-p), drawn as F.dropout(h) draws
                 keep, h_lora = mask != 0, h * mask
                 del mask
-            ys = [None, None, _base(down, h, dtype)]  # indexed like projs
+            y = _base((down,), h, dtype)
             if down.r:
-                saved += _adapt(ys, projs, [2], h if h_lora is None else h_lora, a_masters, b_masters, dtype)
-            y = ys[2]
+                saved += _adapt(y, (down,), [0], h if h_lora is None else h_lora, a_masters[2:], b_masters[2:], dtype)
             del h, h_lora
-        for t, name in ((g, "gate"), (u, "up"), (y, "output")):
+        for t, name in ((gu, "gate/up"), (y, "output")):
             _expect(t, dtype, f"MLP {name}")
-        ctx.save_for_backward(xc, *x_loras, g, u, keep, *saved)
+        ctx.save_for_backward(xc, *x_loras, gu, keep, *saved)
         ctx.projs, ctx.glu, ctx.p_drop, ctx.groups = projs, glu, p_drop, groups
         return y
 
@@ -476,31 +540,36 @@ class _LoRAMLP(torch.autograd.Function):
                                    "but the first overwrote the saved gate/up activations with their gradients. "
                                    "Build the model with fused_lora=False to backpropagate twice")
             ctx.consumed = True
-        xc, x_gate, x_up, g, u, keep, *saved = ctx.saved_tensors
-        x_loras, projs = [x_gate, x_up], ctx.projs
+        xc, x_gate, x_up, gu, keep, *saved = ctx.saved_tensors
+        x_loras, projs, down = [x_gate, x_up], ctx.projs, ctx.projs[2]
         need = ctx.needs_input_grad[2:]  # x, X̃_gate, X̃_up, A_g, B_g, A_u, B_u, A_d, B_d
         need_a, need_b = need[3::2], need[4::2]  # of gate, up, down
         masters = ctx.dtypes[3::2]  # lora_A's dtype of gate, up, down
         da, db = [None] * 3, [None] * 3
         _expect(dy, xc.dtype, "gradient of the MLP output")
         with torch.autocast(xc.device.type, enabled=False):
-            h = ctx.glu.forward(g, u)  # recomputed: never saved
-            dh = _base_backward(projs[2:], (dy,))  # (N, I)
-            if projs[2].r:
+            g, u = _halves(gu)
+            h = ctx.glu.forward(g, u).t()  # (N, I), recomputed: never saved
+            dh = _base_backward((down,), dy, transposed=True)  # (N, I), stored as (I, N) like Gᵀ and Uᵀ
+            if down.r:
                 xa, a, b = saved[-3:]
+                _expect(a, xc.dtype, "saved lora_A of down_proj")
                 mask = None if keep is None else keep.to(h.dtype).div_(1 - ctx.p_drop)  # as F.dropout scales
                 h_in = h if mask is None else h * mask
-                dyb = _adapt_backward(projs, [2], (None, None, dy), h_in, xa, [b], need_a, need_b, masters, da, db)
+                da_d, db_d = [None], [None]
+                dyb = _adapt_backward((down,), [0], dy, h_in, xa, b, need_a[2:], need_b[2:], masters[2:], da_d, db_d)
+                da[2], db[2] = da_d[0], db_d[0]
                 if mask is None:
                     dh.addmm_(dyb, a)
                 else:
                     dh.addcmul_(torch.mm(dyb, a), mask)
                 del h_in, mask, dyb
             del h
-            dg, du = ctx.glu.backward(dh, g, u)  # with the kernels: written over g, u
+            dg, du = ctx.glu.backward(dh.t(), g, u)  # with the kernels: written over Gᵀ and Uᵀ, i.e. into gu
             del dh
-            dx = _base_backward(projs[:2], (dg, du)) if need[0] else None
-            dx_loras = _adapt_groups_backward(projs, ctx.groups, saved, (dg, du), x_loras, xc, dx, need[1:3], need_a,
+            dgu = gu if ctx.glu.inplace else torch.cat([dg, du]).t()  # [dG | dU] (N, 2I)
+            dx = _base_backward(projs[:2], dgu) if need[0] else None
+            dx_loras = _adapt_groups_backward(projs[:2], ctx.groups, saved, dgu, x_loras, xc, dx, need[1:3], need_a,
                                               need_b, masters, da, db)
         x_dtype = ctx.dtypes[0]  # X's, and X̃_gate's and X̃_up's (asserted in forward)
         dxs = [_to(t, x_dtype) for t in (dx, *dx_loras)]
@@ -508,12 +577,14 @@ class _LoRAMLP(torch.autograd.Function):
 
 
 def lora_projections(x, projs):
-    """tuple(p(x) for p in projs) as one autograd Function: X is cast and saved once, and
-    dX is summed over the projections in one pass. x (..., in)."""
+    """tuple(p(x) for p in projs) as one autograd Function: one GEMM for the base of all of them (`_base`),
+    X cast and saved once, and dX in one GEMM too. x (..., in); the outputs are column slices of one
+    (..., Σout) tensor."""
     x2 = x.reshape(-1, x.shape[-1])  # (N, in)
     lora = [t for p in projs for t in (p.lora_input(x2), p.lora_A, p.lora_B)]
-    ys = _LoRAProjections.apply(projs, x2, *lora)
-    return tuple(y.view(*x.shape[:-1], y.shape[-1]) for y in ys)
+    y = _LoRAProjections.apply(projs, x2, *lora)
+    y = y.view(*x.shape[:-1], y.shape[-1])
+    return (y,) if len(projs) == 1 else y.split([p.out_features for p in projs], dim=-1)
 
 
 def lora_mlp(x, projs, glu: GLU):

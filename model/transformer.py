@@ -31,7 +31,8 @@ from torch.utils.checkpoint import checkpoint
 from kernels.references import (fused_linear_cross_entropy_reference, geglu_reference, rms_norm_reference,
                                 rope_reference, swiglu_reference)
 from model.config import ModelConfig
-from model.lora import GLU, LoRAConfig, autograd_backward, fusable, lora_mlp, lora_projections, make_linear
+from model.lora import (GLU, LoRAConfig, autograd_backward, fusable, lora_mlp, lora_projections, make_linear,
+                        pack_weights_)
 from model.offload import ActivationOffload
 
 
@@ -262,9 +263,10 @@ class Attention(nn.Module):
         qkv = (self.q_proj, self.k_proj, self.v_proj)
         fused = self.ops.fused_lora and fusable(qkv + (self.o_proj,))
         q, k, v = lora_projections(x, qkv) if fused else (p(x) for p in qkv)
-        q = q.view(B, T, self.nh, self.d)
+        q = q.view(B, T, self.nh, self.d)  # fused: column slices of one (B, T, q | k | v) tensor
         k = k.view(B, T, self.nkv, self.d)
-        v = v.view(B, T, self.nkv, self.d)
+        # Attention saves v for backward: a copy of it, not a slice, lets the q | k | v tensor go after RoPE.
+        v = v.contiguous().view(B, T, self.nkv, self.d)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.ops.rope(q, k, cos, sin)  # (B, T, nh, d), (B, T, nkv, d)
@@ -341,6 +343,15 @@ class Transformer(nn.Module):
         self.gradient_checkpointing = gradient_checkpointing  # recompute each layer in backward
         self.offload_activations = offload_activations  # with checkpointing: keep layer inputs in pinned CPU memory
         self.offload = ActivationOffload()  # its CPU buffers, made on first use and kept from step to step
+        self.pack_weights_()
+
+    def pack_weights_(self):
+        """Store the base weights of q, k, v, and of gate, up, as one tensor per layer and group, so that each
+        group is one GEMM (model/lora.py, `pack_weights_`). Loaders call it again once the weights are in."""
+        for layer in self.model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            pack_weights_((attn.q_proj, attn.k_proj, attn.v_proj))
+            pack_weights_((mlp.gate_proj, mlp.up_proj))
 
     def varlen(self, device, dtype):
         """Whether document and window masks run as flash attention's variable-length kernels here

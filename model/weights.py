@@ -68,7 +68,8 @@ def check_complete(expected, seen, where):
 
 
 def finish_model(model, cfg, device, lora_seed):
-    """Tie embeddings, create the fp32 LoRA weights on `device`, and freeze the base."""
+    """Tie embeddings, create the fp32 LoRA weights on `device`, freeze the base, and pack the base weights of
+    projections that share an input (`Transformer.pack_weights_`)."""
     if cfg.tie_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     gen = torch.Generator().manual_seed(lora_seed)
@@ -80,4 +81,5 @@ def finish_model(model, cfg, device, lora_seed):
             m.lora_A, m.lora_B = nn.Parameter(a.to(device)), nn.Parameter(b.to(device))
     for n, p in model.named_parameters():
         p.requires_grad_(is_lora_param(n))
+    model.pack_weights_()
     model.eval()  # dropout off unless the training loop turns it on

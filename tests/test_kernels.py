@@ -354,7 +354,7 @@ def test_rms_norm_non_contiguous():
 # ----------------------------------------------------------------------------- RoPE
 
 def check_rope(device, dtype, B, T, Hq, Hk, D, cs_dtype=torch.float32, packed=False, transposed=False,
-               random_tables=False):
+               random_tables=False, columns=False):
     if packed:  # two documents per row, positions restart at 0
         position_ids = torch.cat([torch.arange(T // 2), torch.arange(T - T // 2)]).expand(1, T).to(device)
     else:
@@ -371,6 +371,12 @@ def check_rope(device, dtype, B, T, Hq, Hk, D, cs_dtype=torch.float32, packed=Fa
         q = torch.randn(B, T, Hq, D, device=device).to(dtype)
         k = torch.randn(B, T, Hk, D, device=device).to(dtype)
     (q1, k1), (q2, k2) = leaves(q, k)
+    if columns:  # q, k as column slices of one [B, T, q | k | v] projection output: read in place by the kernel
+        qkv = torch.cat([q1.detach().flatten(2), k1.detach().flatten(2), torch.randn_like(k1).flatten(2)], -1)
+        qkv.requires_grad_()
+        q_view, k_view, _ = qkv.split([Hq * D, Hk * D, Hk * D], dim=-1)
+        q1, k1 = q_view.view(B, T, Hq, D), k_view.view(B, T, Hk, D)
+        assert not q1.is_contiguous() and q1.stride(1) == (Hq + 2 * Hk) * D
     out = apply_rope(q1, k1, cos, sin)
     ref = rope_reference(q2, k2, cos, sin)
     dq, dk = torch.randn_like(ref[0]), torch.randn_like(ref[1])
@@ -379,8 +385,10 @@ def check_rope(device, dtype, B, T, Hq, Hk, D, cs_dtype=torch.float32, packed=Fa
         close(a, b, dtype, name)
     torch.autograd.backward(out, (dq, dk))
     torch.autograd.backward(ref, (dq, dk))
-    close(q1.grad, q2.grad, dtype, "dq")
-    close(k1.grad, k2.grad, dtype, "dk")
+    dq_got, dk_got = (q1.grad, k1.grad) if not columns else (
+        g.reshape(t.shape) for g, t in zip(qkv.grad.split([Hq * D, Hk * D, Hk * D], dim=-1), (q2, k2)))
+    close(dq_got, q2.grad, dtype, "dq")
+    close(dk_got, k2.grad, dtype, "dk")
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -396,6 +404,11 @@ def test_rope_packed_positions_broadcast_cos_bf16_tables():
 
 def test_rope_non_contiguous():
     check_rope(DEVICE, torch.float32, 2, 6, 4, 2, 64, transposed=True)
+
+
+@pytest.mark.parametrize("B", [1, 3])
+def test_rope_columns_of_a_packed_projection(B):
+    check_rope(DEVICE, torch.float32, B, 6, 4, 2, 32, columns=True)
 
 
 def test_rope_general_tables():

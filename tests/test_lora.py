@@ -5,8 +5,8 @@ import torch
 import torch.nn.functional as F
 
 from model import LoRAConfig, load_model
-from model.lora import (ALL_TARGETS, LoRALinear, _LoRAMLP, _LoRAProjections, lora_mlp, lora_parameters,
-                        lora_projections)
+from model.lora import (ALL_TARGETS, LoRALinear, _LoRAMLP, _LoRAProjections, _packed, lora_mlp, lora_parameters,
+                        lora_projections, pack_weights_)
 from tests.helpers import (H, I, P, assert_close, attention_projs, compare, glu, make_proj, mlp_projs,
                            randomize_lora_b, rel_err, run, unfused_mlp)
 from tests.tiny_models import FAMILIES, save_tiny
@@ -86,10 +86,21 @@ def set_dropout(projs, dropout):
         p.dropout_p = 0.0 if dropout == "off" or (dropout == "mixed" and i > 0) else P
 
 
+def maybe_pack(projs, packed):
+    """packed: the base weights as rows of one tensor, as load_model stores them; else separate tensors, which
+    the fused Functions concatenate at every step (an NF4 model's, or a model moved after loading)."""
+    if packed:
+        pack_weights_(projs)
+        assert projs[1].weight.data_ptr() == projs[0].weight.data_ptr() + projs[0].weight.nbytes
+    return projs
+
+
+@pytest.mark.parametrize("packed", [True, False], ids=["packed", "separate"])
 @pytest.mark.parametrize("dropout", ["on", "off", "mixed"])
 @pytest.mark.parametrize("dtype,amp", DTYPE_CASES, ids=DTYPE_IDS)
-def test_fused_projections_match_unfused(dtype, amp, dropout):
+def test_fused_projections_match_unfused(dtype, amp, dropout, packed):
     qkv, o = attention_projs(dtype)
+    maybe_pack(qkv, packed)
     set_dropout(qkv, dropout)
     x = torch.randn(3, 7, H).to(dtype)
     y = torch.randn(3, 7, 64).to(dtype)
@@ -99,11 +110,13 @@ def test_fused_projections_match_unfused(dtype, amp, dropout):
         compare(run(lambda t: lora_projections(t, (o,)), y, (o,)), run(o, y, (o,)), amp or dtype, "o")
 
 
+@pytest.mark.parametrize("packed", [True, False], ids=["packed", "separate"])
 @pytest.mark.parametrize("dropout", ["on", "off", "mixed"])
 @pytest.mark.parametrize("act", ["silu", "gelu_tanh"])
 @pytest.mark.parametrize("dtype,amp", DTYPE_CASES, ids=DTYPE_IDS)
-def test_fused_mlp_matches_unfused(dtype, amp, act, dropout):
+def test_fused_mlp_matches_unfused(dtype, amp, act, dropout, packed):
     projs = mlp_projs(dtype)
+    maybe_pack(projs[:2], packed)
     set_dropout(projs, dropout)
     x = torch.randn(3, 7, H).to(dtype)
     with maybe_autocast(amp):
@@ -215,9 +228,40 @@ def test_fused_mlp_saves_no_weight_and_no_h():
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         lora_mlp(x, projs, glu("silu"))
-    assert not [s for s, _ in saved if s in ((I, H), (H, I))], f"a base weight was saved: {saved}"
-    assert sum(s == (21, I) and d == torch.float32 for s, d in saved) == 2, saved  # G, U
+    assert not [s for s, _ in saved if s in ((I, H), (H, I), (2 * I, H))], f"a base weight was saved: {saved}"
+    assert not [s for s, d in saved if s == (21, I) and d == torch.float32], f"H was saved: {saved}"
+    assert sum(s == (21, 2 * I) and d == torch.float32 for s, d in saved) == 1, saved  # [G | U]
     assert ((21, I), torch.bool) in saved  # the down-projection dropout mask
+
+
+def test_packed_weights(llama_folder):
+    """load_model stores q/k/v's and gate/up's base weights as rows of one tensor each: every projection keeps its
+    own parameter (a view, same name and shape), `_packed` returns the group's weight without a copy, and the
+    model gives what it gives with separate weights."""
+    model, cfg = load_model(llama_folder, lora=LoRAConfig(r=4))
+    randomize_lora_b(model, std=0.1)
+    attn, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
+    for group in ((attn.q_proj, attn.k_proj, attn.v_proj), (mlp.gate_proj, mlp.up_proj)):
+        ws = [p.weight for p in group]
+        packed = _packed(ws)
+        assert packed.data_ptr() == ws[0].data_ptr() and torch.equal(packed, torch.cat(ws))
+        assert all(w.shape == (p.out_features, p.in_features) and not w.requires_grad for p, w in zip(group, ws))
+    names = {n for n, _ in model.named_parameters()}
+    assert "model.layers.0.self_attn.k_proj.weight" in names and len(names) == len(model.state_dict())
+    ids = torch.randint(0, cfg.vocab_size, (B, T))
+    packed_out = model(ids, targets=ids)
+    packed_out.backward()
+    grads = [p.grad.clone() for _, p in lora_parameters(model)]
+    model.zero_grad()
+    for m in model.modules():  # separate weights again: each a tensor of its own
+        if isinstance(m, LoRALinear):
+            m.weight = torch.nn.Parameter(m.weight.detach().clone(), requires_grad=False)
+    assert attn.k_proj.weight.data_ptr() != attn.q_proj.weight.data_ptr() + attn.q_proj.weight.nbytes
+    separate_out = model(ids, targets=ids)
+    separate_out.backward()
+    assert_close(packed_out, separate_out, atol=1e-6, rtol=1e-5, name="loss")
+    for (n, p), g in zip(lora_parameters(model), grads):
+        assert_close(g, p.grad, atol=1e-6, rtol=1e-5, name=n)
 
 
 # ----------------------------------------------------------------------------- dtype discipline
@@ -335,12 +379,13 @@ def test_cuda_fused_lora_matches_unfused(dtype, act, dropout):
     """On CUDA in bf16 and fp16, with the Triton kernels inside: fused MLP and q/k/v/o vs the unfused path,
     with adapters stacked (dropout off), each on its own (on), and both (mixed)."""
     projs = [m.cuda() for m in mlp_projs(dtype)]
+    maybe_pack(projs[:2], packed=True)
     set_dropout(projs, dropout)
     x = torch.randn(4, 33, H, device="cuda").to(dtype)
     compare(run(lambda t: lora_mlp(t, projs, glu(act, use_kernels=True)), x, projs),
             run(lambda t: unfused_mlp(t, projs, act), x, projs), dtype, f"cuda {act} MLP")
     qkv, o = attention_projs(dtype)
-    qkv, o = tuple(m.cuda() for m in qkv), o.cuda()
+    qkv, o = maybe_pack(tuple(m.cuda() for m in qkv), packed=True), o.cuda()
     set_dropout(qkv, dropout)
     compare(run(lambda t: lora_projections(t, qkv), x, qkv), run(lambda t: tuple(p(t) for p in qkv), x, qkv),
             dtype, "cuda q/k/v")
