@@ -95,9 +95,10 @@ def _rms_norm_backward_kernel(
 
 
 def launch_config(H: int) -> tuple[int, int]:
-    """(BLOCK, num_warps): the whole row in one block."""
+    """(BLOCK, num_warps): the whole row in one block. Few warps for short rows: each thread then moves
+    more bytes per program (the sweep is in docs/perf-notes.md)."""
     block = triton.next_power_of_2(H)
-    num_warps = 16 if block >= 8192 else 8 if block >= 2048 else 4
+    num_warps = 16 if block >= 8192 else 4 if block >= 2048 else 2
     return block, num_warps
 
 
@@ -107,10 +108,13 @@ def _rows(t, H):
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
-def _backward_programs(device, N):
-    # Each program walks its rows one after another, so one program per SM leaves the loads of
-    # one row waiting on the last: 8 per SM keep more rows in flight, for 8 partial dW rows per SM.
-    # The interpreter runs programs one by one, so any count works on CPU: 4 exercises the partial sum.
+def _backward_programs(device, N, compute_dw):
+    """How many programs the backward runs. A frozen weight (LoRA): one per row, as many rows in flight as
+    the GPU holds. With dW, each program walks its rows one after another into one partial dW row; one
+    program per SM would leave the loads of one row waiting on the last, so 8 per SM keep more rows in
+    flight. The interpreter runs programs one by one, so any count works on CPU: 4 exercises the partial sum."""
+    if not compute_dw:
+        return max(1, N)
     programs = 8 * torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
     return max(1, min(N, programs))
 
@@ -136,7 +140,7 @@ def rms_norm_backward(dy, x, weight, rstd, offset, cast, compute_dw=True):
     x2, dy2 = _rows(x, H), _rows(dy, H)
     N = x2.shape[0]
     dx = torch.empty((N, H), dtype=x.dtype, device=x.device)
-    programs = _backward_programs(x.device, N)
+    programs = _backward_programs(x.device, N, compute_dw)
     # every program writes its partial row (zeros when it has no rows), so empty is enough
     dw_partial = torch.empty((programs, H), dtype=torch.float32, device=x.device) if compute_dw else None
     if N > 0:
