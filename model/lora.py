@@ -61,7 +61,7 @@ The MLP, with act(g) = g·σ(g) (SwiGLU) or gelu(g) (GeGLU):
     dB_d = s_d dYᵀ (H̃ A_dᵀ),   dA_d = s_d (dY B_d)ᵀ H̃
     dU  = dH ⊙ act(G)
     dG  = dH ⊙ U ⊙ act'(G),    SwiGLU: act'(g) = σ(g) (1 + g (1 - σ(g)))
-    then gate and up backward as single projections sharing X (dX summed).
+    then gate and up backward as one projection of X: [dG | dU] against [W_g; W_u].
 
 M_d is drawn inside the Function (H only exists there) and saved as a bool mask. [G | U]
 is computed transposed, as the contiguous (2I, N) product [W_g; W_u] Xᵀ, so that Gᵀ and Uᵀ
