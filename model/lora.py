@@ -386,7 +386,8 @@ def _adapt(y, projs, group, x, a_masters, b_masters, dtype):
     """Add s (X A_iᵀ) B_iᵀ into projection i's columns of y (N, Σout) for the group's members i, whose adapters read
     x, in two GEMMs for the group: s X Aᵀ with the A stacked, [A_1; A_2; ...] (Σr, in), then its product with the
     members' B set on the diagonal of one matrix (the group's output columns by Σr, zeros elsewhere). Returns what
-    backward needs, in `dtype` (so that it casts nothing again): s X Aᵀ (N, Σr), the stacked A and the block B."""
+    backward needs, in `dtype` (so that it casts nothing again): s X Aᵀ (N, Σr), the stacked A and the block B.
+    y None: no output is wanted, only what backward needs (the second GEMM is skipped)."""
     a = [a_masters[i] for i in group]
     a = (a[0] if len(a) == 1 else torch.cat(a)).to(dtype)
     xa = _scaled_mm(x, a.t(), projs[group[0]].scale)
@@ -397,7 +398,8 @@ def _adapt(y, projs, group, x, a_masters, b_masters, dtype):
         b = xa.new_zeros(cols.stop - cols.start, xa.shape[1])
         for i, (rows, c) in zip(group, blocks):
             b[rows, c] = b_masters[i]  # cast as it is copied
-    y[:, cols].addmm_(xa, b.t())
+    if y is not None:
+        y[:, cols].addmm_(xa, b.t())
     return [xa, a, b]
 
 
@@ -494,13 +496,15 @@ class _LoRAMLP(torch.autograd.Function):
 
     Inputs: X [N, H]; X̃_gate, X̃_up (None unless that dropout is on); then A, B of gate,
     up and down (None where there is no adapter). The down-projection's dropout mask is
-    drawn here, since H only exists here. Gate and up run as one projection (`_base`) whose
+    drawn here, since H only exists here. output=False: Y is not computed (zeros are returned
+    in its place) but everything backward needs is saved, as for the recompute of a checkpointed
+    layer, whose output nothing reads. Gate and up run as one projection (`_base`) whose
     output [G | U] is stored transposed, so that Gᵀ and Uᵀ are contiguous for the elementwise
     kernels; H and dH are handled transposed likewise, which the GEMMs take at no cost.
     """
 
     @staticmethod
-    def forward(ctx, projs, glu, x, x_gate, x_up, *ab):
+    def forward(ctx, projs, glu, output, x, x_gate, x_up, *ab):
         gate, up, down = projs
         dtype = compute_dtype(x)
         names = ["x", "dropout(x) of gate_proj", "dropout(x) of up_proj"] + [
@@ -520,9 +524,11 @@ class _LoRAMLP(torch.autograd.Function):
                 mask = F.dropout(h.new_ones(h.shape), p_drop)  # 0 or 1/(1-p), drawn as F.dropout(h) draws
                 keep, h_lora = mask != 0, h * mask
                 del mask
-            y = _base((down,), h, dtype)
+            y = _base((down,), h, dtype) if output else None
             if down.r:
                 saved += _adapt(y, (down,), [0], h if h_lora is None else h_lora, a_masters[2:], b_masters[2:], dtype)
+            if y is None:
+                y = xc.new_zeros(xc.shape[0], down.out_features)
             del h, h_lora
         for t, name in ((gu, "gate/up"), (y, "output")):
             _expect(t, dtype, f"MLP {name}")
@@ -542,7 +548,7 @@ class _LoRAMLP(torch.autograd.Function):
             ctx.consumed = True
         xc, x_gate, x_up, gu, keep, *saved = ctx.saved_tensors
         x_loras, projs, down = [x_gate, x_up], ctx.projs, ctx.projs[2]
-        need = ctx.needs_input_grad[2:]  # x, X̃_gate, X̃_up, A_g, B_g, A_u, B_u, A_d, B_d
+        need = ctx.needs_input_grad[3:]  # x, X̃_gate, X̃_up, A_g, B_g, A_u, B_u, A_d, B_d
         need_a, need_b = need[3::2], need[4::2]  # of gate, up, down
         masters = ctx.dtypes[3::2]  # lora_A's dtype of gate, up, down
         da, db = [None] * 3, [None] * 3
@@ -573,7 +579,7 @@ class _LoRAMLP(torch.autograd.Function):
                                               need_b, masters, da, db)
         x_dtype = ctx.dtypes[0]  # X's, and X̃_gate's and X̃_up's (asserted in forward)
         dxs = [_to(t, x_dtype) for t in (dx, *dx_loras)]
-        return (None, None, *_check_grads(ctx, dxs + [da[0], db[0], da[1], db[1], da[2], db[2]]))
+        return (None, None, None, *_check_grads(ctx, dxs + [da[0], db[0], da[1], db[1], da[2], db[2]]))
 
 
 def lora_projections(x, projs):
@@ -587,10 +593,11 @@ def lora_projections(x, projs):
     return (y,) if len(projs) == 1 else y.split([p.out_features for p in projs], dim=-1)
 
 
-def lora_mlp(x, projs, glu: GLU):
-    """down(act(gate(x)) ⊙ up(x)) for projs = (gate, up, down), as one autograd Function. x (..., H)."""
+def lora_mlp(x, projs, glu: GLU, output=True):
+    """down(act(gate(x)) ⊙ up(x)) for projs = (gate, up, down), as one autograd Function. x (..., H).
+    output=False: zeros in place of the output, the graph and what backward needs as with True (`_LoRAMLP`)."""
     gate, up, down = projs
     x2 = x.reshape(-1, x.shape[-1])  # (N, H)
-    y = _LoRAMLP.apply(projs, glu, x2, gate.lora_input(x2), up.lora_input(x2),
+    y = _LoRAMLP.apply(projs, glu, output, x2, gate.lora_input(x2), up.lora_input(x2),
                        gate.lora_A, gate.lora_B, up.lora_A, up.lora_B, down.lora_A, down.lora_B)
     return y.view(*x.shape[:-1], y.shape[-1])

@@ -288,10 +288,12 @@ class MLP(nn.Module):
         self.ops = ops
         self.glu = ops.glu(cfg.act)
 
-    def forward(self, x):
+    def forward(self, x, output=True):
+        """output=False: the caller reads only the graph (a checkpointed layer's recompute), so the fused
+        path skips the down projection's GEMM and returns zeros in its place (see `lora_mlp`)."""
         projs = (self.gate_proj, self.up_proj, self.down_proj)
         if self.ops.fused_lora and fusable(projs):
-            return lora_mlp(x, projs, self.glu)
+            return lora_mlp(x, projs, self.glu, output)
         return self.down_proj(self.glu.function(self.gate_proj(x), self.up_proj(x)))
 
 
@@ -309,12 +311,21 @@ class DecoderLayer(nn.Module):
             self.pre_feedforward_layernorm = RMSNorm(H, cfg, ops)
             self.post_feedforward_layernorm = RMSNorm(H, cfg, ops)
 
-    def forward(self, x, cos, sin, mask, cache=None):
+    def forward(self, x, cos, sin, mask, cache=None, graph_only=False):
+        """graph_only: the output's values are not read, only its graph (the recompute of a checkpointed
+        layer), so the MLP may skip its last GEMM. Not with sandwich norms: their norm saves the MLP output."""
         if self.sandwich:
             x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), cos, sin, mask, cache))
             return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, cache)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        return x + self.mlp(self.post_attention_layernorm(x), output=not graph_only)
+
+
+def _checkpointed(layer, *args):
+    """One layer under the reentrant checkpoint, which runs it twice: in forward without grad, where its
+    output is the next layer's input, and in backward with grad, where backward reads only the graph and
+    the tensors saved in it. That second run skips what only the output needs (`graph_only`)."""
+    return layer(*args, graph_only=torch.is_grad_enabled())
 
 
 class Backbone(nn.Module):
@@ -415,7 +426,7 @@ class Transformer(nn.Module):
                 # every tensor saved inside the layer through Python hooks, a CPU cost that a
                 # CPU-bound step pays in full (docs/perf-notes.md, "reentrant checkpointing").
                 with offload.hooks(x) if offload else nullcontext():
-                    x = checkpoint(layer, *args, use_reentrant=True)
+                    x = checkpoint(_checkpointed, layer, *args, use_reentrant=True)
             else:
                 x = layer(*args, cache=None if cache is None else cache.layers[i])
         if offload:

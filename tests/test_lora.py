@@ -177,7 +177,7 @@ def test_gradcheck_float64():
 
     def mlp(x, *ab):
         torch.manual_seed(0)  # the down mask is drawn inside, after gate's
-        return _LoRAMLP.apply((gate, up, down), silu, x, F.dropout(x, P), None, *ab)
+        return _LoRAMLP.apply((gate, up, down), silu, True, x, F.dropout(x, P), None, *ab)
 
     leaves = [t.detach().clone().requires_grad_() for m in (gate, up, down) for t in (m.lora_A, m.lora_B)]
     assert torch.autograd.gradcheck(mlp, (x, *leaves))
@@ -211,7 +211,7 @@ def test_gradcheck_stacked_adapters():
         p.lora_A.data, p.lora_B.data = p.lora_A.data.double(), p.lora_B.data.double()
     silu = glu("silu")
     leaves = [t.detach().clone().requires_grad_() for m in (gate, up, down) for t in (m.lora_A, m.lora_B)]
-    assert torch.autograd.gradcheck(lambda x, *ab: _LoRAMLP.apply((gate, up, down), silu, x, None, None, *ab),
+    assert torch.autograd.gradcheck(lambda x, *ab: _LoRAMLP.apply((gate, up, down), silu, True, x, None, None, *ab),
                                     (x, *leaves))
 
 
@@ -368,6 +368,31 @@ def test_checkpointing_keeps_dropout_masks(llama_folder):
         model.zero_grad()
     for a, b in zip(*grads):
         assert_close(a, b, atol=1e-6, rtol=1e-5, name="grad with checkpointing")
+
+
+def test_recompute_skips_the_unread_down_projection(llama_folder):
+    """With checkpointing, backward's recompute of a layer skips the down projection's GEMM, whose output
+    nothing reads: the down weight is read twice per step (forward, and dH in backward), as without
+    checkpointing, not three times. The gradients are those without checkpointing."""
+    model, cfg = load_model(llama_folder, lora=LoRAConfig(r=4))
+    randomize_lora_b(model, std=0.1)
+    ids = torch.randint(0, cfg.vocab_size, (B, T))
+    down = model.model.layers[0].mlp.down_proj
+    reads, weight = [], down.base_weight
+    down.base_weight = lambda: reads.append(1) or weight()  # counts the reads of W_d
+    results = []
+    for ckpt in (False, True):
+        model.gradient_checkpointing = ckpt
+        reads.clear()
+        loss = model(ids, targets=ids)
+        loss.backward()
+        results.append((loss.detach(), len(reads), [p.grad.clone() for _, p in lora_parameters(model)]))
+        model.zero_grad()
+    (loss, n, grads), (ckpt_loss, ckpt_n, ckpt_grads) = results
+    assert n == 2 and ckpt_n == 2, (n, ckpt_n)
+    assert_close(ckpt_loss, loss, atol=1e-6, rtol=1e-6, name="loss with checkpointing")
+    for a, b in zip(grads, ckpt_grads):
+        assert_close(b, a, atol=1e-6, rtol=1e-5, name="grad with checkpointing")
 
 
 @pytest.mark.gpu
