@@ -408,11 +408,11 @@ def _adapt_backward(projs, group, dy, x, xa, b, need_a, need_b, masters, da, db)
     where need_a[i], need_b[i] ask for them. Returns s dY B = s [dY_1 B_1 | dY_2 B_2 | ...] (N, Σr), one GEMM with
     the block B: times the stacked A it is the gradient of the adapters' input, in one more."""
     cols, blocks = _blocks(projs, group)
-    dyb = _scaled_mm(dy[:, cols], b, projs[group[0]].scale)
-    spans = _spans(projs)
-    for i, (_, c) in zip(group, blocks):
+    dy = dy[:, cols]  # the group's columns: a member's block rows are its columns here
+    dyb = _scaled_mm(dy, b, projs[group[0]].scale)
+    for i, (rows, c) in zip(group, blocks):
         if need_b[i]:  # one GEMM per member, so that each dB_i is a whole tensor (one multi-tensor add in step.py)
-            db[i] = _mm_to(dy[:, spans[i]].t(), xa[:, c], masters[i])  # xa holds s X̃ Aᵀ
+            db[i] = _mm_to(dy[:, rows].t(), xa[:, c], masters[i])  # xa holds s X̃ Aᵀ
     if any(need_a[i] for i in group):
         da_stacked = _mm_to(dyb.t(), x, masters[group[0]])  # (Σr, in)
         for i, (_, c) in zip(group, blocks):
