@@ -870,7 +870,8 @@ class StopSignals:
         self.say = say  # whether this process prints (rank 0)
         self.stage = "setup"  # then "training", then "saving"
         self.count, self.signum = 0, None
-        self.step = 0  # the step in progress (the loop sets it), for the first message
+        self.step = 0  # the step in progress (the loop sets it)
+        self.stop_after = None  # the step in progress when the first signal came
         self.previous = {}
 
     def __enter__(self):
@@ -882,9 +883,10 @@ class StopSignals:
         for sig, handler in self.previous.items():
             signal.signal(sig, handler)
 
-    @property
-    def requested(self):
-        return self.count > 0
+    def due(self, completed):
+        """Whether the run stops now, with `completed` steps done. The loop sets `step` before asking, so a
+        signal on either side of the question names the step the run stops after."""
+        return self.stop_after is not None and self.stop_after <= completed
 
     def exit_status(self):
         """128 + the signal's number, as a shell reports a process that a signal ended: 130 for Ctrl-C."""
@@ -896,6 +898,7 @@ class StopSignals:
         if self.stage == "setup" or self.count >= 3:
             raise KeyboardInterrupt(signum)
         if self.count == 1 and self.stage == "training":
+            self.stop_after = self.step
             line = (f"{signal.Signals(signum).name}: stopping after step {self.step}, then saving a checkpoint "
                     "(two more Ctrl-C abort without saving)")
         else:
@@ -982,10 +985,13 @@ def main(cfg: TrainConfig) -> int:
         model.train()
         progress = Progress(step, cfg.max_steps, log, bar=rank == 0 and sys.stdout.isatty())
         tokens, start = 0, None
-        signals.stage = "training"  # a signal now stops the run after its step
+        signals.step, signals.stage = step, "training"  # a signal now stops the run after its step
         try:
             while step < cfg.max_steps:
-                signals.step, start = step + 1, position(batches)  # where an out-of-memory step rewinds to
+                signals.step = step + 1
+                if any_rank(signals.due(step), world, device):
+                    break
+                start = position(batches)  # where an out-of-memory step rewinds to
                 lr = set_lr(optimizer, lr_at(cfg, step))
                 progress.pause()  # checkpoints, evals and samples are not training time
                 if cfg.save_every and step % cfg.save_every == 0 and step > run.saved_step:
@@ -1026,8 +1032,6 @@ def main(cfg: TrainConfig) -> int:
                         "loss_scale": scaler.scale, "target_tokens": n_targets, "skipped": not applied},
                         cfg.max_steps, scaler.enabled, device)
                     tokens = 0
-                if any_rank(signals.requested, world, device):
-                    break
 
             progress.close()
             signals.stage = "saving"  # a signal from here on only says to wait

@@ -516,6 +516,26 @@ def test_sigterm_stops_after_the_step_and_saves(run_model, dataset, tmp_path, ca
     assert not (out / "adapter").exists()
 
 
+@pytest.mark.parametrize("owner, name, calls", [
+    ("train", "any_rank", 1),  # at the top of step 1, before it starts
+    ("train", "any_rank", 2),  # between steps 1 and 2: after step 1's line, before step 2 starts
+    ("train", "log_step", 1),  # while step 1's line is written
+    ("step.EagerStep", "__call__", 2),  # inside step 2
+], ids=["before-step-1", "between-steps", "in-step-1-line", "in-step-2"])
+def test_the_signal_line_names_the_step_the_run_stops_after(run_model, dataset, tmp_path, capfd, monkeypatch,
+                                                            signal_guard, owner, name, calls):
+    """Wherever in the loop a Ctrl-C lands, the step its line announces is the step the run stops after and
+    saves: the loop decides at one point, after naming the step in progress."""
+    out = tmp_path / "out"
+    send_on_call(monkeypatch, {"train": train, "step.EagerStep": step.EagerStep}[owner], name, calls,
+                 signal.SIGINT)
+    assert train.cli(args(run_model, dataset, out, "--max-steps", "4")) == 130
+    captured = capfd.readouterr()
+    announced = int(captured.err.split("SIGINT: stopping after step ")[1].split(",")[0])
+    stopped = int(captured.out.split("interrupted after step ")[1].split(":")[0])
+    assert announced == stopped == read_metrics(out)[-1]["step"], (captured.err, captured.out)
+
+
 def test_ctrl_c_while_saving_waits(run_model, dataset, tmp_path, capfd, monkeypatch, signal_guard):
     """Two Ctrl-C during the final checkpoint (the only one, --save-every 0): "saving, please wait"; the
     checkpoint, the eval and the adapter are all written, and the run is complete (exit 0)."""
