@@ -560,6 +560,7 @@ class _LoRAMLP(torch.autograd.Function):
             if down.r:
                 xa, a, b = saved[-3:]
                 _expect(a, xc.dtype, "saved lora_A of down_proj")
+                _expect(b, xc.dtype, "saved lora_B of down_proj")
                 mask = None if keep is None else keep.to(h.dtype).div_(1 - ctx.p_drop)  # as F.dropout scales
                 h_in = h if mask is None else h * mask
                 da_d, db_d = [None], [None]
