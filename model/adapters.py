@@ -120,7 +120,8 @@ def save_adapter(model, folder, base_model=None, dataset=None, options=None, met
     """
     lora = _lora_config(model)
     base = base_model_id(base_model) if base_model is not None else None
-    tensors = {adapter_key(n): p.detach().float().cpu().contiguous() for n, p in lora_parameters(model)}
+    # Copies: a LoRA weight may view a shared storage (`pack_adapters_`), which safetensors refuses to write.
+    tensors = {adapter_key(n): p.detach().to("cpu", torch.float32, copy=True) for n, p in lora_parameters(model)}
     config = {
         "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base,
         "r": lora.r, "lora_alpha": lora.alpha, "lora_dropout": lora.dropout, "use_rslora": lora.rslora,

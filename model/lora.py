@@ -50,7 +50,10 @@ are stacked: A = [A_q; A_k; A_v] (Σr, in), and the B matrices set on the diagon
 matrix B (Σout, Σr), so that s X Aᵀ, its product with Bᵀ, s dY B = [s dY_q B_q | ...], dA =
 (s dY B)ᵀ X and the input's gradient (s dY B) A are one GEMM each for the group (dB stays one
 GEMM per adapter, so that each gradient is a tensor of its own). For a small model these GEMMs
-cost their launch more than their arithmetic, so fewer, wider ones are faster.
+cost their launch more than their arithmetic, so fewer, wider ones are faster. For the same reason
+their fp32 masters are stored stacked too (`pack_adapters_`: A_q, A_k, A_v consecutive rows of one
+tensor, B_q, B_k, B_v likewise): each forward casts the stacked A as one view, and builds the block B
+in one multiply of the stacked B by a fixed 0/1 mask, written in the compute dtype.
 
 The MLP, with act(g) = g·σ(g) (SwiGLU) or gelu(g) (GeGLU):
 
@@ -288,16 +291,25 @@ def _mm_to(a, b, dtype):
     return torch.mm(a, b).to(dtype)
 
 
-def _packed(tensors):
-    """Tensors [n_i, ...] of one trailing shape as one [Σ n_i, ...]: a view when they lie one after the other in one
-    storage (as `pack_weights_` stores the base weights of q, k, v and of gate, up), else their concatenation."""
+def _consecutive(tensors):
+    """Whether tensors [n_i, ...] of one dtype and trailing shape lie one after the other in one storage (as
+    `pack_weights_` and `pack_adapters_` store the weights of q, k, v and of gate, up)."""
     first = tensors[0]
     end = first.data_ptr()
     for t in tensors:
         if not (t.is_contiguous() and t.data_ptr() == end and t.dtype == first.dtype and t.shape[1:] == first.shape[1:]
                 and t.untyped_storage().data_ptr() == first.untyped_storage().data_ptr()):
-            return torch.cat(tensors)
+            return False
         end += t.numel() * t.element_size()
+    return True
+
+
+def _packed(tensors):
+    """Tensors [n_i, ...] of one trailing shape as one [Σ n_i, ...]: a view when they are `_consecutive`, else
+    their concatenation."""
+    if not _consecutive(tensors):
+        return torch.cat(tensors)
+    first = tensors[0]
     return first.as_strided((sum(len(t) for t in tensors), *first.shape[1:]), first.stride())
 
 
@@ -315,6 +327,30 @@ def pack_weights_(projs):
         for p, t in zip(projs, ts):
             setattr(p, attr, nn.Parameter(packed[start:start + len(t)], requires_grad=False))
             start += len(t)
+
+
+@torch.no_grad()
+def pack_adapters_(projs):
+    """Store the fp32 LoRA masters of projections that read one input as consecutive rows of one tensor each, A as
+    (Σr, in) and B as (Σout, r), and keep on the first projection the 0/1 mask (Σout, members, 1) that sets the
+    stacked B on the diagonal of the group's block B (`_block_b`). A forward then casts the group's A as one view
+    and builds its block B in one multiply, instead of concatenating, filling and copying. Each lora_A, lora_B
+    becomes a Parameter that views its rows: names, shapes, state_dict and checkpoints stay as they are. Left
+    alone unless every projection has an adapter of one rank, all on one device and none on the meta device."""
+    if len(projs) < 2 or not all(p.r for p in projs) or len({p.r for p in projs}) > 1:
+        return
+    masters = {attr: [getattr(p, attr) for p in projs] for attr in ("lora_A", "lora_B")}
+    if any(t.is_meta for ts in masters.values() for t in ts) or len({(t.dtype, t.device) for ts in masters.values()
+                                                                      for t in ts}) > 1:
+        return
+    for attr, ts in masters.items():
+        packed, start = torch.cat(ts), 0
+        for p, t in zip(projs, ts):
+            setattr(p, attr, nn.Parameter(packed[start:start + len(t)], requires_grad=t.requires_grad))
+            start += len(t)
+    member = torch.repeat_interleave(torch.arange(len(projs)), torch.tensor([p.out_features for p in projs]))
+    mask = (member[:, None] == torch.arange(len(projs)))[:, :, None]
+    projs[0].block_mask = mask.to(masters["lora_B"][0].device, torch.float32)
 
 
 def _spans(projs):
@@ -388,19 +424,33 @@ def _adapt(y, projs, group, x, a_masters, b_masters, dtype):
     members' B set on the diagonal of one matrix (the group's output columns by Σr, zeros elsewhere). Returns what
     backward needs, in `dtype` (so that it casts nothing again): s X Aᵀ (N, Σr), the stacked A and the block B.
     y None: no output is wanted, only what backward needs (the second GEMM is skipped)."""
-    a = [a_masters[i] for i in group]
-    a = (a[0] if len(a) == 1 else torch.cat(a)).to(dtype)
+    a = _packed([a_masters[i] for i in group]).to(dtype)  # one cast of a view when `pack_adapters_` stacked them
     xa = _scaled_mm(x, a.t(), projs[group[0]].scale)
-    cols, blocks = _blocks(projs, group)
-    if len(group) == 1:
-        b = b_masters[group[0]].to(dtype)
-    else:
-        b = xa.new_zeros(cols.stop - cols.start, xa.shape[1])
-        for i, (rows, c) in zip(group, blocks):
-            b[rows, c] = b_masters[i]  # cast as it is copied
+    cols, _ = _blocks(projs, group)
+    b = _block_b(projs, group, b_masters, dtype)
     if y is not None:
         y[:, cols].addmm_(xa, b.t())
     return [xa, a, b]
+
+
+def _block_b(projs, group, b_masters, dtype):
+    """The group's B in `dtype`: a lone member's own, else the members' B on the diagonal of one matrix (the group's
+    output columns by Σr, zeros elsewhere). When `pack_adapters_` stacked the whole group's B, that is one multiply
+    of the stacked (Σout, r) B by the group's 0/1 mask, written in `dtype`; otherwise a zero matrix and a copy per
+    member."""
+    if len(group) == 1:
+        return b_masters[group[0]].to(dtype)
+    bs = [b_masters[i] for i in group]
+    mask = getattr(projs[group[0]], "block_mask", None)
+    if mask is not None and len(group) == len(projs) and mask.device == bs[0].device and _consecutive(bs):
+        stacked = _packed(bs)  # (Σout, r), a view
+        block = stacked.new_empty(len(stacked), len(bs), stacked.shape[1], dtype=dtype)
+        return torch.mul(stacked[:, None, :], mask, out=block).view(len(stacked), -1)
+    cols, blocks = _blocks(projs, group)
+    b = bs[0].new_zeros(cols.stop - cols.start, sum(t.shape[1] for t in bs), dtype=dtype)
+    for t, (rows, c) in zip(bs, blocks):
+        b[rows, c] = t  # cast as it is copied
+    return b
 
 
 def _adapt_backward(projs, group, dy, x, xa, b, need_a, need_b, masters, da, db):
@@ -557,20 +607,15 @@ class _LoRAMLP(torch.autograd.Function):
             g, u = _halves(gu)
             h = ctx.glu.forward(g, u).t()  # (N, I), recomputed: never saved
             dh = _base_backward((down,), dy, transposed=True)  # (N, I), stored as (I, N) like Gᵀ and Uᵀ
-            if down.r:
-                xa, a, b = saved[-3:]
-                _expect(a, xc.dtype, "saved lora_A of down_proj")
-                _expect(b, xc.dtype, "saved lora_B of down_proj")
+            if down.r:  # the down adapter reads H, or H̃ = H ⊙ M_d with dropout: dH gets (s dY B) A, ⊙ M_d then
                 mask = None if keep is None else keep.to(h.dtype).div_(1 - ctx.p_drop)  # as F.dropout scales
-                h_in = h if mask is None else h * mask
                 da_d, db_d = [None], [None]
-                dyb = _adapt_backward((down,), [0], dy, h_in, xa, b, need_a[2:], need_b[2:], masters[2:], da_d, db_d)
+                dh_lora, = _adapt_groups_backward((down,), [[0]], saved[-3:], dy, [None if mask is None else h * mask],
+                                                  h, dh, [True], need_a[2:], need_b[2:], masters[2:], da_d, db_d)
                 da[2], db[2] = da_d[0], db_d[0]
-                if mask is None:
-                    dh.addmm_(dyb, a)
-                else:
-                    dh.addcmul_(torch.mm(dyb, a), mask)
-                del h_in, mask, dyb
+                if dh_lora is not None:
+                    dh.addcmul_(dh_lora, mask)
+                del mask, dh_lora
             del h
             dg, du = ctx.glu.backward(dh.t(), g, u)  # with the kernels: written over Gᵀ and Uᵀ, i.e. into gu
             del dh

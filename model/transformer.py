@@ -32,7 +32,7 @@ from kernels.references import (fused_linear_cross_entropy_reference, geglu_refe
                                 rope_reference, swiglu_reference)
 from model.config import ModelConfig
 from model.lora import (GLU, LoRAConfig, autograd_backward, fusable, lora_mlp, lora_projections, make_linear,
-                        pack_weights_)
+                        pack_adapters_, pack_weights_)
 from model.offload import ActivationOffload
 
 
@@ -358,11 +358,13 @@ class Transformer(nn.Module):
 
     def pack_weights_(self):
         """Store the base weights of q, k, v, and of gate, up, as one tensor per layer and group, so that each
-        group is one GEMM (model/lora.py, `pack_weights_`). Loaders call it again once the weights are in."""
+        group is one GEMM (model/lora.py, `pack_weights_`), and their adapters' masters likewise (`pack_adapters_`).
+        Loaders call it again once the weights are in, before an optimizer holds the LoRA weights."""
         for layer in self.model.layers:
             attn, mlp = layer.self_attn, layer.mlp
-            pack_weights_((attn.q_proj, attn.k_proj, attn.v_proj))
-            pack_weights_((mlp.gate_proj, mlp.up_proj))
+            for group in ((attn.q_proj, attn.k_proj, attn.v_proj), (mlp.gate_proj, mlp.up_proj)):
+                pack_weights_(group)
+                pack_adapters_(group)
 
     def varlen(self, device, dtype):
         """Whether document and window masks run as flash attention's variable-length kernels here

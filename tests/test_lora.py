@@ -248,20 +248,73 @@ def test_packed_weights(llama_folder):
         assert all(w.shape == (p.out_features, p.in_features) and not w.requires_grad for p, w in zip(group, ws))
     names = {n for n, _ in model.named_parameters()}
     assert "model.layers.0.self_attn.k_proj.weight" in names and len(names) == len(model.state_dict())
-    ids = torch.randint(0, cfg.vocab_size, (B, T))
-    packed_out = model(ids, targets=ids)
-    packed_out.backward()
+
+    def separate(model):  # separate weights again: each a tensor of its own
+        for m in model.modules():
+            if isinstance(m, LoRALinear):
+                m.weight = torch.nn.Parameter(m.weight.detach().clone(), requires_grad=False)
+        assert attn.k_proj.weight.data_ptr() != attn.q_proj.weight.data_ptr() + attn.q_proj.weight.nbytes
+
+    assert_unchanged_by(model, torch.randint(0, cfg.vocab_size, (B, T)), separate)
+
+
+def assert_unchanged_by(model, ids, change):
+    """The loss and every LoRA gradient of `model` on ids are those it gives after `change(model)`."""
+    before = model(ids, targets=ids)
+    before.backward()
     grads = [p.grad.clone() for _, p in lora_parameters(model)]
     model.zero_grad()
-    for m in model.modules():  # separate weights again: each a tensor of its own
-        if isinstance(m, LoRALinear):
-            m.weight = torch.nn.Parameter(m.weight.detach().clone(), requires_grad=False)
-    assert attn.k_proj.weight.data_ptr() != attn.q_proj.weight.data_ptr() + attn.q_proj.weight.nbytes
-    separate_out = model(ids, targets=ids)
-    separate_out.backward()
-    assert_close(packed_out, separate_out, atol=1e-6, rtol=1e-5, name="loss")
+    change(model)
+    after = model(ids, targets=ids)
+    after.backward()
+    assert_close(before, after, atol=1e-6, rtol=1e-5, name="loss")
     for (n, p), g in zip(lora_parameters(model), grads):
         assert_close(g, p.grad, atol=1e-6, rtol=1e-5, name=n)
+
+
+def test_packed_adapters(llama_folder):
+    """load_model stores the LoRA masters of q/k/v and of gate/up as rows of one fp32 tensor per group (each
+    projection keeps its own parameter, a view), so a fused forward builds a group's compute-dtype A and block B
+    without concatenating, filling or copying; the loss and every LoRA gradient equal those with separate masters."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    model, cfg = load_model(llama_folder, lora=LoRAConfig(r=4))
+    randomize_lora_b(model, std=0.1)
+    attn, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
+    groups = ((attn.q_proj, attn.k_proj, attn.v_proj), (mlp.gate_proj, mlp.up_proj))
+    for group in groups:
+        for attr in ("lora_A", "lora_B"):
+            ts = [getattr(p, attr) for p in group]
+            assert _packed(ts).data_ptr() == ts[0].data_ptr() and all(t.requires_grad for t in ts)
+    assert len(lora_parameters(model)) == 7 * 2 * cfg.n_layers
+
+    def adapter_ops(projs):
+        x = torch.randn(B * T, projs[0].in_features)
+        with Ops() as ops, torch.autocast("cpu", dtype=torch.bfloat16):
+            _LoRAProjections.apply(projs, x, *[t for p in projs for t in (None, p.lora_A, p.lora_B)])
+        return ops.names
+
+    for projs in groups:
+        names = adapter_ops(projs)
+        assert not {"cat", "new_zeros", "zeros", "zero_", "fill_"} & set(names), names
+
+    def separate(model):  # separate masters again: each a tensor of its own, on the concatenating path
+        for m in model.modules():
+            if isinstance(m, LoRALinear) and m.r:
+                m.lora_A = torch.nn.Parameter(m.lora_A.detach().clone())
+                m.lora_B = torch.nn.Parameter(m.lora_B.detach().clone())
+        assert "cat" in adapter_ops(groups[0]) and "cat" in adapter_ops(groups[1])
+
+    assert_unchanged_by(model, torch.randint(0, cfg.vocab_size, (B, T)), separate)
 
 
 # ----------------------------------------------------------------------------- dtype discipline
