@@ -18,8 +18,11 @@ therefore exist before the capture and are zeroed in place between optimizer ste
 `torch.autograd.grad` and adds them into `.grad` with one multi-tensor add, where `backward()`
 would launch one add per weight (420 for a 30-layer model with 7 adapters per layer); with
 gradient checkpointing it calls `backward()` (see `_step`).
-Dropout inside the graph draws fresh random numbers at every replay (PyTorch's CUDA generator
-advances its offset per replay).
+Dropout inside the graph draws fresh random numbers at every replay: PyTorch's CUDA generator
+advances its offset per replay by what the captured kernels draw, exactly as the eager step advances
+it. The capture's warm-up gives back what it drew (the generator state is restored after it), so a
+replayed step draws the masks that the eager step would draw from the same state, and a run resumed
+from a checkpoint, which captures anew, continues with the uninterrupted run's masks.
 
 Shapes: a graph holds one batch shape. Packed rows always have [B, max_len]; a padded batch
 is padded further to its length bucket (a multiple of BUCKET tokens, at most max_len). The extra
@@ -135,12 +138,15 @@ class GraphStep:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
         saved = [p.grad.clone() for p in self.params]
+        rng = torch.cuda.get_rng_state(self.device)
         try:
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):  # the warm-up
                 self._step(g)
             torch.cuda.current_stream().wait_stream(side)
+            # The warm-up's dropout draws are not a step's: the replay draws them again from where the generator stood
+            torch.cuda.set_rng_state(rng, self.device)
             if self.pool is None:
                 self.pool = torch.cuda.graph_pool_handle()
             with torch.cuda.graph(g.graph, pool=self.pool):
@@ -165,11 +171,9 @@ class GraphStep:
         return loss.detach()
 
 
-def graphs_off_reason(mode, device, world, quantize, dropout=0.0):
+def graphs_off_reason(mode, device, world, quantize):
     """Why this run issues its steps eagerly, or None when it replays CUDA graphs (see --cuda-graphs).
-    Raises ValueError when --cuda-graphs on asks for a combination that cannot be captured.
-    With LoRA dropout, auto stays eager: a capture's warm-up draws random numbers, so a run resumed from a
-    checkpoint (which captures anew) would draw other dropout masks than the uninterrupted run."""
+    Raises ValueError when --cuda-graphs on asks for a combination that cannot be captured."""
     reason = (("there is no CUDA GPU" if device.type != "cuda" else None)
               or ("of data parallelism (DDP's all-reduce hooks)" if world > 1 else None)
               or ("--quantize nf4 is not verified under capture" if quantize else None))
@@ -177,8 +181,6 @@ def graphs_off_reason(mode, device, world, quantize, dropout=0.0):
         raise ValueError(f"--cuda-graphs on: not possible because {reason}; use --cuda-graphs auto or off")
     if mode == "off":
         return "--cuda-graphs off"
-    if mode == "auto" and reason is None and dropout > 0:
-        return "--lora-dropout keeps resume exact only eagerly (--cuda-graphs on trades that for speed)"
     return reason
 
 

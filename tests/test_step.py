@@ -204,11 +204,35 @@ def test_graph_step_dropout_draws_new_masks(llama_folder):
     assert all(abs(l - no_drop) < 0.2 * no_drop for l in losses)
 
 
-@pytest.mark.parametrize("mode, dropout, expected", [
-    ("auto", 0.0, None), ("auto", 0.1, "--lora-dropout"), ("on", 0.1, None), ("off", 0.0, "--cuda-graphs off")])
-def test_when_graphs_are_used(mode, dropout, expected):
-    """auto replays graphs on one CUDA GPU, but stays eager with dropout (so that a resume is exact)."""
-    reason = step.graphs_off_reason(mode, torch.device("cuda"), 1, None, dropout)
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("ckpt", ["off", "on+offload"])
+def test_graph_step_dropout_draws_the_eager_masks(llama_folder, ckpt):
+    """With LoRA dropout, replayed steps draw the masks that eager steps draw from the same generator state, and
+    leave the generator where eager steps leave it: the capture's warm-up gives back what it drew. So a run resumed
+    from a checkpoint, which captures anew, continues with the uninterrupted run's masks (with checkpointing, the
+    recompute redraws the forward's masks in both)."""
+    dev = torch.device("cuda")
+    model, params = _model(llama_folder, dev, dropout=0.3, ckpt=ckpt, kernels=True)
+    batch = _packed(model.config.vocab_size)
+    runs, states = [], []
+    for run_step in (step.EagerStep(model, dev), step.GraphStep(model, dev, params, max_len=2048)):
+        torch.cuda.manual_seed(1234)
+        runs.append([_run(run_step, params, batch) for _ in range(3)])
+        states.append(torch.cuda.get_rng_state(dev))
+    assert torch.equal(states[0], states[1])
+    (eager, graphed), (no_drop, _) = runs, _run(step.EagerStep(model.eval(), dev), params, batch)
+    assert len({loss for loss, _ in eager}) == 3 and all(abs(loss - no_drop) > 1e-4 for loss, _ in eager)
+    for (loss_e, grads_e), (loss_g, grads_g) in zip(eager, graphed):
+        assert abs(loss_g - loss_e) <= 1e-5 * abs(loss_e)
+        for ge, gg in zip(grads_e, grads_g):
+            assert rel_err(gg, ge) < 1e-5
+
+
+@pytest.mark.parametrize("mode, expected", [("auto", None), ("on", None), ("off", "--cuda-graphs off")])
+def test_when_graphs_are_used(mode, expected):
+    """auto and on replay graphs on one CUDA GPU (with LoRA dropout too: see the GPU test of its masks)."""
+    reason = step.graphs_off_reason(mode, torch.device("cuda"), 1, None)
     assert reason == expected if expected is None else reason.startswith(expected)
 
 
