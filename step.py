@@ -171,12 +171,11 @@ class GraphStep:
         return loss.detach()
 
 
-def graphs_off_reason(mode, device, world, quantize):
+def graphs_off_reason(mode, device, world):
     """Why this run issues its steps eagerly, or None when it replays CUDA graphs (see --cuda-graphs).
     Raises ValueError when --cuda-graphs on asks for a combination that cannot be captured."""
     reason = (("there is no CUDA GPU" if device.type != "cuda" else None)
-              or ("of data parallelism (DDP's all-reduce hooks)" if world > 1 else None)
-              or ("--quantize nf4 is not verified under capture" if quantize else None))
+              or ("of data parallelism (DDP's all-reduce hooks)" if world > 1 else None))
     if mode == "on" and reason:
         raise ValueError(f"--cuda-graphs on: not possible because {reason}; use --cuda-graphs auto or off")
     if mode == "off":

@@ -105,7 +105,7 @@ class TrainConfig:
     kernels: bool | None = field(default=None, metadata={"help": "Triton kernels (default: on with CUDA); --no-kernels runs the torch references"})
     cuda_graphs: str = field(default="auto", metadata={"choices": ("auto", "on", "off"), "help": "replay each micro-step from a CUDA "
                              "graph (step.py), which removes the per-step CPU cost of issuing its kernels. auto: on "
-                             "with one CUDA GPU, unless --quantize nf4. Padded batches are "
+                             "with one CUDA GPU (QLoRA and LoRA dropout included). Padded batches are "
                              "padded further to a multiple of 64 tokens, and the count of documents up to a power of two (one "
                              "graph per such bucket): at most 63 extra padding tokens per row, which nothing attends "
                              "to or predicts"})
@@ -507,7 +507,7 @@ def build_model(cfg, path, device, dtype, use_kernels, rank):
 
 def make_step(cfg, forward, device, params, world, log):
     """The micro-step: replayed from CUDA graphs where that works (--cuda-graphs), else eager."""
-    off = graphs_off_reason(cfg.cuda_graphs, device, world, cfg.quantize)
+    off = graphs_off_reason(cfg.cuda_graphs, device, world)
     log("CUDA graphs on" if off is None else f"CUDA graphs off: {off}")
     return EagerStep(forward, device) if off else GraphStep(forward, device, params, cfg.max_len, log)
 

@@ -19,8 +19,8 @@ from tests.tiny_models import save_tiny
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
-def _model(folder, device, dtype=torch.float32, dropout=0.0, ckpt="off", kernels=False):
-    model, _ = load_model(folder, dtype=dtype, device=device, use_kernels=kernels,
+def _model(folder, device, dtype=torch.float32, dropout=0.0, ckpt="off", kernels=False, quantize=None):
+    model, _ = load_model(folder, dtype=dtype, device=device, use_kernels=kernels, quantize=quantize,
                           lora=LoRAConfig(r=4, alpha=8, dropout=dropout))
     randomize_lora_b(model)
     model.gradient_checkpointing = ckpt != "off"
@@ -229,16 +229,41 @@ def test_graph_step_dropout_draws_the_eager_masks(llama_folder, ckpt):
             assert rel_err(gg, ge) < 1e-5
 
 
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("layout", ["packed", "padded"])
+@pytest.mark.parametrize("ckpt", ["off", "on+offload"])
+def test_graph_step_matches_eager_with_nf4_weights(llama_folder, layout, ckpt):
+    """QLoRA: a step whose base weights bitsandbytes dequantizes from NF4 (in forward and again in backward) replays
+    with the eager step's loss and gradients, and replays of new batches follow the eager steps on them."""
+    dev = torch.device("cuda")
+    model, params = _model(llama_folder, dev, dtype=torch.bfloat16, ckpt=ckpt, kernels=True, quantize="nf4")
+    assert model.model.layers[0].mlp.down_proj.nf4 is not None
+    V = model.config.vocab_size
+    first = _packed(V) if layout == "packed" else step.pad_to_bucket(_padded(V, [37, 50, 21]), 2048)
+    shifted = lambda t, k: torch.where(t == data.IGNORE_INDEX, t, (t + k) % V)  # noqa: E731 other tokens, same shape
+    batches = [{**first, "input_ids": shifted(first["input_ids"], k), "targets": shifted(first["targets"], k)}
+               for k in range(3)]
+    eager = step.EagerStep(model, dev)
+    graph = step.GraphStep(model, dev, params, max_len=2048)
+    for batch in batches:
+        loss_e, grads_e = _run(eager, params, batch)
+        loss_g, grads_g = _run(graph, params, batch)
+        assert abs(loss_g - loss_e) <= TOL[torch.bfloat16] * abs(loss_e)
+        for ge, gg in zip(grads_e, grads_g):
+            assert rel_err(gg, ge) < TOL[torch.bfloat16]
+    assert len(graph.graphs) == 1 and not graph.failed
+
+
 @pytest.mark.parametrize("mode, expected", [("auto", None), ("on", None), ("off", "--cuda-graphs off")])
 def test_when_graphs_are_used(mode, expected):
-    """auto and on replay graphs on one CUDA GPU (with LoRA dropout too: see the GPU test of its masks)."""
-    reason = step.graphs_off_reason(mode, torch.device("cuda"), 1, None)
+    """auto and on replay graphs on one CUDA GPU, with LoRA dropout and QLoRA too (see their GPU tests)."""
+    reason = step.graphs_off_reason(mode, torch.device("cuda"), 1)
     assert reason == expected if expected is None else reason.startswith(expected)
 
 
-@pytest.mark.parametrize("device, world, quantize, why", [
-    ("cpu", 1, None, "no CUDA GPU"), ("cuda", 2, None, "data parallelism"), ("cuda", 1, "nf4", "--quantize nf4")])
-def test_graphs_on_refuses_what_cannot_be_captured(device, world, quantize, why):
-    assert why in step.graphs_off_reason("auto", torch.device(device), world, quantize)
+@pytest.mark.parametrize("device, world, why", [("cpu", 1, "no CUDA GPU"), ("cuda", 2, "data parallelism")])
+def test_graphs_on_refuses_what_cannot_be_captured(device, world, why):
+    assert why in step.graphs_off_reason("auto", torch.device(device), world)
     with pytest.raises(ValueError, match=f"--cuda-graphs on: not possible because .*{why}"):
-        step.graphs_off_reason("on", torch.device(device), world, quantize)
+        step.graphs_off_reason("on", torch.device(device), world)
