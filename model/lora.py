@@ -291,66 +291,62 @@ def _mm_to(a, b, dtype):
     return torch.mm(a, b).to(dtype)
 
 
-def _consecutive(tensors):
-    """Whether tensors [n_i, ...] of one dtype and trailing shape lie one after the other in one storage (as
-    `pack_weights_` and `pack_adapters_` store the weights of q, k, v and of gate, up)."""
+def _rows_view(tensors):
+    """Tensors [n_i, ...] of one dtype and trailing shape as one [Σ n_i, ...] view when they lie one after the
+    other in one storage (as `pack_weights_` and `pack_adapters_` store those of q, k, v and of gate, up), else None."""
     first = tensors[0]
     end = first.data_ptr()
     for t in tensors:
         if not (t.is_contiguous() and t.data_ptr() == end and t.dtype == first.dtype and t.shape[1:] == first.shape[1:]
                 and t.untyped_storage().data_ptr() == first.untyped_storage().data_ptr()):
-            return False
+            return None
         end += t.numel() * t.element_size()
-    return True
-
-
-def _packed(tensors):
-    """Tensors [n_i, ...] of one trailing shape as one [Σ n_i, ...]: a view when they are `_consecutive`, else
-    their concatenation."""
-    if not _consecutive(tensors):
-        return torch.cat(tensors)
-    first = tensors[0]
     return first.as_strided((sum(len(t) for t in tensors), *first.shape[1:]), first.stride())
 
 
+def _packed(tensors):
+    """Tensors [n_i, ...] of one trailing shape as one [Σ n_i, ...]: their `_rows_view`, else their concatenation."""
+    view = _rows_view(tensors)
+    return torch.cat(tensors) if view is None else view
+
+
 @torch.no_grad()
+def _stack_rows_(projs, attr):
+    """Store tensor `attr` [n_i, ...] of the projections as consecutive rows of one tensor: each projection's becomes
+    a Parameter that views its rows (requires_grad as before), so names, shapes, state_dict and checkpoints stay as
+    they are. Left alone where one is missing or on the meta device, or where dtypes or devices differ."""
+    ts = [getattr(p, attr) for p in projs]
+    if any(t is None or t.is_meta for t in ts) or len({(t.dtype, t.device) for t in ts}) > 1:
+        return
+    packed, start = torch.cat(ts), 0
+    for p, t in zip(projs, ts):
+        setattr(p, attr, nn.Parameter(packed[start:start + len(t)], requires_grad=t.requires_grad))
+        start += len(t)
+
+
 def pack_weights_(projs):
     """Store the frozen base weights (and biases) of projections that read one input as consecutive rows of one
-    tensor, so that the fused Functions run the projections as one GEMM without concatenating their weights at
-    every step (`_packed`). Each projection's `weight` becomes a view of its rows: names, shapes, state_dict and
-    checkpoints stay as they are. NF4 weights, weights that train and meta tensors are left alone."""
+    tensor (`_stack_rows_`), so that the fused Functions run the projections as one GEMM without concatenating their
+    weights at every step (`_packed`). NF4 weights, weights that train and meta tensors are left alone."""
     for attr in ("weight", "bias"):
-        ts = [getattr(p, attr) for p in projs]
-        if any(t is None or t.requires_grad or t.is_meta for t in ts) or len({(t.dtype, t.device) for t in ts}) > 1:
-            continue
-        packed, start = torch.cat(ts), 0
-        for p, t in zip(projs, ts):
-            setattr(p, attr, nn.Parameter(packed[start:start + len(t)], requires_grad=False))
-            start += len(t)
+        if not any(getattr(p, attr) is not None and getattr(p, attr).requires_grad for p in projs):
+            _stack_rows_(projs, attr)
 
 
-@torch.no_grad()
 def pack_adapters_(projs):
-    """Store the fp32 LoRA masters of projections that read one input as consecutive rows of one tensor each, A as
-    (Σr, in) and B as (Σout, r), and keep on the first projection the 0/1 mask (Σout, members, 1) that sets the
-    stacked B on the diagonal of the group's block B (`_block_b`). A forward then casts the group's A as one view
-    and builds its block B in one multiply, instead of concatenating, filling and copying. Each lora_A, lora_B
-    becomes a Parameter that views its rows: names, shapes, state_dict and checkpoints stay as they are. Left
-    alone unless every projection has an adapter of one rank, all on one device and none on the meta device."""
-    if len(projs) < 2 or not all(p.r for p in projs) or len({p.r for p in projs}) > 1:
+    """Store the fp32 LoRA masters of projections that read one input as consecutive rows of one tensor each
+    (`_stack_rows_`), A as (Σr, in) and B as (Σout, r), and keep on the first projection the 0/1 mask (Σout,
+    members, 1) that sets the stacked B on the diagonal of the group's block B (`_block_b`). A forward then casts
+    the group's A as one view and builds its block B in one multiply, instead of concatenating, filling and
+    copying. Left alone unless every projection has an adapter of one rank, and on the meta device (the loaders
+    pack again once the weights are in)."""
+    if len(projs) < 2 or not all(p.r for p in projs) or len({p.r for p in projs}) > 1 or projs[0].lora_B.is_meta:
         return
-    masters = {attr: [getattr(p, attr) for p in projs] for attr in ("lora_A", "lora_B")}
-    if any(t.is_meta for ts in masters.values() for t in ts) or len({(t.dtype, t.device) for ts in masters.values()
-                                                                      for t in ts}) > 1:
-        return
-    for attr, ts in masters.items():
-        packed, start = torch.cat(ts), 0
-        for p, t in zip(projs, ts):
-            setattr(p, attr, nn.Parameter(packed[start:start + len(t)], requires_grad=t.requires_grad))
-            start += len(t)
+    for attr in ("lora_A", "lora_B"):
+        _stack_rows_(projs, attr)
     member = torch.repeat_interleave(torch.arange(len(projs)), torch.tensor([p.out_features for p in projs]))
     mask = (member[:, None] == torch.arange(len(projs)))[:, :, None]
-    projs[0].block_mask = mask.to(masters["lora_B"][0].device, torch.float32)
+    projs[0].block_mask = mask.to(projs[0].lora_B.device, torch.float32)
 
 
 def _spans(projs):
@@ -426,9 +422,9 @@ def _adapt(y, projs, group, x, a_masters, b_masters, dtype):
     y None: no output is wanted, only what backward needs (the second GEMM is skipped)."""
     a = _packed([a_masters[i] for i in group]).to(dtype)  # one cast of a view when `pack_adapters_` stacked them
     xa = _scaled_mm(x, a.t(), projs[group[0]].scale)
-    cols, _ = _blocks(projs, group)
     b = _block_b(projs, group, b_masters, dtype)
     if y is not None:
+        cols, _ = _blocks(projs, group)
         y[:, cols].addmm_(xa, b.t())
     return [xa, a, b]
 
@@ -442,8 +438,8 @@ def _block_b(projs, group, b_masters, dtype):
         return b_masters[group[0]].to(dtype)
     bs = [b_masters[i] for i in group]
     mask = getattr(projs[group[0]], "block_mask", None)
-    if mask is not None and len(group) == len(projs) and mask.device == bs[0].device and _consecutive(bs):
-        stacked = _packed(bs)  # (Σout, r), a view
+    stacked = _rows_view(bs) if mask is not None and len(group) == len(projs) else None  # (Σout, r)
+    if stacked is not None and mask.device == stacked.device:
         block = stacked.new_empty(len(stacked), len(bs), stacked.shape[1], dtype=dtype)
         return torch.mul(stacked[:, None, :], mask, out=block).view(len(stacked), -1)
     cols, blocks = _blocks(projs, group)
