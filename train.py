@@ -25,6 +25,7 @@ import re
 import resource
 import signal
 import sys
+import threading
 import time
 import typing
 from contextlib import contextmanager, nullcontext
@@ -98,7 +99,11 @@ class TrainConfig:
     # --- precision and memory ---
     dtype: str = field(default="auto", metadata={"help": "auto: bf16 where the GPU has it, else fp16 on GPU; fp32 on CPU and mps",
                                                  "choices": ("auto", "bf16", "fp16", "fp32")})
-    gradient_checkpointing: bool = field(default=True, metadata={"help": "recompute each decoder layer in backward"})
+    gradient_checkpointing: bool | None = field(default=None, metadata={"help": "recompute each decoder layer in "
+                                                "backward: keeps only the layers' inputs for backward, at the cost of "
+                                                "a second forward. Default: off on a CUDA GPU where every layer's "
+                                                "activations (estimated) fit in half of the memory free after loading "
+                                                "the model, else on"})
     offload_activations: bool | None = field(default=None, metadata={"help": "with checkpointing: keep the "
                                              "layer inputs in pinned CPU memory, copied out and back on a side stream "
                                              "beside the compute, at no measured cost in speed (model/offload.py)"})
@@ -499,7 +504,6 @@ def build_model(cfg, path, device, dtype, use_kernels, rank):
     random.seed(cfg.seed + rank)
     model, mcfg = load_model(path, dtype=dtype, device=device, lora=cfg.lora(), quantize=cfg.quantize,
                              use_kernels=use_kernels, lora_seed=cfg.seed,
-                             gradient_checkpointing=cfg.gradient_checkpointing,
                              offload_activations=cfg.offload_activations)
     assert all(p.dtype == torch.float32 for _, p in lora_parameters(model)), "LoRA master weights are fp32"
     return model, mcfg
@@ -510,6 +514,40 @@ def make_step(cfg, forward, device, params, world, log):
     off = graphs_off_reason(cfg.cuda_graphs, device, world)
     log("CUDA graphs on" if off is None else f"CUDA graphs off: {off}")
     return EagerStep(forward, device) if off else GraphStep(forward, device, params, cfg.max_len, log)
+
+
+def warm_start_triton(device, dtype):
+    """Triton's first kernel launch in a process is slow: it hashes Triton's own sources and library into
+    the cache keys and imports its backends, once per process. A background thread launches one tiny RMSNorm
+    so that this runs beside the data and model loading instead of inside the first step. Returns the
+    thread; the caller joins it before training, so that no launch of it overlaps the loop's."""
+    from kernels.rms_norm import rms_norm
+
+    def launch():
+        with torch.cuda.device(device):  # the thread's current device is not the caller's
+            rms_norm(torch.ones(1, 16, dtype=dtype, device=device), torch.ones(16, dtype=dtype, device=device))
+
+    thread = threading.Thread(target=launch, name="triton-warm-start", daemon=True)
+    thread.start()
+    return thread
+
+
+def choose_checkpointing(cfg, mcfg, dtype, use_kernels, device, world):
+    """(on, reason) for gradient checkpointing. Left unset, it is off on a CUDA GPU where the activations of
+    every layer (`activation_bytes` without checkpointing) fit in half of the memory free after loading the
+    model: the other half stays for the estimate's error, the CUDA graphs' pool and the allocator's slack.
+    Off saves recomputing each layer's forward in backward. Every rank takes the same choice."""
+    if cfg.gradient_checkpointing is not None:
+        return cfg.gradient_checkpointing, "as requested"
+    if device.type != "cuda":
+        return True, "the default without a CUDA GPU, where free memory is not measured"
+    need = activation_bytes(dataclasses.replace(cfg, gradient_checkpointing=False), mcfg, dtype, use_kernels)
+    free = torch.cuda.mem_get_info(device)[0]
+    if any_rank(need > free / 2, world, device):
+        return True, (f"without it the activations (about {need / 2**30:.1f} GiB) would take more than half of the "
+                      f"{free / 2**30:.1f} GiB of free GPU memory")
+    return False, (f"the activations of every layer (about {need / 2**30:.1f} GiB) fit in half of the "
+                   f"{free / 2**30:.1f} GiB of free GPU memory; --gradient-checkpointing uses less memory, more time")
 
 
 def activation_bytes(cfg, mcfg, dtype, use_kernels):
@@ -952,6 +990,7 @@ def main(cfg: TrainConfig) -> int:
         dtype, why = choose_dtype(cfg, device)
         use_kernels = device.type == "cuda" if cfg.kernels is None else cfg.kernels
         log(f"device {device}, dtype {dtype}: {why}; kernels {'on' if use_kernels else 'off (torch references)'}")
+        triton_start = warm_start_triton(device, dtype) if use_kernels and device.type == "cuda" else None
         if cpu_defaults:
             log(cpu_defaults)
         # Every input is checked before the slow work (the weights, the training), on every rank alike, and
@@ -963,6 +1002,10 @@ def main(cfg: TrainConfig) -> int:
             log(line)
         ck = run.find(fingerprint(train_enc))
         model, mcfg = build_model(cfg, path, device, dtype, use_kernels, rank)
+        # --gradient-checkpointing left unset takes its value here, in place (train_config.json records it)
+        cfg.gradient_checkpointing, why = choose_checkpointing(cfg, mcfg, dtype, use_kernels, device, world)
+        model.gradient_checkpointing = cfg.gradient_checkpointing
+        log(f"gradient checkpointing {'on' if cfg.gradient_checkpointing else 'off'}: {why}")
         run.check_free_disk(model)
         params = [p for _, p in lora_parameters(model)]
         log(describe(cfg, mcfg, params, train_enc, eval_enc, batches))
@@ -982,6 +1025,8 @@ def main(cfg: TrainConfig) -> int:
         run.open(step)
 
         model.train()
+        if triton_start is not None:
+            triton_start.join()
         progress = Progress(step, cfg.max_steps, log, bar=rank == 0 and sys.stdout.isatty())
         tokens, start = 0, None
         signals.step, signals.stage = step, "training"  # a signal now stops the run after its step

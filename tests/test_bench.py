@@ -66,6 +66,7 @@ def test_time_steps_counts_real_tokens():
     (["--step-opts", "bogus=1"], "fused_lora, use_kernels"),
     (["--nanotune-opts", "--batch-size 8"], "needs --train"),
     (["--train", "--batch", "2"], "--nanotune-opts"),
+    (["--ckpt", "auto"], "needs --train"),
 ])
 def test_bench_rejects_bad_options(argv, message, capsys):
     with pytest.raises(SystemExit):
@@ -140,4 +141,5 @@ def test_bench_smoke_train_mode(cache_dir):
     assert row["status"] == "ok", row
     assert row["tokens_per_s"] > 0 and row["loss_final"] > 0 and row["wall_s"] > 0
     assert "--no-packing" in row["command"] and "--max-steps 2 --log-every 2" in row["command"]
-    assert "| smollm2-135m | off | on | 2 | ok |" in stdout
+    assert "gradient-checkpointing" not in row["command"], "auto leaves the choice to train.py"
+    assert "| smollm2-135m | off | auto | 2 | ok |" in stdout

@@ -884,6 +884,25 @@ def test_activation_memory_estimate(run_model, monkeypatch):
     assert train.memory_warning(cfg, mcfg, torch.bfloat16, False, torch.device("cpu")) is None
 
 
+def test_checkpointing_follows_the_free_memory(run_model, monkeypatch):
+    """Left unset, gradient checkpointing is off where every layer's activations fit in half of the free GPU
+    memory, on where they do not, and on without a CUDA GPU; a value given is kept."""
+    mcfg = read_config(run_model)
+    cfg = train.TrainConfig(model=run_model, max_len=256, batch_size=4)
+    need = train.activation_bytes(dataclasses.replace(cfg, gradient_checkpointing=False), mcfg, torch.bfloat16, False)
+    choose = lambda c, device="cuda": train.choose_checkpointing(c, mcfg, torch.bfloat16, False,  # noqa: E731
+                                                                   torch.device(device), world=1)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (2 * need, 80 << 30))
+    on, why = choose(cfg)
+    assert not on and why.startswith(f"the activations of every layer (about {need / 2**30:.1f} GiB) fit in half"), why
+    assert choose(dataclasses.replace(cfg, gradient_checkpointing=True)) == (True, "as requested")
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (2 * need - 1, 80 << 30))
+    on, why = choose(cfg)
+    assert on and why.startswith("without it the activations"), why
+    assert choose(dataclasses.replace(cfg, gradient_checkpointing=False)) == (False, "as requested")
+    assert choose(cfg, "cpu")[0] is True
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_real_cuda_out_of_memory(run_model, dataset, tmp_path, capsys, monkeypatch):

@@ -122,10 +122,12 @@ def test_resume_is_bit_exact(run_model, tmp_path):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_resume_is_bit_exact_on_gpu(run_model, tmp_path):
-    """On CUDA (fused AdamW, whose step counters live on the GPU, Triton kernels, bf16): a run resumed from its
-    step-3 checkpoint continues with exactly the same losses and ends with the same adapter."""
-    opts = dict(max_steps=6, save_every=3, lora_dropout=0.1, device="cuda", dtype="bf16", kernels=True)
+@pytest.mark.parametrize("ckpt", [True, False], ids=["ckpt", "no-ckpt"])
+def test_resume_is_bit_exact_on_gpu(run_model, tmp_path, ckpt):
+    """On CUDA (fused AdamW, whose step counters live on the GPU, Triton kernels, bf16, CUDA graphs): a run
+    resumed from its step-3 checkpoint continues with exactly the same losses and ends with the same adapter."""
+    opts = dict(max_steps=6, save_every=3, lora_dropout=0.1, device="cuda", dtype="bf16", kernels=True,
+                gradient_checkpointing=ckpt)
     full = cfg_for(run_model, tmp_path / "full", **opts)
     train.main(full)
     import shutil
@@ -174,3 +176,17 @@ def test_cli_end_to_end(run_model, tmp_path):
     # The help explains every option.
     h = subprocess.run([sys.executable, "train.py", "--help"], cwd=ROOT, capture_output=True, text=True)
     assert "--no-packing" in h.stdout and "--offload-activations" in h.stdout and "--no-kernels" in h.stdout
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_triton_warm_start_launches_without_error(monkeypatch):
+    """The background thread that starts Triton during the loading launches its kernel on the device given,
+    whatever that thread's current device, and raises nothing."""
+    import threading
+    errors = []
+    monkeypatch.setattr(threading, "excepthook", errors.append)
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        thread = train.warm_start_triton(torch.device("cuda", torch.cuda.device_count() - 1), dtype)
+        thread.join(timeout=120)
+        assert not thread.is_alive() and not errors, [e.exc_value for e in errors]

@@ -136,6 +136,7 @@ def test_train_config_json_repeats_the_run(run_model, dataset, tmp_path, monkeyp
         recorded = json.load(f)
     assert (recorded["max_len"], recorded["eval_batches"]) == (train.CPU_DEFAULTS["max_len"],
                                                               train.CPU_DEFAULTS["eval_batches"])
+    assert recorded["gradient_checkpointing"] is True, "the choice left to the run is recorded, not null"
     assert train.cli(["--config", str(first / "train_config.json"), "--out-dir", str(again)]) == 0
     rows = read_metrics(first)
     assert any("samples" in r for r in rows) and any("eval_loss" in r for r in rows)

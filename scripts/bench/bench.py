@@ -75,7 +75,7 @@ until a step runs out of memory, then is bisected to 1024 tokens. hf goes first,
 nanotune gets what is left of the budget; a search cut short reports its bracket.
 
 --train: train.py's real loop instead of a synthetic step. For every shape, packing mode
-(--train-packing) and checkpointing mode (--ckpt, default on as in train.py), one
+(--train-packing) and checkpointing mode (--ckpt, default auto: train.py's own choice), one
 `python train.py --model <the shape's checkpoint> --max-steps --steps` on the builtin
 dataset, with the tests' tiny tokenizer (tests/tiny_tokenizer.py, no download) written into
 the checkpoint folder and --nanotune-opts appended. train.py logs once, at the last step
@@ -525,9 +525,9 @@ class Run:
         cmd = [sys.executable, "train.py", "--model", folder, "--out-dir", out_dir, "--overwrite",
                "--max-steps", str(a.steps), "--log-every", str(a.steps), "--eval-every", "0", "--save-every", "0",
                "--sample-every", "0",
-               "--packing" if packing == "on" else "--no-packing",
-               "--gradient-checkpointing" if ckpt != "off" else "--no-gradient-checkpointing"]
-        cmd += ["--offload-activations"] if ckpt == "on+offload" else []
+               "--packing" if packing == "on" else "--no-packing"]
+        cmd += {"auto": [], "off": ["--no-gradient-checkpointing"], "on": ["--gradient-checkpointing"],
+                "on+offload": ["--gradient-checkpointing", "--offload-activations"]}[ckpt]
         cmd += (SMOKE["train_opts"] if a.smoke else []) + shlex.split(a.nanotune_opts)
         t0 = time.time()
         try:
@@ -800,9 +800,9 @@ def parse_args(argv=None):
     p.add_argument("--cases", type=csv(CASES), default=["nanotune", "hf", "liger"],
                    help="implementations, run in this order within a shape and checkpointing mode "
                         "(nanotune-unfused: load_model(fused_lora=False), LoRA in plain autograd)")
-    p.add_argument("--ckpt", type=csv(list(CKPT_MODES)),
-                   help="activation checkpointing modes (on+offload: nanotune only); default on,off,on+offload, "
-                        "with --train on (train.py's default)")
+    p.add_argument("--ckpt", type=csv([*CKPT_MODES, "auto"]),
+                   help="activation checkpointing modes (on+offload: nanotune only); default on,off,on+offload. "
+                        "With --train also auto (no flag: train.py decides by the free memory), the default")
     p.add_argument("--steps", type=int, help="timed steps; the median is reported (default 10; --smoke: 2). "
                    "With --train: train.py's --max-steps, all of them timed (default 60; --smoke: 2)")
     p.add_argument("--warmup", type=int, help="untimed steps first: Triton compiles, the allocator warms up "
@@ -846,7 +846,9 @@ def parse_args(argv=None):
     if args.steps is None:
         args.steps = defaults["train_steps" if args.train else "steps"]
     if args.ckpt is None:
-        args.ckpt = ["on"] if args.train else list(CKPT_MODES)
+        args.ckpt = ["auto"] if args.train else list(CKPT_MODES)
+    if "auto" in args.ckpt and not args.train:
+        p.error("--ckpt auto is train.py's own choice: it needs --train")
     for name in ("steps", "batch", "probe_cap"):
         if getattr(args, name) is not None and getattr(args, name) <= 0:
             p.error(f"--{name.replace('_', '-')} must be > 0, got {getattr(args, name)}")
