@@ -33,9 +33,11 @@ variable-length kernels) are bucketed too: their count is padded with empty docu
 of two and their longest length rounded up to one, both part of the graph's key. A run thus
 captures a few graphs, lazily, all in one memory pool.
 
-Capture needs a warm-up on a side stream first (lazy initialisation, Triton builds, cuBLAS
-workspaces must not happen inside a capture): one eager run of the real step on the real batch,
-whose gradients are removed again before the first replay.
+The run's first capture needs a warm-up on a side stream first (PyTorch's lazy initialisation must
+not happen inside a capture): one eager run of the real step on the real batch, whose gradients
+are removed again before the first replay. Later captures, of other shapes, go without: inside
+them the kernels for the new shapes load, and the activation offload grows its pinned buffers,
+as the GPU tests of a bucket change check.
 """
 import torch
 
@@ -137,25 +139,31 @@ class GraphStep:
         for p in self.params:  # accumulate into fixed buffers: .grad must exist before the capture
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
+        if self.pool is None:  # the run's first capture
+            self._warm_up(g)
+            self.pool = torch.cuda.graph_pool_handle()
+        with torch.cuda.graph(g.graph, pool=self.pool):
+            g.loss = self._step(g)
+        return g
+
+    def _warm_up(self, g):
+        """g's step run once eagerly on a side stream, before the run's first capture: what PyTorch initialises
+        lazily (cuBLAS handles and workspaces, the autograd engine's threads) must not start inside a capture.
+        That is done once per process, so later captures go without. The warm-up's gradients and dropout draws
+        are not a step's: both are put back, and the replay draws the masks again from where the generator stood."""
         saved = [p.grad.clone() for p in self.params]
         rng = torch.cuda.get_rng_state(self.device)
         try:
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):  # the warm-up
+            with torch.cuda.stream(side):
                 self._step(g)
             torch.cuda.current_stream().wait_stream(side)
-            # The warm-up's dropout draws are not a step's: the replay draws them again from where the generator stood
-            torch.cuda.set_rng_state(rng, self.device)
-            if self.pool is None:
-                self.pool = torch.cuda.graph_pool_handle()
-            with torch.cuda.graph(g.graph, pool=self.pool):
-                g.loss = self._step(g)
         finally:
-            with torch.no_grad():  # the warm-up's gradients are not this step's: put the old ones back
+            torch.cuda.set_rng_state(rng, self.device)
+            with torch.no_grad():
                 for p, s in zip(self.params, saved):
                     p.grad.copy_(s)
-        return g
 
     def _step(self, g):
         """What the graph holds: the loss of g's batch, and its gradients added into every p.grad at once.
