@@ -359,11 +359,14 @@ def _base(projs, x, dtype, transposed=False):
     """X [W_1; W_2; ...]ᵀ + [b_1 | b_2 | ...], the projections' outputs side by side (N, Σout) in `dtype`, as one
     GEMM. transposed: computed as the contiguous (Σout, N) product [W_1; W_2; ...] Xᵀ and returned transposed, so
     that each projection's output, transposed back, is contiguous (the MLP's G and U, for the elementwise
-    kernels). A dequantized, concatenated or cast weight is freed on return."""
+    kernels). One row (a decoding step) is computed plainly: its plain product already has that layout, and
+    its transposed one would carry the row stride 1, which cuBLAS takes as the leading dimension of the
+    column slices that the adapters add into, and refuses. A dequantized, concatenated or cast weight is
+    freed on return."""
     assert len({p.bias is None for p in projs}) == 1, "fused LoRA: projections of one input all have a bias or none"
     w = _packed([p.base_weight() for p in projs]).to(dtype)
     b = None if projs[0].bias is None else _packed([p.bias for p in projs]).to(dtype)
-    if not transposed:
+    if not transposed or len(x) == 1:
         return F.linear(x, w, b)
     return (torch.mm(w, x.t()) if b is None else torch.addmm(b[:, None], w, x.t())).t()
 

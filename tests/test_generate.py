@@ -5,9 +5,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from model import load_model
+from model import LoRAConfig, load_model
 from model.generate import KVCache, encode_prompt, generate, sample, stop_ids
-from tests.helpers import assert_close
+from tests.helpers import assert_close, randomize_lora_b, rel_err
 from tests.tiny_models import FAMILIES, save_tiny
 from tests.tiny_tokenizer import make_test_tokenizer
 
@@ -67,3 +67,23 @@ def test_prompt_and_stop_ids(tmp_path):
     assert encode_prompt(tok, "Hi", raw=True) == [tok.bos_id] + tok.encode("Hi")  # this model uses a BOS
     assert stop_ids(tok, SimpleNamespace(eos_token_id=[7, None, tok.eos_id])) == {7, tok.eos_id}
     assert stop_ids(tok, SimpleNamespace(eos_token_id=None)) == {tok.eos_id}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("kernels", [True, False], ids=["kernels", "torch"])
+def test_decoding_with_adapters_on_gpu(llama_folder, dtype, kernels):
+    """On CUDA with LoRA adapters (the fused path): one-token decoding steps, whose GEMMs have one row, give the
+    full forward's logits, and greedy generation runs, as train.py's samples and scripts/generate.py use it."""
+    model, cfg = load_model(llama_folder, dtype=dtype, device="cuda", use_kernels=kernels,
+                            lora=LoRAConfig(r=4, alpha=8))
+    randomize_lora_b(model)
+    model.eval()
+    ids = torch.randint(0, cfg.vocab_size, (1, 12), generator=torch.Generator().manual_seed(0)).cuda()
+    cache = KVCache(cfg, 1, 12, dtype, "cuda")
+    with torch.no_grad():
+        full = model(ids).float()
+        pieces = [model(ids[:, :8], cache=cache)] + [model(ids[:, t:t + 1], cache=cache) for t in range(8, 12)]
+    assert rel_err(torch.cat(pieces, dim=1).float(), full) < (1e-4 if dtype == torch.float32 else 3e-2)
+    assert len(generate(model, ids[0, :6].tolist(), max_new_tokens=6)) == 6
