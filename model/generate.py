@@ -10,20 +10,33 @@ pass (prefill) that fills the cache; each new token then runs only its own posit
 the layers (decode), attending to the cached keys. The model's own forward does this
 (`Transformer.forward(..., cache=...)`): only attention reads the cache, so cached logits
 equal the full forward's (tests/test_generate.py checks every family).
+
+On a CUDA GPU each decoding step after the first replays a CUDA graph of the one-token forward
+(`DecodeGraph`), as training steps do (step.py): issuing a small model's layers from Python costs
+far more than the GPU's work for one token. A graph reads fixed addresses, so after the prefill the
+cache turns static: the new token's position is a device tensor, each layer writes its keys and
+values there and attends over its whole buffer, under a mask that hides the positions after it.
 """
 import torch
 
 
 class LayerCache:
-    """One layer's keys and values, (B, n_kv_heads, max_len, head_dim), `length` positions filled."""
+    """One layer's keys and values, (B, n_kv_heads, max_len, head_dim), `length` positions filled. Once `at` is
+    set (a static cache, see `KVCache.make_static`), an update writes its tokens at the positions that device
+    tensor holds and returns the whole buffers, whose positions not written yet `KVCache.mask` hides."""
 
     def __init__(self, shape, dtype, device):
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.length = 0
+        self.at = None  # static: the positions (T,) of the forward's tokens, a device tensor
 
     def update(self, k, v):
         """Append k, v (B, nkv, T, d) after the filled positions; return all of them (B, nkv, S, d)."""
+        if self.at is not None:
+            self.k.index_copy_(2, self.at, k)
+            self.v.index_copy_(2, self.at, v)
+            return self.k, self.v
         end = self.length + k.shape[2]
         if end > self.k.shape[2]:
             raise ValueError(f"the KV cache holds {self.k.shape[2]} positions; {end} are needed")
@@ -42,8 +55,61 @@ class KVCache:
 
     @property
     def length(self):
-        """How many positions the model has run through the cache."""
+        """How many positions the model has run through the cache (before it was made static)."""
         return self.layers[0].length
+
+    @property
+    def at(self):
+        """The positions (T,) that the next forward writes, on the device, for a static cache; else None."""
+        return self.layers[0].at
+
+    def make_static(self, at):
+        """From here on each forward's tokens go to the positions in `at` (T,), a long tensor on the cache's device
+        whose values may change between forwards, and every layer attends over its whole buffer under `mask`:
+        shapes and addresses stay fixed, as a CUDA graph needs (`DecodeGraph`)."""
+        for layer in self.layers:
+            layer.at = at
+
+    def mask(self, window=None):
+        """(1, 1, T, max_len) bool for a static cache: the query at position at[t] sees the positions up to its
+        own (with a window, the last `window` of them); those not written yet lie after it, so stay hidden."""
+        at = self.at[:, None]  # (T, 1)
+        keys = torch.arange(self.layers[0].k.shape[2], device=at.device)
+        keep = keys <= at
+        if window is not None:
+            keep = keep & (at - keys < window)
+        return keep[None, None]
+
+
+class DecodeGraph:
+    """The one-token forward through a static KV cache, captured as a CUDA graph at the first call and replayed
+    at every later one. A decoding step of a small model is bound by the Python that issues its kernels, as a
+    training step is (step.py); replayed, it costs the GPU's time. The token and its position are copied into
+    the graph's input tensors; the logits are its output tensor, overwritten by the next replay."""
+
+    def __init__(self, model, cache):
+        device = cache.layers[0].k.device
+        self.model, self.cache = model, cache
+        self.token = torch.zeros(1, 1, dtype=torch.long, device=device)
+        self.at = torch.zeros(1, dtype=torch.long, device=device)
+        self.graph, self.logits = None, None
+
+    def __call__(self, token, position):
+        """Logits (V,) after `token` at `position`, whose keys and values go into the cache."""
+        self.token.fill_(token)
+        self.at.fill_(position)
+        if self.graph is None:
+            self.cache.make_static(self.at)
+            side = torch.cuda.Stream()  # a warm-up first (lazy initialisation must not happen inside a capture);
+            side.wait_stream(torch.cuda.current_stream())  # it writes this token's keys and values, as the replay
+            with torch.cuda.stream(side):  # writes them again
+                self.model(self.token, cache=self.cache)
+            torch.cuda.current_stream().wait_stream(side)
+            self.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graph):
+                self.logits = self.model(self.token, cache=self.cache)[0, -1]
+        self.graph.replay()
+        return self.logits
 
 
 def sample(logits, temperature=0.0, top_p=1.0, generator=None) -> int:
@@ -60,13 +126,16 @@ def sample(logits, temperature=0.0, top_p=1.0, generator=None) -> int:
 
 @torch.no_grad()
 def generate(model, prompt_ids, max_new_tokens=128, temperature=0.0, top_p=1.0, stop_ids=(), use_cache=True,
-             generator=None, on_token=None) -> list[int]:
+             generator=None, on_token=None, cuda_graph=None) -> list[int]:
     """New token ids after `prompt_ids` (a list of ints), up to and including the first of
     `stop_ids`. use_cache=False reruns the whole sequence for every token (the slow reference).
-    on_token(id) is called with each new token as it is chosen (a progress bar, streaming)."""
+    on_token(id) is called with each new token as it is chosen (a progress bar, streaming).
+    cuda_graph (default: on a CUDA device, with the cache): the decoding steps replay a `DecodeGraph`."""
     weight = model.model.embed_tokens.weight
     ids = torch.tensor([list(prompt_ids)], device=weight.device)  # (1, T)
     cache = KVCache(model.config, 1, ids.shape[1] + max_new_tokens, weight.dtype, weight.device) if use_cache else None
+    graphed = use_cache and (weight.is_cuda if cuda_graph is None else cuda_graph)
+    decode = DecodeGraph(model, cache) if graphed else None
     logits = model(ids, cache=cache)[0, -1]  # with a cache: the prefill
     out = []
     for _ in range(max_new_tokens):
@@ -76,6 +145,9 @@ def generate(model, prompt_ids, max_new_tokens=128, temperature=0.0, top_p=1.0, 
             on_token(token)
         if token in stop_ids:
             break
+        if decode is not None:
+            logits = decode(token, len(prompt_ids) + len(out) - 1)
+            continue
         ids = torch.cat([ids, torch.tensor([[token]], device=ids.device)], dim=1)
         logits = model(ids[:, -1:], cache=cache)[0, -1] if use_cache else model(ids)[0, -1]
     return out

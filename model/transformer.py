@@ -396,13 +396,15 @@ class Transformer(nn.Module):
 
         cache: a `KVCache` (model/generate.py) holding the earlier positions of these rows, or None.
         With one, input_ids continue those positions (position_ids default to them) and their
-        keys and values are appended to it."""
+        keys and values are appended to it; a static cache takes the positions from its device
+        tensor and its mask (a CUDA-graphed decoding step)."""
         cfg = self.config
         B, T = input_ids.shape
         dev = input_ids.device
         start = cache.length if cache is not None else 0
+        at = cache.at if cache is not None else None  # a static cache: positions and masks from its device tensor
         if position_ids is None:
-            position_ids = torch.arange(start, start + T, device=dev).expand(B, T)
+            position_ids = (at if at is not None else torch.arange(start, start + T, device=dev)).expand(B, T)
         x = self.model.embed_tokens(input_ids)  # (B, T, H)
         if cfg.embed_scale != 1.0:  # Gemma; rounded to the activation dtype as in the reference
             x = x * torch.tensor(cfg.embed_scale, dtype=x.dtype)
@@ -411,7 +413,8 @@ class Transformer(nn.Module):
         tables, masks = {}, {}
         for t in set(cfg.layer_types):
             tables[t] = rope_cos_sin(position_ids, rope_inv_freq(cfg, t, dev), x.dtype)
-            masks[t] = self.layer_mask(t, doc_ids, docs, (B, T), start, dev, x.dtype)
+            masks[t] = (cache.mask(cfg.sliding_window if t == "sliding" else None) if at is not None else
+                        self.layer_mask(t, doc_ids, docs, (B, T), start, dev, x.dtype))
         # Recomputing a layer would append its keys and values to a cache a second time.
         recompute = self.gradient_checkpointing and torch.is_grad_enabled() and cache is None
         if recompute and not x.requires_grad:

@@ -69,6 +69,42 @@ def test_prompt_and_stop_ids(tmp_path):
     assert stop_ids(tok, SimpleNamespace(eos_token_id=None)) == {tok.eos_id}
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+def test_static_cache_matches_full_forward(family, tmp_path):
+    """A cache made static after the prefill (the CUDA-graphed decoding step's: positions from a device tensor, the
+    whole buffer under a mask) gives the full forward's logits, one token at a time, past Gemma's window (8)."""
+    save_tiny(family, str(tmp_path))
+    model, cfg = load_model(str(tmp_path))
+    ids = torch.randint(0, cfg.vocab_size, (2, 20), generator=torch.Generator().manual_seed(1))
+    cache = KVCache(cfg, 2, 24, torch.float32, "cpu")  # longer than the text: unwritten positions stay hidden
+    at = torch.zeros(1, dtype=torch.long)
+    with torch.no_grad():
+        full = model(ids)
+        pieces = [model(ids[:, :9], cache=cache)]
+        cache.make_static(at)
+        for t in range(9, 20):
+            at.fill_(t)
+            pieces.append(model(ids[:, t:t + 1], cache=cache))
+    assert_close(torch.cat(pieces, dim=1), full, atol=1e-5, rtol=1e-5, name=f"{family} static-cache logits")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("family", FAMILIES)
+def test_graphed_decoding_matches_eager(family, tmp_path):
+    """On CUDA, generation that replays a CUDA graph per token gives eager generation's tokens (fp32, greedy and
+    sampled with one seed), for every family."""
+    save_tiny(family, str(tmp_path))
+    model, cfg = load_model(str(tmp_path), device="cuda", use_kernels=True, lora=LoRAConfig(r=4, alpha=8))
+    randomize_lora_b(model)
+    model.eval()
+    prompt = torch.randint(0, cfg.vocab_size, (7,), generator=torch.Generator().manual_seed(2)).tolist()
+    for temperature in (0.0, 0.8):
+        runs = [generate(model, prompt, max_new_tokens=14, temperature=temperature, cuda_graph=graphed,
+                         generator=torch.Generator(device="cuda").manual_seed(3)) for graphed in (True, False)]
+        assert runs[0] == runs[1] and len(runs[0]) == 14, runs
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
@@ -86,4 +122,5 @@ def test_decoding_with_adapters_on_gpu(llama_folder, dtype, kernels):
         full = model(ids).float()
         pieces = [model(ids[:, :8], cache=cache)] + [model(ids[:, t:t + 1], cache=cache) for t in range(8, 12)]
     assert rel_err(torch.cat(pieces, dim=1).float(), full) < (1e-4 if dtype == torch.float32 else 3e-2)
-    assert len(generate(model, ids[0, :6].tolist(), max_new_tokens=6)) == 6
+    for graphed in (True, False):
+        assert len(generate(model, ids[0, :6].tolist(), max_new_tokens=6, cuda_graph=graphed)) == 6
