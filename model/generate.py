@@ -17,6 +17,8 @@ far more than the GPU's work for one token. A graph reads fixed addresses, so af
 cache turns static: the new token's position is a device tensor, each layer writes its keys and
 values there and attends over its whole buffer, under a mask that hides the positions after it.
 """
+import warnings
+
 import torch
 
 
@@ -85,31 +87,45 @@ class DecodeGraph:
     """The one-token forward through a static KV cache, captured as a CUDA graph at the first call and replayed
     at every later one. A decoding step of a small model is bound by the Python that issues its kernels, as a
     training step is (step.py); replayed, it costs the GPU's time. The token and its position are copied into
-    the graph's input tensors; the logits are its output tensor, overwritten by the next replay."""
+    the graph's input tensors; the logits are its output tensor, overwritten by the next replay. If the capture
+    fails, the same forward runs eagerly from then on, after one warning."""
 
     def __init__(self, model, cache):
         device = cache.layers[0].k.device
         self.model, self.cache = model, cache
         self.token = torch.zeros(1, 1, dtype=torch.long, device=device)
         self.at = torch.zeros(1, dtype=torch.long, device=device)
-        self.graph, self.logits = None, None
+        self.graph, self.logits, self.failed = None, None, False
 
     def __call__(self, token, position):
         """Logits (V,) after `token` at `position`, whose keys and values go into the cache."""
         self.token.fill_(token)
         self.at.fill_(position)
-        if self.graph is None:
+        if self.graph is None and not self.failed:
             self.cache.make_static(self.at)
-            side = torch.cuda.Stream()  # a warm-up first (lazy initialisation must not happen inside a capture);
-            side.wait_stream(torch.cuda.current_stream())  # it writes this token's keys and values, as the replay
-            with torch.cuda.stream(side):  # writes them again
-                self.model(self.token, cache=self.cache)
-            torch.cuda.current_stream().wait_stream(side)
-            self.graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(self.graph):
-                self.logits = self.model(self.token, cache=self.cache)[0, -1]
+            try:
+                self._capture()
+            except torch.OutOfMemoryError:
+                raise
+            except Exception as e:  # an op that cannot be captured
+                self.failed = True
+                warnings.warn(f"CUDA graph capture of the decoding step failed ({type(e).__name__}: {str(e)[:200]}); "
+                              "decoding on without it (same tokens, more time per token)", stacklevel=3)
+        if self.failed:
+            return self.model(self.token, cache=self.cache)[0, -1]
         self.graph.replay()
         return self.logits
+
+    def _capture(self):
+        side = torch.cuda.Stream()  # a warm-up first (lazy initialisation must not happen inside a capture);
+        side.wait_stream(torch.cuda.current_stream())  # it writes this token's keys and values, as the replay
+        with torch.cuda.stream(side):  # writes them again
+            self.model(self.token, cache=self.cache)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            self.logits = self.model(self.token, cache=self.cache)[0, -1]
+        self.graph = graph
 
 
 def sample(logits, temperature=0.0, top_p=1.0, generator=None) -> int:

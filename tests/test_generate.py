@@ -107,6 +107,22 @@ def test_graphed_decoding_matches_eager(family, tmp_path):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_decoding_goes_on_eagerly_when_the_capture_fails(llama_folder, monkeypatch):
+    """A decoding step that cannot be captured runs eagerly from then on: one warning, the same tokens."""
+    model, cfg = load_model(llama_folder, device="cuda", use_kernels=True, lora=LoRAConfig(r=4, alpha=8))
+    model.eval()
+    prompt = list(range(3, 10))
+    want = generate(model, prompt, max_new_tokens=8, cuda_graph=False)
+
+    def refuse(*args, **kwargs):
+        raise RuntimeError("operation not permitted when stream is capturing")
+    monkeypatch.setattr(torch.cuda, "graph", refuse)
+    with pytest.warns(UserWarning, match="CUDA graph capture of the decoding step failed"):
+        assert generate(model, prompt, max_new_tokens=8) == want
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("kernels", [True, False], ids=["kernels", "torch"])
 def test_decoding_with_adapters_on_gpu(llama_folder, dtype, kernels):

@@ -114,3 +114,17 @@ def test_quantize_model_in_memory_equals_quantize_on_load(llama_folder):
     on_load, _ = load_model(llama_folder, quantize="nf4")
     ids = torch.randint(0, cfg.vocab_size, (B, T))
     assert torch.equal(model(ids), on_load(ids))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_nf4_decoding_replays_as_eager(llama_folder):
+    """QLoRA on CUDA: the decoding step, with bitsandbytes dequantizing inside the captured graph, gives the
+    tokens of eager decoding."""
+    from model.generate import generate
+    model, cfg = load_model(llama_folder, device="cuda", use_kernels=True, quantize="nf4",  # fp32: no rounding ties
+                            lora=LoRAConfig(r=4, alpha=8))
+    randomize_lora_b(model)
+    model.eval()
+    prompt = torch.randint(0, cfg.vocab_size, (7,), generator=torch.Generator().manual_seed(0)).tolist()
+    assert generate(model, prompt, 12, cuda_graph=True) == generate(model, prompt, 12, cuda_graph=False)
