@@ -110,7 +110,7 @@ class DecodeGraph:
             except Exception as e:  # an op that cannot be captured
                 self.failed = True
                 warnings.warn(f"CUDA graph capture of the decoding step failed ({type(e).__name__}: {str(e)[:200]}); "
-                              "decoding on without it (same tokens, more time per token)", stacklevel=3)
+                              "decoding on without it (same tokens, more time per token)", stacklevel=2)
         if self.failed:
             return self.model(self.token, cache=self.cache)[0, -1]
         self.graph.replay()
