@@ -768,28 +768,6 @@ def count_targets(micro, world, device):
     return n
 
 
-def clip_grads_(params, max_norm):
-    """Scale the gradients of `params` (the LoRA weights: fp32, on one device) so that their global norm is at most
-    max_norm, and return that norm from before. torch.nn.utils.clip_grad_norm_'s arithmetic, op for op, on the
-    one list of tensors it needs, without regrouping them by device and dtype at every call: a host cost that a
-    small model's step pays once per adapter weight (420 of them for SmolLM2)."""
-    grads = [p.grad for p in params if p.grad is not None]
-    if not grads:
-        return torch.zeros((), device=params[0].device)
-    norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)))
-    torch._foreach_mul_(grads, torch.clamp(max_norm / (norm + 1e-6), max=1.0))
-    return norm
-
-
-def zero_grads_(optimizer, params, keep):
-    """After the update: keep=True zeroes the gradient tensors in place, in one multi-tensor kernel on the list it
-    is given (a CUDA graph adds into those very tensors); else they are dropped (set to None)."""
-    if keep:
-        torch._foreach_zero_([p.grad for p in params if p.grad is not None])
-    else:
-        optimizer.zero_grad(set_to_none=True)
-
-
 def issue_update(optimizer, loss_sum, grad_norm, world):
     """optimizer.step(), issued before the host has read the step's loss and grad norm: fused AdamW reads
     found_inf on the device and leaves the weights and its state as they were where it is 1 (a NaN/inf loss or
@@ -1083,9 +1061,9 @@ def main(cfg: TrainConfig) -> int:
                 tokens += sum(b["input_ids"].numel() for b in micro) * world
 
                 scaler.unscale_(params)
-                grad_norm = clip_grads_(params, cfg.grad_clip or float("inf"))
+                grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip or float("inf"))
                 issue_update(optimizer, loss_sum, grad_norm, world)  # skipped on the device if not finite
-                zero_grads_(optimizer, params, keep=micro_step.graphed)  # a graph adds into fixed .grad buffers
+                optimizer.zero_grad(set_to_none=not micro_step.graphed)  # a graph adds into fixed .grad buffers
                 loss, norm = step_stats(loss_sum, grad_norm)
                 applied = check_step(optimizer, scaler, loss, norm, step + 1, cfg, run, log)
                 step += 1

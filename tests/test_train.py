@@ -190,34 +190,3 @@ def test_triton_warm_start_launches_without_error(monkeypatch):
         thread = train.warm_start_triton(torch.device("cuda", torch.cuda.device_count() - 1), dtype)
         thread.join(timeout=120)
         assert not thread.is_alive() and not errors, [e.exc_value for e in errors]
-
-
-@pytest.mark.parametrize("max_norm", [0.05, float("inf")], ids=["clipped", "unclipped"])
-def test_clip_grads_is_torch_clip_grad_norm(max_norm):
-    """train.clip_grads_ gives torch.nn.utils.clip_grad_norm_'s norm and scaled gradients, bit for bit; a parameter
-    without a gradient is left out, as there."""
-    g = torch.Generator().manual_seed(0)
-    shapes = [(16, 64), (64, 16), (48, 64), (5,), (3, 7)]
-    ours = [torch.nn.Parameter(torch.randn(s, generator=g)) for s in shapes]
-    ref = [torch.nn.Parameter(p.detach().clone()) for p in ours]
-    for a, b in zip(ours[:-1], ref[:-1]):
-        a.grad = torch.randn(a.shape, generator=g)
-        b.grad = a.grad.clone()
-    norm = train.clip_grads_(ours, max_norm)
-    want = torch.nn.utils.clip_grad_norm_(ref, max_norm)
-    assert torch.equal(norm, want)
-    assert all(torch.equal(a.grad, b.grad) for a, b in zip(ours[:-1], ref[:-1])) and ours[-1].grad is None
-    clipped = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in ours[:-1]]))
-    assert max_norm == float("inf") or float(clipped) < 0.0501
-
-
-def test_zero_grads_in_place_or_dropped():
-    """keep=True zeroes the very gradient tensors (a CUDA graph holds their addresses); keep=False drops them."""
-    p = torch.nn.Parameter(torch.ones(3))
-    p.grad = torch.ones(3)
-    grad = p.grad
-    opt = torch.optim.AdamW([p])
-    train.zero_grads_(opt, [p], keep=True)
-    assert p.grad is grad and not grad.any()
-    train.zero_grads_(opt, [p], keep=False)
-    assert p.grad is None
