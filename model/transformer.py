@@ -371,12 +371,15 @@ class Transformer(nn.Module):
         (not with a softcap, which those kernels do not apply: see `attend`)."""
         return self.config.attn_softcap is None and varlen_supported(device, dtype, self.config.head_dim)
 
+    def window(self, layer_type):
+        """How many positions back a layer of this type attends (its own included); None: all of them."""
+        return self.config.sliding_window if layer_type == "sliding" else None
+
     def layer_mask(self, layer_type, doc_ids, docs, shape, start, device, dtype):
         """The attention mask of one layer type for input_ids of `shape` (B, T), in the form
         `attend` runs fastest. docs: the Documents of doc_ids where `varlen` holds, else None."""
-        cfg = self.config
         B, T = shape
-        window = cfg.sliding_window if layer_type == "sliding" else None
+        window = self.window(layer_type)
         window = window if window is not None and window < start + T else None  # None: it masks nothing
         if start > 0:  # queries after a KV cache's positions: an explicit mask
             return attention_mask(T, window, device, start=start)
@@ -413,7 +416,7 @@ class Transformer(nn.Module):
         tables, masks = {}, {}
         for t in set(cfg.layer_types):
             tables[t] = rope_cos_sin(position_ids, rope_inv_freq(cfg, t, dev), x.dtype)
-            masks[t] = (cache.mask(cfg.sliding_window if t == "sliding" else None) if at is not None else
+            masks[t] = (cache.mask(self.window(t)) if at is not None else
                         self.layer_mask(t, doc_ids, docs, (B, T), start, dev, x.dtype))
         # Recomputing a layer would append its keys and values to a cache a second time.
         recompute = self.gradient_checkpointing and torch.is_grad_enabled() and cache is None
