@@ -90,13 +90,17 @@ def test_static_cache_matches_full_forward(family, tmp_path):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("adapters", [True, False], ids=["lora", "base"])
 @pytest.mark.parametrize("family", FAMILIES)
-def test_graphed_decoding_matches_eager(family, tmp_path):
+@pytest.mark.filterwarnings("error:CUDA graph capture")  # the fallback warns so: here it must not happen
+def test_graphed_decoding_matches_eager(family, adapters, tmp_path):
     """On CUDA, generation that replays a CUDA graph per token gives eager generation's tokens (fp32, greedy and
-    sampled with one seed), for every family."""
+    sampled with one seed), for every family, with LoRA adapters and without; the capture does not fall back."""
     save_tiny(family, str(tmp_path))
-    model, cfg = load_model(str(tmp_path), device="cuda", use_kernels=True, lora=LoRAConfig(r=4, alpha=8))
-    randomize_lora_b(model)
+    model, cfg = load_model(str(tmp_path), device="cuda", use_kernels=True,
+                            lora=LoRAConfig(r=4, alpha=8) if adapters else None)
+    if adapters:
+        randomize_lora_b(model)
     model.eval()
     prompt = torch.randint(0, cfg.vocab_size, (7,), generator=torch.Generator().manual_seed(2)).tolist()
     for temperature in (0.0, 0.8):

@@ -151,6 +151,7 @@ def test_graph_step_matches_eager(llama_folder, dtype, layout, ckpt):
     loss_e, grads_e = _run(eager, params, batch, mult)
     loss_g, grads_g = _run(graph, params, batch, mult)
     loss_r, grads_r = _run(graph, params, batch, mult)  # a replay of the captured graph
+    assert len(graph.graphs) == 1 and not graph.failed  # captured, not fallen back to eager steps
     tol = TOL[dtype]
     assert abs(loss_g - loss_e) <= tol * abs(loss_e) and loss_r == loss_g
     for ge, gg, gr in zip(grads_e, grads_g, grads_r):
@@ -194,6 +195,7 @@ def test_graph_step_across_bucket_changes(llama_folder, ckpt, dropout):
         for ge, gg in zip(grads_e, grads_g):
             assert rel_err(gg, ge) < 1e-5
     assert [key[:2] for key in sorted(graph.graphs)] == [(2, 64), (2, 128), (2, 192)]  # (B, T, documents...)
+    assert not graph.failed
 
 
 @pytest.mark.gpu
@@ -205,6 +207,7 @@ def test_graph_step_dropout_draws_new_masks(llama_folder):
     batch = _packed(model.config.vocab_size)
     graph = step.GraphStep(model, dev, params, max_len=2048)
     losses = [_run(graph, params, batch)[0] for _ in range(3)]
+    assert len(graph.graphs) == 1 and not graph.failed
     assert len(set(losses)) == 3 and all(torch.isfinite(torch.tensor(losses)))
     model.eval()  # dropout off: the eager loss without dropout is near the dropout losses
     no_drop, _ = _run(step.EagerStep(model, dev), params, batch)
@@ -227,6 +230,7 @@ def test_graph_step_dropout_draws_the_eager_masks(llama_folder, ckpt):
         torch.cuda.manual_seed(1234)
         runs.append([_run(run_step, params, batch) for _ in range(3)])
         states.append(torch.cuda.get_rng_state(dev))
+    assert len(run_step.graphs) == 1 and not run_step.failed
     assert torch.equal(states[0], states[1])
     (eager, graphed), (no_drop, _) = runs, _run(step.EagerStep(model.eval(), dev), params, batch)
     assert len({loss for loss, _ in eager}) == 3 and all(abs(loss - no_drop) > 1e-4 for loss, _ in eager)
