@@ -226,11 +226,12 @@ def test_graph_step_dropout_draws_the_eager_masks(llama_folder, ckpt):
     model, params = _model(llama_folder, dev, dropout=0.3, ckpt=ckpt, kernels=True)
     batch = _packed(model.config.vocab_size)
     runs, states = [], []
-    for run_step in (step.EagerStep(model, dev), step.GraphStep(model, dev, params, max_len=2048)):
+    graph = step.GraphStep(model, dev, params, max_len=2048)
+    for run_step in (step.EagerStep(model, dev), graph):
         torch.cuda.manual_seed(1234)
         runs.append([_run(run_step, params, batch) for _ in range(3)])
         states.append(torch.cuda.get_rng_state(dev))
-    assert len(run_step.graphs) == 1 and not run_step.failed
+    assert len(graph.graphs) == 1 and not graph.failed
     assert torch.equal(states[0], states[1])
     (eager, graphed), (no_drop, _) = runs, _run(step.EagerStep(model.eval(), dev), params, batch)
     assert len({loss for loss, _ in eager}) == 3 and all(abs(loss - no_drop) > 1e-4 for loss, _ in eager)
