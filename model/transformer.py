@@ -335,7 +335,10 @@ class Backbone(nn.Module):
         super().__init__()
         # As in the reference, the pad token's row receives no gradient (when embeddings are trained).
         pad = cfg.pad_token_id if cfg.pad_token_id is not None and 0 <= cfg.pad_token_id < cfg.vocab_size else None
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, padding_idx=pad)
+        # Empty, like every weight here (the loader fills them): built on the meta device, nn.Embedding's own
+        # random init would import torch._dynamo (seconds, once per process) inside the model's construction.
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, padding_idx=pad,
+                                         _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
         self.layers = nn.ModuleList(DecoderLayer(cfg, t, ops, lora) for t in cfg.layer_types)
         self.norm = RMSNorm(cfg.hidden_size, cfg, ops)
 

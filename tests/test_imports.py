@@ -1,5 +1,6 @@
 """The project's own modules import each other without a circle (counting imports inside
-functions too), and a model built without the Triton kernels does not import them."""
+functions too), a model built without the Triton kernels does not import them, and building a model
+does not import torch._dynamo."""
 import ast
 import os
 import subprocess
@@ -79,6 +80,21 @@ def test_model_without_kernels_imports_no_triton_kernel():
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     assert r.stdout.split() == ["rms_norm_reference", "swiglu_reference"]
+
+
+def test_building_a_model_imports_no_dynamo():
+    """A model built on the meta device, as the loaders build it, does not import torch._dynamo (seconds of
+    import, once per process): no weight draws a random init there. step.py's warm start builds its copy while
+    the loader builds the model; an import that one thread runs, the other waits for."""
+    code = ("import sys, torch; from model.config import ModelConfig; from model.lora import LoRAConfig; "
+            "from model.transformer import Transformer\n"
+            "with torch.device('meta'):\n"
+            "    Transformer(ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=48, n_layers=2, n_heads=4, "
+            "n_kv_heads=2, head_dim=8, pad_token_id=0), lora=LoRAConfig(r=4))\n"
+            "print('torch._dynamo' in sys.modules)")
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["False"]
 
 
 def test_gguf_tests_skip_without_the_gguf_package():
