@@ -1059,6 +1059,13 @@ class Batches:
             return {k: v[rows] for k, v in self.rows.items()}  # (B, max_len) each
         return pad_batch([self.examples[i] for i in rows], pad_id=self.pad_id)
 
+    def peek(self):
+        """The next batch, without moving past it."""
+        state = self.state_dict()
+        batch = next(self)
+        self.load_state_dict(state)
+        return batch
+
     def _order(self, epoch):
         if self._cached_order[0] != epoch:
             # A distinct seed per (seed, epoch) of a run; any fixed mixing would do.

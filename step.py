@@ -38,10 +38,19 @@ not happen inside a capture): one eager run of the real step on the real batch, 
 are removed again before the first replay. Later captures, of other shapes, go without: inside
 them the kernels for the new shapes load, and the activation offload grows its pinned buffers,
 as the GPU tests of a bucket change check.
+
+What a process does once, at its first step (Triton's start, each CUDA kernel's first load), runs
+earlier, beside the model's loading: `WarmStart` steps a one-layer copy of the model in a thread.
 """
+import dataclasses
+import sys
+import threading
+
 import torch
 
 import data
+from model.load import random_model
+from model.lora import lora_parameters
 from model.transformer import Documents, documents
 
 BUCKET = 64  # padded batches are padded to a multiple of this many tokens (one graph per multiple)
@@ -210,3 +219,93 @@ def pad_to_bucket(batch, max_len):
         "position_ids": torch.cat([batch["position_ids"], last_pos + torch.arange(1, extra + 1, device=last_pos.device)], 1),
         "doc_ids": torch.cat([batch["doc_ids"], batch["doc_ids"][:, -1:].expand(B, extra)], 1),
     }
+
+
+class WarmStart:
+    """A background thread that pays the first training step's one-time costs while the model loads.
+
+        warm = WarmStart.start(model_cfg, first_batch, device, dtype, lora=..., ...)  # None: not needed here
+        ...load the model...
+        warm.join()   # before training: no launch of the thread overlaps the loop's
+
+    What is slow once per process: Triton hashes its sources, and compiles or loads each kernel; CUDA loads
+    each kernel on its first launch (cuBLAS's for every GEMM shape, every elementwise kernel); the autograd
+    engine starts its threads. The thread runs one micro-step (forward, backward) and the gradient clipping of
+    a copy of the model with one layer per layer type and random weights (model/load.py, `random_model`), on
+    the run's first batch: the same kernels at the same shapes as the run's first step. The copy has no dropout
+    and draws from generators of its own, so the run's random state is untouched. It leaves out the optimizer:
+    the first optimizer of a process imports torch._dynamo, seconds of Python that the loop's own AdamW
+    meanwhile imports (an import runs in one thread; another that needs it waits)."""
+
+    def __init__(self, run, log):
+        self.failed = None
+        self.log = log
+        # Not a daemon: a run that stops during the loading (bad weights, Ctrl-C) lets the step finish before the
+        # interpreter exits, rather than tearing down CUDA under it.
+        self.thread = threading.Thread(target=self._guard, args=(run,), name="warm-start", daemon=False)
+        self.thread.start()
+
+    @classmethod
+    def start(cls, mcfg, batch, device, dtype, *, lora, quantize=None, use_kernels=True, max_len=None, log=print):
+        """The running warm start, or None where it does not apply: not CUDA, or memory that is not plentiful
+        (`fits`). max_len: pad the batch to its CUDA-graph bucket first, as GraphStep does (`pad_to_bucket`);
+        None for eager steps."""
+        if device.type != "cuda":
+            return None
+        types = list(dict.fromkeys(mcfg.layer_types))  # one layer of each type, in order of appearance
+        small = dataclasses.replace(mcfg, n_layers=len(types), layer_types=types)
+        if not fits(mcfg, small, batch, dtype, use_kernels, torch.cuda.mem_get_info(device)[0]):
+            return None
+        if max_len is not None:
+            batch = pad_to_bucket(batch, max_len)
+
+        def run():
+            with torch.cuda.device(device):  # the thread's current device is not the caller's
+                model = random_model(small, dtype, device, quantize, lora=dataclasses.replace(lora, dropout=0.0),
+                                     use_kernels=use_kernels)
+                model.train()
+                params = [p for _, p in lora_parameters(model)]
+                EagerStep(model, device)(batch, max(1, data.num_targets(batch)), 1.0)
+                torch.nn.utils.clip_grad_norm_(params, 1.0)
+                torch.cuda.current_stream().synchronize()
+
+        return cls(run, log)
+
+    def _guard(self, run):
+        """run() in the thread. Meanwhile Python switches threads every 0.1 ms instead of every 5: the loading
+        holds the GIL for long stretches (imports), and the copy's step, some 500 operations that each take the
+        GIL back after the GPU call, would otherwise wait for it at every one."""
+        interval = sys.getswitchinterval()
+        sys.setswitchinterval(1e-4)
+        try:
+            run()
+        except Exception as e:  # the run's own first step meets the same problem, and reports it
+            self.failed = e
+        finally:
+            sys.setswitchinterval(interval)
+
+    def join(self):
+        self.thread.join()
+        if self.failed is not None:
+            self.log(f"note: the warm-up beside the loading stopped ({type(self.failed).__name__}: "
+                     f"{str(self.failed)[:200]}); the first step pays its one-time costs")
+
+
+def fits(mcfg, small, batch, dtype, use_kernels, free):
+    """Whether the model's weights and WarmStart's copy of it (`small`, one layer per type) fit in half of `free`
+    bytes together: the copy runs while the model loads, so the process's peak holds both; where memory is
+    tight, the run goes without. A generous estimate: the weights at `dtype` (NF4 ones take less), the copy's
+    step at 24 values a token for each layer's hidden and intermediate width, and the logits (the fused
+    cross-entropy kernel keeps a chunk of at most 256 MiB; the torch reference all of them, with fp32 copies)."""
+    size = torch.finfo(dtype).bits // 8
+    h, i, v, n = small.hidden_size, small.intermediate_size, small.vocab_size, batch["input_ids"].numel()
+    logits = (256 << 20) + n * h * 4 if use_kernels else n * v * (size + 8)
+    copy = (_weights(small) + 24 * n * small.n_layers * (h + i)) * size + logits
+    return _weights(mcfg) * size + copy <= free / 2
+
+
+def _weights(mcfg):
+    """The base weights of a model of `mcfg` (the embedding and the head counted apart)."""
+    h = mcfg.hidden_size
+    width = (2 * mcfg.n_heads + 2 * mcfg.n_kv_heads) * mcfg.head_dim
+    return 2 * mcfg.vocab_size * h + mcfg.n_layers * (h * width + 3 * h * mcfg.intermediate_size)

@@ -25,7 +25,6 @@ import re
 import resource
 import signal
 import sys
-import threading
 import time
 import typing
 from contextlib import contextmanager, nullcontext
@@ -43,7 +42,7 @@ from model import LoRAConfig, check_quantize, load_model, load_tokenizer, read_c
 from model.hub import check_push, push
 from model.generate import generate, stop_ids
 from model.lora import ALL_TARGETS, lora_parameters
-from step import EagerStep, GraphStep, graphs_off_reason
+from step import EagerStep, GraphStep, WarmStart, graphs_off_reason
 
 
 # Defaults that depend on the hardware, for the options left unset (None in TrainConfig). On a CPU (and on
@@ -509,27 +508,10 @@ def build_model(cfg, path, device, dtype, use_kernels, rank):
     return model, mcfg
 
 
-def make_step(cfg, forward, device, params, world, log):
-    """The micro-step: replayed from CUDA graphs where that works (--cuda-graphs), else eager."""
-    off = graphs_off_reason(cfg.cuda_graphs, device, world)
+def make_step(off, cfg, forward, device, params, log):
+    """The micro-step: replayed from CUDA graphs where that works (off: why not, from `graphs_off_reason`)."""
     log("CUDA graphs on" if off is None else f"CUDA graphs off: {off}")
     return EagerStep(forward, device) if off else GraphStep(forward, device, params, cfg.max_len, log)
-
-
-def warm_start_triton(device, dtype):
-    """Triton's first kernel launch in a process is slow: it hashes Triton's own sources and library into
-    the cache keys and imports its backends, once per process. A background thread launches one tiny RMSNorm
-    so that this runs beside the data and model loading instead of inside the first step. Returns the
-    thread; the caller joins it before training, so that no launch of it overlaps the loop's."""
-    from kernels.rms_norm import rms_norm
-
-    def launch():
-        with torch.cuda.device(device):  # the thread's current device is not the caller's
-            rms_norm(torch.ones(1, 16, dtype=dtype, device=device), torch.ones(16, dtype=dtype, device=device))
-
-    thread = threading.Thread(target=launch, name="triton-warm-start", daemon=True)
-    thread.start()
-    return thread
 
 
 def choose_checkpointing(cfg, mcfg, dtype, use_kernels, device, world):
@@ -990,7 +972,6 @@ def main(cfg: TrainConfig) -> int:
         dtype, why = choose_dtype(cfg, device)
         use_kernels = device.type == "cuda" if cfg.kernels is None else cfg.kernels
         log(f"device {device}, dtype {dtype}: {why}; kernels {'on' if use_kernels else 'off (torch references)'}")
-        triton_start = warm_start_triton(device, dtype) if use_kernels and device.type == "cuda" else None
         if cpu_defaults:
             log(cpu_defaults)
         # Every input is checked before the slow work (the weights, the training), on every rank alike, and
@@ -1000,6 +981,12 @@ def main(cfg: TrainConfig) -> int:
         batches, eval_sets = make_batches(cfg, tokenizer, train_enc, eval_enc, rank, world)
         for line in schedule(cfg, len(batches)):  # --num-epochs decides --max-steps here
             log(line)
+        graphs_off = graphs_off_reason(cfg.cuda_graphs, device, world)
+        # The first step's one-time costs, paid while the model loads. Not where --gradient-checkpointing asks
+        # for less memory: the warm-up's copy of the model would raise the process's peak during the loading.
+        warm = None if cfg.gradient_checkpointing else WarmStart.start(
+            read_config(path), batches.peek(), device, dtype, lora=cfg.lora(), quantize=cfg.quantize,
+            use_kernels=use_kernels, max_len=None if graphs_off else cfg.max_len, log=log)
         ck = run.find(fingerprint(train_enc))
         model, mcfg = build_model(cfg, path, device, dtype, use_kernels, rank)
         # --gradient-checkpointing left unset takes its value here, in place (train_config.json records it)
@@ -1021,13 +1008,13 @@ def main(cfg: TrainConfig) -> int:
         ddp = torch.nn.parallel.DistributedDataParallel(
             model, device_ids=[device.index] if device.type == "cuda" else None) if world > 1 else None
         forward = ddp if ddp is not None else model
-        micro_step = make_step(cfg, forward, device, params, world, log)
+        micro_step = make_step(graphs_off, cfg, forward, device, params, log)
         run.open(step)
 
         model.train()
-        if triton_start is not None:
-            triton_start.join()
         progress = Progress(step, cfg.max_steps, log, bar=rank == 0 and sys.stdout.isatty())
+        if warm is not None:  # inside the timed window: what the loading did not hide counts as the first step's
+            warm.join()
         tokens, start = 0, None
         signals.step, signals.stage = step, "training"  # a signal now stops the run after its step
         try:

@@ -115,6 +115,23 @@ def load_model(name_or_path: str, dtype=torch.float32, device="cpu", lora: LoRAC
     return model, cfg
 
 
+def random_model(cfg: ModelConfig, dtype=torch.float32, device="cpu", quantize: str | None = None,
+                 lora_seed: int = 0, **options):
+    """A model of `cfg` built as `load_model` builds it, with stand-in base weights where a checkpoint's would go:
+    N(0, 0.02²) from a generator of its own, so that the process's random state stays as it was. For runs that
+    need the shapes and kernels of a model, not its weights (step.py's warm start). options: as for `load_model`."""
+    check_quantize(quantize)
+    with torch.device("meta"):
+        model = Transformer(cfg, **options)
+    expected, nf4_keys = expected_tensors(model, cfg, quantize)
+    gen = torch.Generator(device).manual_seed(0)
+    for name, shape in expected.items():
+        t = torch.empty(shape, dtype=torch.float32, device=device).normal_(0.0, 0.02, generator=gen)
+        place_tensor(model, name, t, device, dtype, nf4_keys)
+    finish_model(model, cfg, device, lora_seed)
+    return model
+
+
 def load_tokenizer(name_or_path: str):
     """The tokenizer of a model: short name, hub repo id, or local folder (or a .gguf file)."""
     path = resolve(name_or_path)

@@ -258,6 +258,18 @@ def test_resume_gives_identical_remaining_batches(packing, k):
     assert_same_batches([next(fresh) for _ in range(k + 20)], first + rest)
 
 
+@pytest.mark.parametrize("packing", [True, False])
+def test_peek_gives_the_next_batch_and_stays(packing):
+    """peek() returns the batch that next() returns, also across an epoch's end, and leaves the position."""
+    batches = Batches(synthetic(), batch_size=2, max_len=8, pad_id=0, packing=packing, seed=5)
+    fresh = Batches(synthetic(), batch_size=2, max_len=8, pad_id=0, packing=packing, seed=5)
+    for _ in range(len(batches) + 2):
+        state = batches.state_dict()
+        peeked = batches.peek()
+        assert batches.state_dict() == state
+        assert_same_batches([peeked, next(batches)], [next(fresh)] * 2)
+
+
 def test_shuffle_is_deterministic_and_differs_by_seed_and_epoch():
     def epochs(seed, n=2):
         batches = Batches(synthetic(), batch_size=1, max_len=8, pad_id=0, packing=False, seed=seed)

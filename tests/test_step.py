@@ -77,6 +77,51 @@ def test_bucket_padding_keeps_loss_and_gradients(run_model):
         assert rel_err(gp, g) < 1e-5
 
 
+def test_random_model_has_the_loaded_models_parameters(run_model):
+    """model/load.py's random_model (the warm start's copy) builds the model that load_model builds, parameter for
+    parameter and dtype for dtype, with the same LoRA init, finite outputs, the same weights every time, and
+    without a draw from the process's generator."""
+    from model import read_config
+    from model.load import random_model
+    loaded, mcfg = load_model(run_model, dtype=torch.bfloat16, lora=LoRAConfig(r=4), lora_seed=3)
+    state = torch.get_rng_state()
+    made = [random_model(mcfg, torch.bfloat16, "cpu", lora=LoRAConfig(r=4), lora_seed=3) for _ in range(2)]
+    assert torch.equal(torch.get_rng_state(), state)
+    a, b = (dict(m.named_parameters()) for m in made)
+    ref = dict(loaded.named_parameters())
+    assert a.keys() == ref.keys()
+    for k, p in ref.items():
+        assert (a[k].shape, a[k].dtype, a[k].requires_grad) == (p.shape, p.dtype, p.requires_grad), k
+        assert torch.equal(a[k], b[k]), k
+        if "lora_" in k:
+            assert torch.equal(a[k], p), k  # the adapters' init is the loader's
+    ids = torch.randint(0, mcfg.vocab_size, (2, 16))
+    assert torch.isfinite(made[0](ids).float()).all()
+    assert read_config(run_model) == mcfg
+
+
+def test_warm_start_only_on_cuda(run_model):
+    """Without a CUDA device there are no one-time kernel loads to move: WarmStart.start starts nothing."""
+    from model import read_config
+    batch = _padded(256, [20, 30])
+    assert step.WarmStart.start(read_config(run_model), batch, torch.device("cpu"), torch.float32,
+                                lora=LoRAConfig(r=4)) is None
+
+
+def test_warm_start_only_where_memory_is_plentiful():
+    """The warm start runs beside the loading, so the model and the copy must fit in half the free memory together:
+    a TinyLlama-shaped run (2.2 GB of bf16 weights) warms up on an 80 GiB GPU, not on one with 8 GiB free."""
+    from model.config import ModelConfig
+    mcfg = ModelConfig(vocab_size=32000, hidden_size=2048, intermediate_size=5632, n_layers=22, n_heads=32,
+                       n_kv_heads=4, head_dim=64)
+    small = ModelConfig(**{**mcfg.to_dict(), "n_layers": 1, "layer_types": ["full"]})
+    batch = {"input_ids": torch.zeros(4, 2048, dtype=torch.long)}
+    assert step.fits(mcfg, small, batch, torch.bfloat16, True, 78 << 30)
+    assert not step.fits(mcfg, small, batch, torch.bfloat16, True, 8 << 30)
+    assert step.fits(mcfg, small, batch, torch.bfloat16, True, 12 << 30)
+    assert not step.fits(mcfg, small, batch, torch.bfloat16, False, 12 << 30)  # all the logits, without the kernels
+
+
 def test_bucket_never_exceeds_max_len():
     batch = data.pad_batch([([5] * 70, [True] * 70)], pad_id=0)
     assert step.pad_to_bucket(batch, max_len=100)["input_ids"].shape[1] == 100

@@ -9,6 +9,7 @@ import torch
 from safetensors.torch import load_file
 
 import data
+import step
 import train
 from model import LoRAConfig, load_model, load_tokenizer
 from model.lora import lora_parameters
@@ -180,13 +181,48 @@ def test_cli_end_to_end(run_model, tmp_path):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_triton_warm_start_launches_without_error(monkeypatch):
-    """The background thread that starts Triton during the loading launches its kernel on the device given,
-    whatever that thread's current device, and raises nothing."""
-    import threading
-    errors = []
-    monkeypatch.setattr(threading, "excepthook", errors.append)
-    for dtype in (torch.bfloat16, torch.float16, torch.float32):
-        thread = train.warm_start_triton(torch.device("cuda", torch.cuda.device_count() - 1), dtype)
-        thread.join(timeout=120)
-        assert not thread.is_alive() and not errors, [e.exc_value for e in errors]
+def test_warm_start_changes_no_result(run_model, tmp_path, monkeypatch):
+    """The warm start beside the loading (step.py, WarmStart) runs in a GPU run and leaves its results as they
+    are: the same losses and adapter, bit for bit, as a run without it (LoRA dropout on, so that a draw from the
+    run's generator would show)."""
+    started = []
+    real_start = step.WarmStart.start
+
+    def start(*args, **kw):
+        warm = real_start(*args, **kw)
+        started.append(warm)
+        return warm
+
+    runs = []
+    for name, starter in (("with", start), ("without", lambda *a, **k: None)):
+        monkeypatch.setattr(step.WarmStart, "start", starter)
+        cfg = cfg_for(run_model, tmp_path / name, max_steps=4, lora_dropout=0.1, device="cuda", dtype="bf16",
+                      kernels=True)
+        train.main(cfg)
+        runs.append(([r["loss"] for r in read_metrics(cfg.out_dir) if "loss" in r], adapter(cfg.out_dir)))
+    assert started and started[0] is not None and started[0].failed is None
+    (loss_a, a), (loss_b, b) = runs
+    assert loss_a == loss_b
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("family", ["tinyllama", "gemma3"])
+def test_warm_start_runs_and_keeps_the_random_state(family, tmp_path):
+    """WarmStart runs its one-layer step for every dtype (Gemma 3: a layer of each type), on the device given
+    whatever the thread's current device, padded to its bucket or not, and draws nothing from the CPU's or the
+    GPU's default generators."""
+    from tests.tiny_models import save_tiny
+    from model import read_config
+    save_tiny(family, str(tmp_path))
+    mcfg = read_config(str(tmp_path))
+    device = torch.device("cuda", torch.cuda.device_count() - 1)
+    batch = data.pad_batch([(list(range(3, 40)), [True] * 37), (list(range(5, 20)), [True] * 15)], pad_id=0)
+    for dtype, max_len in ((torch.bfloat16, 128), (torch.float16, None), (torch.float32, 128)):
+        cpu, gpu = torch.get_rng_state(), torch.cuda.get_rng_state(device)
+        warm = step.WarmStart.start(mcfg, batch, device, dtype, lora=LoRAConfig(r=4, dropout=0.1), max_len=max_len)
+        assert warm is not None
+        warm.join()
+        assert warm.failed is None, warm.failed
+        assert torch.equal(torch.get_rng_state(), cpu) and torch.equal(torch.cuda.get_rng_state(device), gpu)
