@@ -254,10 +254,10 @@ class WarmStart:
             return None
         types = list(dict.fromkeys(mcfg.layer_types))  # one layer of each type, in order of appearance
         small = dataclasses.replace(mcfg, n_layers=len(types), layer_types=types)
-        if not fits(mcfg, small, batch, dtype, use_kernels, torch.cuda.mem_get_info(device)[0]):
-            return None
         if max_len is not None:
             batch = pad_to_bucket(batch, max_len)
+        if not fits(mcfg, small, batch, dtype, use_kernels, torch.cuda.mem_get_info(device)[0]):
+            return None
 
         def run():
             with torch.cuda.device(device):  # the thread's current device is not the caller's
@@ -295,13 +295,20 @@ def fits(mcfg, small, batch, dtype, use_kernels, free):
     """Whether the model's weights and WarmStart's copy of it (`small`, one layer per type) fit in half of `free`
     bytes together: the copy runs while the model loads, so the process's peak holds both; where memory is
     tight, the run goes without. A generous estimate: the weights at `dtype` (NF4 ones take less), the copy's
-    step at 24 values a token for each layer's hidden and intermediate width, and the logits (the fused
-    cross-entropy kernel keeps a chunk of at most 256 MiB; the torch reference all of them, with fp32 copies)."""
+    step at 24 values a token for each layer's hidden and intermediate width, and the logits (`logits_bytes`)."""
     size = torch.finfo(dtype).bits // 8
-    h, i, v, n = small.hidden_size, small.intermediate_size, small.vocab_size, batch["input_ids"].numel()
-    logits = (256 << 20) + n * h * 4 if use_kernels else n * v * (size + 8)
-    copy = (_weights(small) + 24 * n * small.n_layers * (h + i)) * size + logits
+    h, i, n = small.hidden_size, small.intermediate_size, batch["input_ids"].numel()
+    copy = (_weights(small) + 24 * n * small.n_layers * (h + i)) * size + logits_bytes(n, small, dtype, use_kernels)
     return _weights(mcfg) * size + copy <= free / 2
+
+
+def logits_bytes(tokens, mcfg, dtype, use_kernels):
+    """The memory of a micro-batch's logits in its loss, in bytes: the fused cross-entropy kernel keeps a chunk
+    of at most 256 MiB and the fp32 gradient of its input; the torch reference keeps them in the compute dtype
+    and in fp32, with their fp32 gradient."""
+    if use_kernels:
+        return (256 << 20) + tokens * mcfg.hidden_size * 4
+    return tokens * mcfg.vocab_size * (torch.finfo(dtype).bits // 8 + 8)
 
 
 def _weights(mcfg):

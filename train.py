@@ -42,7 +42,7 @@ from model import LoRAConfig, check_quantize, load_model, load_tokenizer, read_c
 from model.hub import check_push, push
 from model.generate import generate, stop_ids
 from model.lora import ALL_TARGETS, lora_parameters
-from step import EagerStep, GraphStep, WarmStart, graphs_off_reason
+from step import EagerStep, GraphStep, WarmStart, graphs_off_reason, logits_bytes
 
 
 # Defaults that depend on the hardware, for the options left unset (None in TrainConfig). On a CPU (and on
@@ -486,13 +486,14 @@ def choose_dtype(cfg, device):
 
 
 def load_inputs(cfg, log):
-    """(the model's local path, tokenizer, training examples, eval examples, eval rows), tokenized and checked
-    against the model's config. The model is resolved (downloaded) once, here."""
+    """(the model's local path, its ModelConfig, tokenizer, training examples, eval examples, eval rows), tokenized
+    and checked against the model's config. The model is resolved (downloaded) once, here."""
     path = resolve(cfg.model)
     tokenizer = load_tokenizer(path)
-    check_model_fit(cfg, read_config(path), tokenizer)
+    mcfg = read_config(path)
+    check_model_fit(cfg, mcfg, tokenizer)
     try:
-        return (path, tokenizer, *data.load_datasets(tokenizer, **cfg.data_options(), log=log, with_rows=True))
+        return (path, mcfg, tokenizer, *data.load_datasets(tokenizer, **cfg.data_options(), log=log, with_rows=True))
     except (ValueError, FileNotFoundError) as e:
         raise UserError(str(e)) from e
 
@@ -535,9 +536,7 @@ def choose_checkpointing(cfg, mcfg, dtype, use_kernels, device, world):
 def activation_bytes(cfg, mcfg, dtype, use_kernels):
     """A rough estimate of one micro-batch's activation memory on the GPU: the layer inputs kept for backward
     (every layer's with checkpointing, none with offload), one layer's activations with their gradients
-    (every layer's without checkpointing), and the logits (the fused cross-entropy kernel keeps a chunk of
-    at most 256 MiB and the fp32 gradient of its input; the torch reference keeps them in the compute dtype
-    and in fp32, with their fp32 gradient)."""
+    (every layer's without checkpointing), and the logits (`step.logits_bytes`)."""
     n, size = cfg.batch_size * cfg.max_len, torch.finfo(dtype).bits // 8  # tokens, bytes per activation
     h, q, kv = mcfg.hidden_size, mcfg.n_heads * mcfg.head_dim, mcfg.n_kv_heads * mcfg.head_dim
     layer = n * size * (4 * h + 2 * q + 2 * kv + 3 * mcfg.intermediate_size)  # norms, residuals, q k v o, MLP
@@ -548,8 +547,7 @@ def activation_bytes(cfg, mcfg, dtype, use_kernels):
         total = kept + 2 * layer
     else:
         total = (mcfg.n_layers + 1) * layer
-    logits = (256 << 20) + n * h * 4 if use_kernels else n * mcfg.vocab_size * (size + 8)
-    return total + logits
+    return total + logits_bytes(n, mcfg, dtype, use_kernels)
 
 
 def memory_warning(cfg, mcfg, dtype, use_kernels, device):
@@ -977,7 +975,7 @@ def main(cfg: TrainConfig) -> int:
         # Every input is checked before the slow work (the weights, the training), on every rank alike, and
         # nothing is written until all checks have passed.
         run.check()
-        path, tokenizer, train_enc, eval_enc, eval_rows = load_inputs(cfg, log)
+        path, mcfg, tokenizer, train_enc, eval_enc, eval_rows = load_inputs(cfg, log)
         batches, eval_sets = make_batches(cfg, tokenizer, train_enc, eval_enc, rank, world)
         for line in schedule(cfg, len(batches)):  # --num-epochs decides --max-steps here
             log(line)
@@ -985,7 +983,7 @@ def main(cfg: TrainConfig) -> int:
         # The first step's one-time costs, paid while the model loads. Not where --gradient-checkpointing asks
         # for less memory: the warm-up's copy of the model would raise the process's peak during the loading.
         warm = None if cfg.gradient_checkpointing else WarmStart.start(
-            read_config(path), batches.peek(), device, dtype, lora=cfg.lora(), quantize=cfg.quantize,
+            mcfg, batches.peek(), device, dtype, lora=cfg.lora(), quantize=cfg.quantize,
             use_kernels=use_kernels, max_len=None if graphs_off else cfg.max_len, log=log)
         ck = run.find(fingerprint(train_enc))
         model, mcfg = build_model(cfg, path, device, dtype, use_kernels, rank)
