@@ -13,8 +13,9 @@ A batch is a dict of four LongTensors of shape (B, T):
                   predicted from the one before it.
     position_ids  restart at 0 at every document, so RoPE sees each document as if it were alone.
     doc_ids       the document index within the row (0, 1, 2, ...). Token q may attend to token k
-                  iff k <= q and doc_ids[q] == doc_ids[k]. Padding is one more document of its own,
-                  so no query ever has every key masked (which would give NaN in softmax).
+                  iff k <= q and doc_ids[q] == doc_ids[k]. Padding is one more document of its own
+                  (in a packed row, one or more: see `pack`), so no query ever has every key masked
+                  (which would give NaN in softmax).
 
 Sources (`load_examples`; docs/data.md shows each):
     "builtin" ("builtin:train", "builtin:eval")      the embedded dataset, see `builtin_dataset`
@@ -68,6 +69,7 @@ from tqdm import tqdm
 
 IGNORE_INDEX = -100  # what torch.nn.functional.cross_entropy skips by default
 BATCH_KEYS = ("input_ids", "targets", "position_ids", "doc_ids")
+PAD_PIECE = 64  # the shortest document that a packed row's padding is split into (see `pack`)
 KNOWN_FORMATS = ("'text'; 'prompt' + 'completion'; 'instruction' + 'output' (and optional 'input'); "
                  "'messages' or 'conversations' (a list of {\"role\": ..., \"content\": ...}, or ShareGPT's "
                  "{\"from\": ..., \"value\": ...})")
@@ -942,18 +944,24 @@ def pack(encoded, max_len, *, pad_id):
     one begins. An example longer than max_len is truncated to its first max_len tokens (kept
     rather than dropped, so long 'text' documents still train); its answer may be cut short, so
     the count is returned for the caller to report.
+    A row's padding is split into documents no longer than the longest example (at least PAD_PIECE
+    tokens). A row's padding is shorter than the example that did not fit, except in the last row,
+    whose padding may be most of the row: split, it never makes a batch's longest document, which sizes
+    flash attention's grid and is part of a CUDA graph's key (step.py), and its attention costs no more
+    than an example's. No target and no other document sees it, so the loss is the same either way.
     Returns (rows, n_truncated); rows is a batch dict of (N, max_len) LongTensors.
     """
     encoded, n_truncated = truncate(encoded, max_len)
+    piece = max([PAD_PIECE] + [len(ids) for ids, _ in encoded])
     rows, docs, used = [], [], 0
     for ids, mask in encoded:
         if used + len(ids) > max_len:
-            rows.append(_row(docs, max_len, pad_id))
+            rows.append(_row(docs, max_len, pad_id, piece))
             docs, used = [], 0
         docs.append((ids, mask))
         used += len(ids)
     if docs:
-        rows.append(_row(docs, max_len, pad_id))
+        rows.append(_row(docs, max_len, pad_id, piece))
     return _stack(rows, max_len), n_truncated
 
 
@@ -981,9 +989,10 @@ def _targets(ids, mask):
     return [ids[t + 1] if mask[t + 1] else IGNORE_INDEX for t in range(len(ids) - 1)] + [IGNORE_INDEX]
 
 
-def _row(docs, length, pad_id):
-    """The four lists of one row: `docs` back to back, then padding as one more document.
-    The pad token's value never matters (no target, a document of its own); None pads with 0."""
+def _row(docs, length, pad_id, piece=None):
+    """The four lists of one row: `docs` back to back, then padding as one more document, or as documents
+    of at most `piece` tokens. The pad token's value never matters (no target, a document of its own);
+    None pads with 0."""
     input_ids, targets, position_ids, doc_ids = [], [], [], []
     for d, (ids, mask) in enumerate(docs):
         input_ids += ids
@@ -993,8 +1002,11 @@ def _row(docs, length, pad_id):
     n_pad = length - len(input_ids)
     input_ids += [0 if pad_id is None else pad_id] * n_pad
     targets += [IGNORE_INDEX] * n_pad
-    position_ids += range(n_pad)
-    doc_ids += [len(docs)] * n_pad
+    piece = piece or max(n_pad, 1)
+    for i, start in enumerate(range(0, n_pad, piece)):
+        n = min(piece, n_pad - start)
+        position_ids += range(n)
+        doc_ids += [len(docs) + i] * n
     return input_ids, targets, position_ids, doc_ids
 
 

@@ -25,7 +25,8 @@ replayed step draws the masks that the eager step would draw from the same state
 from a checkpoint, which captures anew, continues with the uninterrupted run's masks.
 
 Shapes: a graph holds one batch shape. Packed rows always have [B, max_len]; a padded batch
-is padded further to its length bucket (a multiple of BUCKET tokens, at most max_len). The extra
+is padded further to its length bucket (a multiple of BUCKET tokens, at most max_len; at first at
+least SHORTEST: see `GraphStep._shortest`). The extra
 padding is one more stretch of the row's padding document: no target, no attention from
 real tokens, so the loss and gradients are those of the unpadded batch (to rounding).
 The documents of a batch (model.transformer.documents: where each starts, for flash attention's
@@ -41,6 +42,8 @@ as the GPU tests of a bucket change check.
 
 What a process does once, at its first step (Triton's start, each CUDA kernel's first load), runs
 earlier, beside the model's loading: `WarmStart` steps a one-layer copy of the model in a thread.
+After it, the first capture goes without the warm-up (`GraphStep(..., warmed=True)`), and warms up
+and captures again only if that capture fails.
 """
 import dataclasses
 import sys
@@ -49,11 +52,14 @@ import threading
 import torch
 
 import data
+from model.capture import capture, warm_up
 from model.load import random_model
 from model.lora import lora_parameters
 from model.transformer import Documents, documents
 
 BUCKET = 64  # padded batches are padded to a multiple of this many tokens (one graph per multiple)
+SHORTEST = 2 * BUCKET  # ... and to at least this many, until SHORT_GRAPH_AFTER shorter batches have come
+SHORT_GRAPH_AFTER = 100  # (see GraphStep._shortest)
 
 
 class EagerStep:
@@ -110,20 +116,22 @@ class GraphStep:
 
     graphed = True
 
-    def __init__(self, forward, device, params, max_len, log=print):
+    def __init__(self, forward, device, params, max_len, log=print, warmed=False):
         self.eager = EagerStep(forward, device)
         self.device = device
         self.params = list(params)
         self.max_len = max_len
+        self.warmed = warmed  # a WarmStart has run a training step in this process: see _record_unwarmed
         self.log = log  # says once why the run goes on eagerly, if a capture fails
         self.graphs = {}  # (B, T[, documents + 1, their max_len]) -> _Graph
         self.pool = None  # one memory pool for every graph: they never run at the same time
         self.failed = False
+        self.short_batches = 0  # batches so far whose own bucket is shorter than SHORTEST
 
     def __call__(self, batch, num_targets, loss_mult):
         if self.failed:
             return self.eager(batch, num_targets, loss_mult)
-        batch = pad_to_bucket(batch, self.max_len)
+        batch = pad_to_bucket(batch, self.max_len, self._shortest(batch))
         docs = None if batch["doc_ids"] is None else documents(batch["doc_ids"], bucket=True)
         batch = {**batch, "docs": docs}
         shape = (*batch["input_ids"].shape, *(() if docs is None else (len(docs.cu_seqlens), docs.max_len)))
@@ -142,6 +150,16 @@ class GraphStep:
         g.graph.replay()
         return g.loss
 
+    def _shortest(self, batch):
+        """The shortest bucket for `batch`: SHORTEST for the run's first SHORT_GRAPH_AFTER batches that are
+        shorter, BUCKET from then on. A capture costs as much time as many replays, and a short run of short
+        batches saves it by replaying the graph of SHORTEST for all of them; a graph of their own length then
+        makes their steps cheaper (less padding), which a long run captures once the padding has cost about a
+        capture (docs/benchmarks.md, section 21)."""
+        if batch["input_ids"].shape[1] <= SHORTEST - BUCKET:
+            self.short_batches += 1
+        return SHORTEST if self.short_batches <= SHORT_GRAPH_AFTER else BUCKET
+
     def _capture(self, batch, num_targets, loss_mult):
         g = _Graph(batch, self.device)
         g.load(batch, num_targets, loss_mult)
@@ -149,25 +167,42 @@ class GraphStep:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
         if self.pool is None:  # the run's first capture
+            if self.warmed and self._record_unwarmed(g):
+                return g
             self._warm_up(g)
             self.pool = torch.cuda.graph_pool_handle()
-        with torch.cuda.graph(g.graph, pool=self.pool):
-            g.loss = self._step(g)
+        self._record(g)
         return g
+
+    def _record(self, g):
+        g.loss = capture(g.graph, lambda: self._step(g), self.pool)
+
+    def _record_unwarmed(self, g):
+        """The first capture without the warm-up, after a WarmStart: that step has started the autograd engine's
+        backward thread and made its handles, and this thread's cuBLAS handle is made here. Whether it worked:
+        where something else still starts inside the capture, the capture fails, and the caller warms up and
+        captures again (the failed capture ran nothing: the gradients and the generator's state are as they were)."""
+        with torch.cuda.device(self.device):
+            torch.cuda.current_blas_handle()
+        self.pool = torch.cuda.graph_pool_handle()
+        try:
+            self._record(g)
+            return True
+        except torch.OutOfMemoryError:
+            raise
+        except Exception:
+            g.graph, self.pool = torch.cuda.CUDAGraph(), None
+            return False
 
     def _warm_up(self, g):
         """g's step run once eagerly on a side stream, before the run's first capture: what PyTorch initialises
-        lazily (cuBLAS handles and workspaces, the autograd engine's threads) must not start inside a capture.
-        That is done once per process, so later captures go without. The warm-up's gradients and dropout draws
-        are not a step's: both are put back, and the replay draws the masks again from where the generator stood."""
+        lazily (cuBLAS and cuDNN handles, the autograd engine's threads) must not start inside a capture. That
+        is done once per process, so later captures go without. The warm-up's gradients and dropout draws are not
+        a step's: both are put back, and the replay draws the masks again from where the generator stood."""
         saved = [p.grad.clone() for p in self.params]
         rng = torch.cuda.get_rng_state(self.device)
         try:
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                self._step(g)
-            torch.cuda.current_stream().wait_stream(side)
+            warm_up(lambda: self._step(g))
         finally:
             torch.cuda.set_rng_state(rng, self.device)
             with torch.no_grad():
@@ -200,12 +235,12 @@ def graphs_off_reason(mode, device, world):
     return reason
 
 
-def pad_to_bucket(batch, max_len):
-    """`batch` with T raised to the next multiple of BUCKET (at most max_len): the new columns
+def pad_to_bucket(batch, max_len, shortest=SHORTEST):
+    """`batch` with T raised to the next multiple of BUCKET, at least `shortest` (at most max_len): the new columns
     continue each row's last document, which is padding whenever the row is shorter than T
     (a padded batch's rows end in a padding document of their own; see data.py)."""
     B, T = batch["input_ids"].shape
-    T_new = min(-(-T // BUCKET) * BUCKET, max(max_len, T))
+    T_new = min(max(-(-T // BUCKET) * BUCKET, shortest), max(max_len, T))
     if T_new == T:
         return batch
     extra = T_new - T
@@ -285,10 +320,12 @@ class WarmStart:
             sys.setswitchinterval(interval)
 
     def join(self):
+        """Wait for the thread; returns whether its step ran (GraphStep's `warmed`)."""
         self.thread.join()
         if self.failed is not None:
             self.log(f"note: the warm-up beside the loading stopped ({type(self.failed).__name__}: "
                      f"{str(self.failed)[:200]}); the first step pays its one-time costs")
+        return self.failed is None
 
 
 def fits(mcfg, small, batch, dtype, use_kernels, free):

@@ -112,7 +112,8 @@ class TrainConfig:
                              "with one CUDA GPU (QLoRA and LoRA dropout included). Padded batches are "
                              "padded further to a multiple of 64 tokens, and the count of documents up to a power of two (one "
                              "graph per such bucket): at most 63 extra padding tokens per row, which nothing attends "
-                             "to or predicts"})
+                             "to or predicts. Rows of at most 64 tokens are padded to 128 for the run's first 100 such "
+                             "batches: one graph fewer for a short run"})
     loss_scale: float = field(default=2.0 ** 16, metadata={"help": "fp16: initial dynamic loss scale"})
     scale_growth_interval: int = field(default=200, metadata={"help": "fp16: double the scale after this many good steps"})
     max_skipped_steps: int = field(default=20, metadata={"help": "fp16: stop after this many inf/NaN steps in a row"})
@@ -509,10 +510,11 @@ def build_model(cfg, path, device, dtype, use_kernels, rank):
     return model, mcfg
 
 
-def make_step(off, cfg, forward, device, params, log):
-    """The micro-step: replayed from CUDA graphs where that works (off: why not, from `graphs_off_reason`)."""
+def make_step(off, cfg, forward, device, params, warmed, log):
+    """The micro-step: replayed from CUDA graphs where that works (off: why not, from `graphs_off_reason`;
+    warmed: whether a WarmStart ran, see GraphStep)."""
     log("CUDA graphs on" if off is None else f"CUDA graphs off: {off}")
-    return EagerStep(forward, device) if off else GraphStep(forward, device, params, cfg.max_len, log)
+    return EagerStep(forward, device) if off else GraphStep(forward, device, params, cfg.max_len, log, warmed)
 
 
 def choose_checkpointing(cfg, mcfg, dtype, use_kernels, device, world):
@@ -1006,13 +1008,13 @@ def main(cfg: TrainConfig) -> int:
         ddp = torch.nn.parallel.DistributedDataParallel(
             model, device_ids=[device.index] if device.type == "cuda" else None) if world > 1 else None
         forward = ddp if ddp is not None else model
-        micro_step = make_step(graphs_off, cfg, forward, device, params, log)
         run.open(step)
 
         model.train()
         progress = Progress(step, cfg.max_steps, log, bar=rank == 0 and sys.stdout.isatty())
-        if warm is not None:  # inside the timed window: what the loading did not hide counts as the first step's
-            warm.join()
+        # inside the timed window: what the loading did not hide counts as the first step's
+        warmed = warm is not None and warm.join()
+        micro_step = make_step(graphs_off, cfg, forward, device, params, warmed, log)
         tokens, start = 0, None
         signals.step, signals.stage = step, "training"  # a signal now stops the run after its step
         try:

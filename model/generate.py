@@ -21,6 +21,8 @@ import warnings
 
 import torch
 
+from model.capture import capture, warm_up
+
 
 class LayerCache:
     """One layer's keys and values, (B, n_kv_heads, max_len, head_dim), `length` positions filled. Once `at` is
@@ -117,14 +119,10 @@ class DecodeGraph:
         return self.logits
 
     def _capture(self):
-        side = torch.cuda.Stream()  # a warm-up first (lazy initialisation must not happen inside a capture);
-        side.wait_stream(torch.cuda.current_stream())  # it writes this token's keys and values, as the replay
-        with torch.cuda.stream(side):  # writes them again
-            self.model(self.token, cache=self.cache)
-        torch.cuda.current_stream().wait_stream(side)
+        # The warm-up writes this token's keys and values, as the replay writes them again.
+        warm_up(lambda: self.model(self.token, cache=self.cache))
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            self.logits = self.model(self.token, cache=self.cache)[0, -1]
+        self.logits = capture(graph, lambda: self.model(self.token, cache=self.cache)[0, -1])
         self.graph = graph
 
 

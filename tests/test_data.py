@@ -7,8 +7,8 @@ import huggingface_hub
 import pytest
 import torch
 
-from data import (IGNORE_INDEX, Batches, answer_accuracy, builtin_dataset, encode_example, eval_batches,
-                  load_examples, num_targets, pack, pad_batch)
+from data import (IGNORE_INDEX, PAD_PIECE, Batches, answer_accuracy, builtin_dataset, encode_example,
+                  eval_batches, load_examples, num_targets, pack, pad_batch)
 from model.tokenizer import load_tokenizer
 from tests.tiny_tokenizer import CHATML_NO_BOS, make_test_tokenizer
 
@@ -174,19 +174,38 @@ def test_pack_layout(chatml, max_len):
     assert all(v.shape == rows["input_ids"].shape and v.dtype == torch.long for v in rows.values())
     assert rows["input_ids"].shape[1] == max_len
     truncated = [(ids[:max_len], mask[:max_len]) for ids, mask in encoded]
+    piece = max(PAD_PIECE, max(len(ids) for ids, _ in truncated))
     next_doc = 0  # examples are packed in order
     for ids, tgt, pos, doc in zip(*(rows[k].tolist() for k in ("input_ids", "targets", "position_ids", "doc_ids"))):
         assert doc[0] == 0 and all(b - a in (0, 1) for a, b in zip(doc, doc[1:]))  # 0, 1, 2, ... in order
+        padding = False
         for d in range(doc[-1] + 1):
             span = [t for t in range(max_len) if doc[t] == d]
             assert [pos[t] for t in span] == list(range(len(span)))  # positions restart per document
             if next_doc < len(encoded) and [ids[t] for t in span] == truncated[next_doc][0]:
                 # the last token's target is IGNORE_INDEX: nothing crosses into the next document
-                assert tuple(tgt[t] for t in span) == expected_targets(*truncated[next_doc])
+                assert not padding and tuple(tgt[t] for t in span) == expected_targets(*truncated[next_doc])
                 next_doc += 1
-            else:  # padding: the row's last document
-                assert d == doc[-1] and all(ids[t] == chatml.pad_id and tgt[t] == IGNORE_INDEX for t in span)
+            else:  # padding: the row's last documents, none longer than the longest example
+                padding = True
+                assert all(ids[t] == chatml.pad_id and tgt[t] == IGNORE_INDEX for t in span) and len(span) <= piece
     assert next_doc == len(encoded)
+
+
+def test_pack_splits_long_padding_into_pieces():
+    """The last row's padding, longer than any example, becomes documents no longer than the longest example
+    (at least PAD_PIECE tokens), each with positions from 0 and no target; other rows' padding stays whole."""
+    from data import PAD_PIECE
+    n = PAD_PIECE + 6
+    encoded = [([1] * n, [True] * n), ([2] * 24, [True] * 24), ([3] * 5, [True] * 5)]
+    rows, _ = pack(encoded, n + 25, pad_id=0)  # row 0: n + 24 and 1 of padding (the 5 does not fit); row 1: 5
+    assert rows["doc_ids"][0].tolist() == [0] * n + [1] * 24 + [2]
+    assert rows["doc_ids"][1].tolist() == [0] * 5 + [1] * n + [2] * 20  # n + 20 of padding: two pieces
+    assert rows["position_ids"][1].tolist() == list(range(5)) + list(range(n)) + list(range(20))
+    assert (rows["targets"][1, 5:] == IGNORE_INDEX).all()
+    small = [([1] * 3, [True] * 3)]
+    rows, _ = pack(small, PAD_PIECE + 10, pad_id=0)  # pieces are never shorter than PAD_PIECE
+    assert rows["doc_ids"][0].tolist() == [0] * 3 + [1] * PAD_PIECE + [2] * 7
 
 
 def test_pack_fills_rows_greedily_in_order():

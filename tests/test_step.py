@@ -5,6 +5,8 @@ On GPU (`pytest -m gpu`, a Llama 3-shaped tiny model): a replayed step gives the
 weights, for packed and padded batches, with and without checkpointing (and activation offload), in fp32, bf16 and fp16
 (with a loss scale), with dropout, and across a change of length bucket.
 """
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -67,7 +69,7 @@ def test_bucket_padding_keeps_loss_and_gradients(run_model):
     model, params = _model(run_model, "cpu")
     batch = _padded(model.config.vocab_size, [37, 50, 21])
     padded = step.pad_to_bucket(batch, max_len=2048)
-    assert padded["input_ids"].shape == (3, step.BUCKET)
+    assert padded["input_ids"].shape == (3, step.SHORTEST)
     eager = step.EagerStep(model, torch.device("cpu"))
     loss, grads = _run(eager, params, batch)
     loss_p, grads_p = _run(eager, params, padded)
@@ -122,10 +124,50 @@ def test_warm_start_only_where_memory_is_plentiful():
     assert not step.fits(mcfg, small, batch, torch.bfloat16, False, 12 << 30)  # all the logits, without the kernels
 
 
+def test_padding_in_pieces_keeps_loss_and_gradients(run_model):
+    """A packed row's padding split into several documents (data.pack) gives the loss and gradients of the same
+    padding as one document: no target and no other document sees it."""
+    model, params = _model(run_model, "cpu")
+    V = model.config.vocab_size
+    encoded = [(list(range(3, 3 + n)), [i % 2 == 0 for i in range(n)]) for n in (20, 9, 15)]
+    whole = data._stack([data._row(encoded, 128, 0)], 128)
+    pieces = data._stack([data._row(encoded, 128, 0, piece=16)], 128)
+    assert int(pieces["doc_ids"].max()) > int(whole["doc_ids"].max()) and V > 3 + 20
+    eager = step.EagerStep(model, torch.device("cpu"))
+    (loss, grads), (loss_p, grads_p) = _run(eager, params, whole), _run(eager, params, pieces)
+    assert abs(loss - loss_p) < 1e-6
+    for g, gp in zip(grads, grads_p):
+        assert rel_err(gp, g) < 1e-5
+
+
+def test_short_batches_replay_the_shortest_graph_until_they_have_paid_for_their_own(monkeypatch):
+    """Batches of rows up to SHORTEST - BUCKET tokens are padded to SHORTEST for the first SHORT_GRAPH_AFTER of
+    them (one graph for a short run), then to their own bucket (a graph of their own for a long one)."""
+    monkeypatch.setattr(step, "SHORT_GRAPH_AFTER", 3)
+    graph = step.GraphStep(None, torch.device("cpu"), [], max_len=2048)
+    shapes = []
+
+    def capture(batch, num_targets, loss_mult):  # the shape each batch is captured with, no GPU
+        shapes.append(tuple(batch["input_ids"].shape))
+        return SimpleNamespace(load=lambda *a: None, graph=SimpleNamespace(replay=lambda: None), loss=None)
+
+    monkeypatch.setattr(graph, "_capture", capture)
+    for T in (40, 100, 64, 3, 50, 20, 100):
+        graph(_padded(64, [T, 2]), 1, 1.0)
+    assert graph.short_batches == 5
+    assert shapes == [(2, 128), (2, 64)]  # the 4th short batch (the 20) captures its own
+
+
 def test_bucket_never_exceeds_max_len():
     batch = data.pad_batch([([5] * 70, [True] * 70)], pad_id=0)
     assert step.pad_to_bucket(batch, max_len=100)["input_ids"].shape[1] == 100
     assert step.pad_to_bucket(batch, max_len=70)["input_ids"].shape[1] == 70
+
+
+@pytest.mark.parametrize("T, bucket", [(1, 128), (64, 128), (128, 128), (129, 192), (250, 256), (257, 320)])
+def test_buckets_are_multiples_of_64_from_128(T, bucket):
+    batch = data.pad_batch([([5] * T, [True] * T)], pad_id=0)
+    assert step.pad_to_bucket(batch, max_len=2048)["input_ids"].shape[1] == bucket
 
 
 def test_documents_of_packed_and_padded_rows():
@@ -158,7 +200,6 @@ def test_eager_step_accumulates_into_grads(run_model):
 def test_graph_body_matches_eager_backward(run_model, ckpt):
     """What a graph records (autograd.grad, then one multi-tensor add into .grad), run uncaptured on the CPU:
     the loss and the accumulated gradients of backward(), with the loss multiplier applied, twice in a row."""
-    from types import SimpleNamespace
     model, params = _model(run_model, "cpu", ckpt=ckpt)
     batch = _packed(model.config.vocab_size)
     n = data.num_targets(batch)
@@ -220,7 +261,7 @@ def test_graph_step_matches_eager(llama_folder, dtype, layout, ckpt):
 @gpu
 @pytest.mark.parametrize("dropout", [0.0, 0.3], ids=["no-dropout", "dropout"])
 @pytest.mark.parametrize("ckpt", ["off", "on+offload"])
-def test_graph_step_across_bucket_changes(llama_folder, ckpt, dropout):
+def test_graph_step_across_bucket_changes(llama_folder, ckpt, dropout, monkeypatch):
     """Batches of other lengths capture one graph per bucket (after the first without a warm-up: the offload's
     buffers grow inside the capture, and the dropout masks are the eager step's); going back replays the first
     graph. With dropout the eager step runs the bucket-padded batch, so that both draw masks of one shape."""
@@ -229,18 +270,50 @@ def test_graph_step_across_bucket_changes(llama_folder, ckpt, dropout):
     V = model.config.vocab_size
     eager = step.EagerStep(model, dev)
     graph = step.GraphStep(model, dev, params, max_len=2048)
-    for i, lengths in enumerate(([37, 50], [100, 90], [20, 60], [130, 5])):
+    monkeypatch.setattr(step, "SHORT_GRAPH_AFTER", 1)  # the second short batch ([20, 60]) captures a graph of 64
+    for i, lengths in enumerate(([37, 50], [150, 90], [20, 60], [260, 5])):
         batch = _padded(V, lengths, seed=i)
         states = []
-        for run_step, b in ((graph, batch), (eager, step.pad_to_bucket(batch, 2048) if dropout else batch)):
+        shortest = step.BUCKET if i == 2 else step.SHORTEST  # the graph's: [20, 60] has a graph of its own length
+        for run_step, b in ((graph, batch), (eager, step.pad_to_bucket(batch, 2048, shortest) if dropout else batch)):
             torch.cuda.manual_seed(i)  # the graph first: a new bucket's offload buffers grow inside its capture
             states.append(_run(run_step, params, b) + (torch.cuda.get_rng_state(dev),))
         (loss_g, grads_g, rng_g), (loss_e, grads_e, rng_e) = states
         assert abs(loss_g - loss_e) < 1e-5 * abs(loss_e) and torch.equal(rng_g, rng_e)
         for ge, gg in zip(grads_e, grads_g):
             assert rel_err(gg, ge) < 1e-5
-    assert [key[:2] for key in sorted(graph.graphs)] == [(2, 64), (2, 128), (2, 192)]  # (B, T, documents...)
+    assert [key[:2] for key in sorted(graph.graphs)] == [(2, 64), (2, 128), (2, 192), (2, 320)]  # (B, T, documents...)
     assert not graph.failed
+
+
+@pytest.mark.gpu
+@gpu
+def test_graph_step_goes_on_eagerly_when_the_capture_fails(llama_folder):
+    """A step that cannot be captured (here: a host sync inside the forward) goes on eagerly after one warning
+    line, with the eager step's results, LoRA dropout included: the CUDA generator draws again after the failed
+    capture, from where it stood."""
+    dev = torch.device("cuda")
+    model, params = _model(llama_folder, dev, dtype=torch.bfloat16, kernels=True, dropout=0.1)
+
+    def syncing(*args, **kwargs):
+        loss = model(*args, **kwargs)
+        float(loss)  # a host sync: not allowed inside a capture
+        return loss
+    lines = []
+    graph = step.GraphStep(syncing, dev, params, max_len=2048, log=lines.append)
+    eager = step.EagerStep(model, dev)
+    batch = step.pad_to_bucket(_padded(model.config.vocab_size, [37, 50, 21]), 2048)
+    for seed in range(2):
+        runs = []
+        for run_step in (graph, eager):
+            torch.cuda.manual_seed(seed)  # the same dropout masks in both
+            runs.append(_run(run_step, params, batch))
+        (loss_g, grads_g), (loss_e, grads_e) = runs
+        assert loss_g == loss_e
+        for ge, gg in zip(grads_e, grads_g):
+            assert rel_err(gg, ge) < TOL[torch.bfloat16]
+    assert graph.failed and len(lines) == 1 and lines[0].startswith("warning: CUDA graph capture failed"), lines
+    assert torch.cuda.current_stream(dev) == torch.cuda.default_stream(dev)  # not the failed capture's stream
 
 
 @pytest.mark.gpu
@@ -310,6 +383,56 @@ def test_graph_step_matches_eager_with_nf4_weights(llama_folder, layout, ckpt):
         for ge, gg in zip(grads_e, grads_g):
             assert rel_err(gg, ge) < TOL[torch.bfloat16]
     assert len(graph.graphs) == 1 and not graph.failed
+
+
+FRESH_PROCESS = """
+import json, sys, torch, step
+from model import LoRAConfig, read_config
+from tests.test_step import _model, _padded, _run, TOL
+from tests.helpers import rel_err
+folder, warm_start, ckpt, dev = sys.argv[1], sys.argv[2] == "warm-start", sys.argv[3], torch.device("cuda")
+batch = step.pad_to_bucket(_padded(read_config(folder).vocab_size, [37, 50, 21]), 2048)
+if warm_start:
+    warm = step.WarmStart.start(read_config(folder), batch, dev, torch.bfloat16, lora=LoRAConfig(r=4, alpha=8),
+                                max_len=2048)
+    assert warm is not None and warm.join()
+warm_ups = []
+real_warm_up = step.GraphStep._warm_up
+step.GraphStep._warm_up = lambda self, g: warm_ups.append(1) or real_warm_up(self, g)
+model, params = _model(folder, dev, dtype=torch.bfloat16, kernels=True, ckpt=ckpt, dropout=0.1)
+graph = step.GraphStep(model, dev, params, max_len=2048, log=print, warmed=True)
+runs = []
+for run_step in (graph, graph, step.EagerStep(model, dev)):  # the capture, a replay, the eager step
+    torch.cuda.manual_seed(0)  # the same dropout masks in each
+    runs.append(_run(run_step, params, batch))
+(loss_g, grads_g), (loss_r, grads_r), (loss_e, grads_e) = runs
+print(json.dumps({"warm_ups": len(warm_ups), "graphs": len(graph.graphs), "failed": graph.failed,
+                  "loss": abs(loss_g - loss_e) / abs(loss_e), "replay_equal": loss_r == loss_g and
+                  all(torch.equal(a, b) for a, b in zip(grads_g, grads_r)),
+                  "grads": max(rel_err(g, e) for g, e in zip(grads_g, grads_e)), "tol": TOL[torch.bfloat16]}))
+"""
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("warm_start, ckpt, warm_ups", [("warm-start", "off", 0), ("warm-start", "on+offload", 0),
+                                                        ("none", "off", 1)])
+def test_first_capture_after_a_warm_start_in_a_fresh_process(llama_folder, warm_start, ckpt, warm_ups):
+    """In a process whose only step so far is WarmStart's, the first capture goes without a warm-up, and replays
+    the eager step's loss and gradients (LoRA dropout on: the same masks). Told so without a WarmStart (nothing
+    started: the capture fails), it warms up, captures again and replays as well. In fresh processes: in this
+    one, earlier tests have stepped already, and what a missing warm-up would leave to start inside the capture
+    has started."""
+    import json
+    import subprocess
+    import sys
+    from tests.helpers import ROOT
+    r = subprocess.run([sys.executable, "-c", FRESH_PROCESS, llama_folder, warm_start, ckpt], cwd=ROOT,
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["warm_ups"] == warm_ups and out["graphs"] == 1 and not out["failed"], r.stdout[-3000:]
+    assert out["loss"] <= out["tol"] and out["grads"] < out["tol"] and out["replay_equal"], out
 
 
 @pytest.mark.parametrize("mode, expected", [("auto", None), ("on", None), ("off", "--cuda-graphs off")])
