@@ -946,9 +946,10 @@ def pack(encoded, max_len, *, pad_id):
     the count is returned for the caller to report.
     A row's padding is split into documents no longer than the longest example (at least PAD_PIECE
     tokens). A row's padding is shorter than the example that did not fit, except in the last row,
-    whose padding may be most of the row: split, it never makes a batch's longest document, which sizes
-    flash attention's grid and is part of a CUDA graph's key (step.py), and its attention costs no more
-    than an example's. No target and no other document sees it, so the loss is the same either way.
+    whose padding may be most of the row: split, it is no longer than the data's documents, so it
+    does not raise a batch's longest-document bound (which sizes flash attention's grid and is part
+    of a CUDA graph's key, step.py) above what the data needs, and its attention costs no more than
+    an example's. No target and no other document sees it, so the loss is the same either way.
     Returns (rows, n_truncated); rows is a batch dict of (N, max_len) LongTensors.
     """
     encoded, n_truncated = truncate(encoded, max_len)
