@@ -25,8 +25,8 @@ replayed step draws the masks that the eager step would draw from the same state
 from a checkpoint, which captures anew, continues with the uninterrupted run's masks.
 
 Shapes: a graph holds one batch shape. Packed rows always have [B, max_len]; a padded batch
-is padded further to its length bucket (a multiple of BUCKET tokens, at most max_len; at first at
-least SHORTEST: see `GraphStep._shortest`). The extra
+is padded further to its length bucket (a multiple of BUCKET tokens, at most max_len; in a short
+run at least SHORTEST: see `shortest_bucket`). The extra
 padding is one more stretch of the row's padding document: no target, no attention from
 real tokens, so the loss and gradients are those of the unpadded batch (to rounding).
 The documents of a batch (model.transformer.documents: where each starts, for flash attention's
@@ -58,8 +58,8 @@ from model.lora import lora_parameters
 from model.transformer import Documents, documents
 
 BUCKET = 64  # padded batches are padded to a multiple of this many tokens (one graph per multiple)
-SHORTEST = 2 * BUCKET  # ... and to at least this many, until SHORT_GRAPH_AFTER shorter batches have come
-SHORT_GRAPH_AFTER = 100  # (see GraphStep._shortest)
+SHORTEST = 2 * BUCKET  # ... and to at least this many in a run of at most SHORT_RUN micro-steps
+SHORT_RUN = 100  # (see shortest_bucket)
 
 
 class EagerStep:
@@ -116,22 +116,22 @@ class GraphStep:
 
     graphed = True
 
-    def __init__(self, forward, device, params, max_len, log=print, warmed=False):
+    def __init__(self, forward, device, params, max_len, log=print, warmed=False, shortest=SHORTEST):
         self.eager = EagerStep(forward, device)
         self.device = device
         self.params = list(params)
         self.max_len = max_len
+        self.shortest = shortest  # the shortest length bucket (`shortest_bucket`)
         self.warmed = warmed  # a WarmStart has run a training step in this process: see _record_unwarmed
         self.log = log  # says once why the run goes on eagerly, if a capture fails
         self.graphs = {}  # (B, T[, documents + 1, their max_len]) -> _Graph
         self.pool = None  # one memory pool for every graph: they never run at the same time
         self.failed = False
-        self.short_batches = 0  # batches so far whose own bucket is shorter than SHORTEST
 
     def __call__(self, batch, num_targets, loss_mult):
         if self.failed:
             return self.eager(batch, num_targets, loss_mult)
-        batch = pad_to_bucket(batch, self.max_len, self._shortest(batch))
+        batch = pad_to_bucket(batch, self.max_len, self.shortest)
         docs = None if batch["doc_ids"] is None else documents(batch["doc_ids"], bucket=True)
         batch = {**batch, "docs": docs}
         shape = (*batch["input_ids"].shape, *(() if docs is None else (len(docs.cu_seqlens), docs.max_len)))
@@ -149,16 +149,6 @@ class GraphStep:
         g.load(batch, num_targets, loss_mult)
         g.graph.replay()
         return g.loss
-
-    def _shortest(self, batch):
-        """The shortest bucket for `batch`: SHORTEST for the run's first SHORT_GRAPH_AFTER batches that are
-        shorter, BUCKET from then on. A capture costs as much time as many replays, and a short run of short
-        batches saves it by replaying the graph of SHORTEST for all of them; a graph of their own length then
-        makes their steps cheaper (less padding), which a long run captures once the padding has cost about a
-        capture (docs/benchmarks.md, section 21)."""
-        if batch["input_ids"].shape[1] <= SHORTEST - BUCKET:
-            self.short_batches += 1
-        return SHORTEST if self.short_batches <= SHORT_GRAPH_AFTER else BUCKET
 
     def _capture(self, batch, num_targets, loss_mult):
         g = _Graph(batch, self.device)
@@ -235,6 +225,15 @@ def graphs_off_reason(mode, device, world):
     return reason
 
 
+def shortest_bucket(micro_steps):
+    """The shortest length bucket of a run of `micro_steps` micro-steps: SHORTEST for a short run, BUCKET for a
+    longer one. A capture costs as much time as many replays: a short run saves the capture of a graph for
+    batches of at most SHORTEST - BUCKET tokens by padding them to SHORTEST, which a long run would pay for at
+    every such step (docs/benchmarks.md, section 21). The choice depends on the run's length alone, so a resumed
+    run pads every batch as the uninterrupted run did: the same shapes, the same kernels, the same results."""
+    return SHORTEST if micro_steps <= SHORT_RUN else BUCKET
+
+
 def pad_to_bucket(batch, max_len, shortest=SHORTEST):
     """`batch` with T raised to the next multiple of BUCKET, at least `shortest` (at most max_len): the new columns
     continue each row's last document, which is padding whenever the row is shorter than T
@@ -281,16 +280,17 @@ class WarmStart:
         self.thread.start()
 
     @classmethod
-    def start(cls, mcfg, batch, device, dtype, *, lora, quantize=None, use_kernels=True, max_len=None, log=print):
+    def start(cls, mcfg, batch, device, dtype, *, lora, quantize=None, use_kernels=True, max_len=None,
+              shortest=SHORTEST, log=print):
         """The running warm start, or None where it does not apply: not CUDA, or memory that is not plentiful
-        (`fits`). max_len: pad the batch to its CUDA-graph bucket first, as GraphStep does (`pad_to_bucket`);
-        None for eager steps."""
+        (`fits`). max_len: pad the batch to its CUDA-graph bucket first, as GraphStep does (`pad_to_bucket`
+        with `shortest`); None for eager steps."""
         if device.type != "cuda":
             return None
         types = list(dict.fromkeys(mcfg.layer_types))  # one layer of each type, in order of appearance
         small = dataclasses.replace(mcfg, n_layers=len(types), layer_types=types)
         if max_len is not None:
-            batch = pad_to_bucket(batch, max_len)
+            batch = pad_to_bucket(batch, max_len, shortest)
         if not fits(mcfg, small, batch, dtype, use_kernels, torch.cuda.mem_get_info(device)[0]):
             return None
 

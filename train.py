@@ -42,7 +42,7 @@ from model import LoRAConfig, check_quantize, load_model, load_tokenizer, read_c
 from model.hub import check_push, push
 from model.generate import generate, stop_ids
 from model.lora import ALL_TARGETS, lora_parameters
-from step import EagerStep, GraphStep, WarmStart, graphs_off_reason, logits_bytes
+from step import EagerStep, GraphStep, WarmStart, graphs_off_reason, logits_bytes, shortest_bucket
 
 
 # Defaults that depend on the hardware, for the options left unset (None in TrainConfig). On a CPU (and on
@@ -112,8 +112,8 @@ class TrainConfig:
                              "with one CUDA GPU (QLoRA and LoRA dropout included). Padded batches are "
                              "padded further to a multiple of 64 tokens, and the count of documents up to a power of two (one "
                              "graph per such bucket): at most 63 extra padding tokens per row, which nothing attends "
-                             "to or predicts. Rows of at most 64 tokens are padded to 128 for the run's first 100 such "
-                             "batches: one graph fewer for a short run"})
+                             "to or predicts. In a run of at most 100 micro-steps, rows "
+                             "of at most 64 tokens are padded to 128: one graph fewer"})
     loss_scale: float = field(default=2.0 ** 16, metadata={"help": "fp16: initial dynamic loss scale"})
     scale_growth_interval: int = field(default=200, metadata={"help": "fp16: double the scale after this many good steps"})
     max_skipped_steps: int = field(default=20, metadata={"help": "fp16: stop after this many inf/NaN steps in a row"})
@@ -510,11 +510,13 @@ def build_model(cfg, path, device, dtype, use_kernels, rank):
     return model, mcfg
 
 
-def make_step(off, cfg, forward, device, params, warmed, log):
+def make_step(off, cfg, forward, device, params, warmed, shortest, log):
     """The micro-step: replayed from CUDA graphs where that works (off: why not, from `graphs_off_reason`;
-    warmed: whether a WarmStart ran, see GraphStep)."""
+    warmed: whether a WarmStart ran, see GraphStep; shortest: the shortest length bucket, `shortest_bucket`)."""
     log("CUDA graphs on" if off is None else f"CUDA graphs off: {off}")
-    return EagerStep(forward, device) if off else GraphStep(forward, device, params, cfg.max_len, log, warmed)
+    if off:
+        return EagerStep(forward, device)
+    return GraphStep(forward, device, params, cfg.max_len, log, warmed, shortest)
 
 
 def choose_checkpointing(cfg, mcfg, dtype, use_kernels, device, world):
@@ -982,11 +984,12 @@ def main(cfg: TrainConfig) -> int:
         for line in schedule(cfg, len(batches)):  # --num-epochs decides --max-steps here
             log(line)
         graphs_off = graphs_off_reason(cfg.cuda_graphs, device, world)
+        shortest = shortest_bucket(cfg.max_steps * cfg.grad_accum)  # how short batches are padded for the graphs
         # The first step's one-time costs, paid while the model loads. Not where --gradient-checkpointing asks
         # for less memory: the warm-up's copy of the model would raise the process's peak during the loading.
         warm = None if cfg.gradient_checkpointing else WarmStart.start(
             mcfg, batches.peek(), device, dtype, lora=cfg.lora(), quantize=cfg.quantize,
-            use_kernels=use_kernels, max_len=None if graphs_off else cfg.max_len, log=log)
+            use_kernels=use_kernels, max_len=None if graphs_off else cfg.max_len, shortest=shortest, log=log)
         ck = run.find(fingerprint(train_enc))
         model, mcfg = build_model(cfg, path, device, dtype, use_kernels, rank)
         # --gradient-checkpointing left unset takes its value here, in place (train_config.json records it)
@@ -1014,7 +1017,7 @@ def main(cfg: TrainConfig) -> int:
         progress = Progress(step, cfg.max_steps, log, bar=rank == 0 and sys.stdout.isatty())
         # inside the timed window: what the loading did not hide counts as the first step's
         warmed = warm is not None and warm.join()
-        micro_step = make_step(graphs_off, cfg, forward, device, params, warmed, log)
+        micro_step = make_step(graphs_off, cfg, forward, device, params, warmed, shortest, log)
         tokens, start = 0, None
         signals.step, signals.stage = step, "training"  # a signal now stops the run after its step
         try:

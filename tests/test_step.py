@@ -140,22 +140,21 @@ def test_padding_in_pieces_keeps_loss_and_gradients(run_model):
         assert rel_err(gp, g) < 1e-5
 
 
-def test_short_batches_replay_the_shortest_graph_until_they_have_paid_for_their_own(monkeypatch):
-    """Batches of rows up to SHORTEST - BUCKET tokens are padded to SHORTEST for the first SHORT_GRAPH_AFTER of
-    them (one graph for a short run), then to their own bucket (a graph of their own for a long one)."""
-    monkeypatch.setattr(step, "SHORT_GRAPH_AFTER", 3)
-    graph = step.GraphStep(None, torch.device("cpu"), [], max_len=2048)
-    shapes = []
+@pytest.mark.parametrize("micro_steps, shapes", [(step.SHORT_RUN, [(2, 128)]), (step.SHORT_RUN + 1, [(2, 64), (2, 128)])])
+def test_a_short_run_pads_short_batches_to_the_shortest_graph(micro_steps, shapes, monkeypatch):
+    """In a run of at most SHORT_RUN micro-steps, batches of rows up to SHORTEST - BUCKET tokens are padded to
+    SHORTEST (one graph for all of them); in a longer one, to their own bucket (a graph of their own)."""
+    graph = step.GraphStep(None, torch.device("cpu"), [], max_len=2048, shortest=step.shortest_bucket(micro_steps))
+    captured = []
 
     def capture(batch, num_targets, loss_mult):  # the shape each batch is captured with, no GPU
-        shapes.append(tuple(batch["input_ids"].shape))
+        captured.append(tuple(batch["input_ids"].shape))
         return SimpleNamespace(load=lambda *a: None, graph=SimpleNamespace(replay=lambda: None), loss=None)
 
     monkeypatch.setattr(graph, "_capture", capture)
     for T in (40, 100, 64, 3, 50, 20, 100):
         graph(_padded(64, [T, 2]), 1, 1.0)
-    assert graph.short_batches == 5
-    assert shapes == [(2, 128), (2, 64)]  # the 4th short batch (the 20) captures its own
+    assert captured == shapes
 
 
 def test_bucket_never_exceeds_max_len():
@@ -261,7 +260,7 @@ def test_graph_step_matches_eager(llama_folder, dtype, layout, ckpt):
 @gpu
 @pytest.mark.parametrize("dropout", [0.0, 0.3], ids=["no-dropout", "dropout"])
 @pytest.mark.parametrize("ckpt", ["off", "on+offload"])
-def test_graph_step_across_bucket_changes(llama_folder, ckpt, dropout, monkeypatch):
+def test_graph_step_across_bucket_changes(llama_folder, ckpt, dropout):
     """Batches of other lengths capture one graph per bucket (after the first without a warm-up: the offload's
     buffers grow inside the capture, and the dropout masks are the eager step's); going back replays the first
     graph. With dropout the eager step runs the bucket-padded batch, so that both draw masks of one shape."""
@@ -269,13 +268,11 @@ def test_graph_step_across_bucket_changes(llama_folder, ckpt, dropout, monkeypat
     model, params = _model(llama_folder, dev, kernels=True, ckpt=ckpt, dropout=dropout)
     V = model.config.vocab_size
     eager = step.EagerStep(model, dev)
-    graph = step.GraphStep(model, dev, params, max_len=2048)
-    monkeypatch.setattr(step, "SHORT_GRAPH_AFTER", 1)  # the second short batch ([20, 60]) captures a graph of 64
-    for i, lengths in enumerate(([37, 50], [150, 90], [20, 60], [260, 5])):
+    graph = step.GraphStep(model, dev, params, max_len=2048, shortest=step.BUCKET)  # a long run's buckets
+    for i, lengths in enumerate(([37, 50], [150, 90], [20, 60], [100, 30], [260, 5])):
         batch = _padded(V, lengths, seed=i)
         states = []
-        shortest = step.BUCKET if i == 2 else step.SHORTEST  # the graph's: [20, 60] has a graph of its own length
-        for run_step, b in ((graph, batch), (eager, step.pad_to_bucket(batch, 2048, shortest) if dropout else batch)):
+        for run_step, b in ((graph, batch), (eager, step.pad_to_bucket(batch, 2048, step.BUCKET) if dropout else batch)):
             torch.cuda.manual_seed(i)  # the graph first: a new bucket's offload buffers grow inside its capture
             states.append(_run(run_step, params, b) + (torch.cuda.get_rng_state(dev),))
         (loss_g, grads_g, rng_g), (loss_e, grads_e, rng_e) = states

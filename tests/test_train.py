@@ -121,6 +121,27 @@ def test_resume_is_bit_exact(run_model, tmp_path):
     assert got == ref[3:], (got, ref)
 
 
+def test_a_resumed_run_pads_short_batches_as_the_uninterrupted_run(run_model, tmp_path, monkeypatch):
+    """The CUDA graphs' shortest length bucket (step.shortest_bucket) follows from the run's length in micro-steps
+    (--max-steps x --grad-accum), not from the steps left or the batches this process has seen: a resumed run pads
+    its batches to the shapes of the uninterrupted run, so its kernels and results are the same."""
+    monkeypatch.setattr(step, "SHORT_RUN", 4)
+    seen = []
+
+    def make_step(off, cfg, forward, device, params, warmed, shortest, log):
+        seen.append(shortest)
+        return step.EagerStep(forward, device)
+
+    monkeypatch.setattr(train, "make_step", make_step)
+    train.main(cfg_for(run_model, tmp_path / "short", max_steps=4))
+    train.main(cfg_for(run_model, tmp_path / "accum", max_steps=2, grad_accum=3))
+    train.main(cfg_for(run_model, tmp_path / "full", max_steps=6, save_every=3))
+    import shutil
+    shutil.copytree(tmp_path / "full" / "checkpoints" / "step-0000003", tmp_path / "part" / "checkpoints" / "step-0000003")
+    train.main(cfg_for(run_model, tmp_path / "part", max_steps=6, save_every=3, resume="auto"))  # 3 steps left
+    assert seen == [step.SHORTEST, step.BUCKET, step.BUCKET, step.BUCKET]
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("ckpt", [True, False], ids=["ckpt", "no-ckpt"])
