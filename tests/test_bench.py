@@ -143,3 +143,17 @@ def test_bench_smoke_train_mode(cache_dir):
     assert "--no-packing" in row["command"] and "--max-steps 2 --log-every 2" in row["command"]
     assert "gradient-checkpointing" not in row["command"], "auto leaves the choice to train.py"
     assert "| smollm2-135m | off | auto | 2 | ok |" in stdout
+
+
+@pytest.mark.slow
+def test_bench_smoke_every_case_trains(cache_dir):
+    """Each case's step is a training step: forward, backward and the update, so the loss moves (a step without
+    its backward, timing the forward alone, is refused by the harness and would leave the loss where it was)."""
+    out = os.path.join(cache_dir, "cases.json")
+    run_bench("--shapes", "smollm2-135m", "--cases", "nanotune,hf", "--ckpt", "off", "--cache-dir", cache_dir,
+              "--out", out)
+    rows = json.load(open(out))["results"]
+    assert sorted(r["case"] for r in rows) == ["hf", "nanotune"]
+    for r in rows:
+        assert r["status"] == "ok", r
+        assert r["loss_final"] < r["loss_first"], r

@@ -276,9 +276,12 @@ def hf_step(case, folder, attn, ckpt, device) -> harness.Step:
 
     def loss(b: harness.Batch):
         if b.mask is None:
-            return model(input_ids=b.input_ids, labels=b.input_ids).loss  # shifts the labels itself
-        labels = b.input_ids.masked_fill(b.mask == 0, -100)  # no loss on padding
-        return model(input_ids=b.input_ids, attention_mask=b.mask, labels=labels).loss
+            loss = model(input_ids=b.input_ids, labels=b.input_ids).loss  # shifts the labels itself
+        else:
+            labels = b.input_ids.masked_fill(b.mask == 0, -100)  # no loss on padding
+            loss = model(input_ids=b.input_ids, attention_mask=b.mask, labels=labels).loss
+        loss.backward()
+        return loss.detach()
 
     return harness.Step(model, loss, [p for p in model.parameters() if p.requires_grad], hf["vocab_size"])
 

@@ -82,9 +82,16 @@ class Step:
         fused = {"fused": True} if params[0].is_cuda else {}
         self.optimizer = torch.optim.AdamW(params, lr=LR, weight_decay=0.0, **fused)
         self.keep_grads = keep_grads
+        self.checked = False
 
     def __call__(self, batch: Batch) -> torch.Tensor:
         loss = self.loss(batch)
+        if not self.checked:  # once (a warm-up step): a loss function without its backward times a forward only
+            missing = sum(p.grad is None for p in self.params)
+            if missing:
+                raise RuntimeError(f"the step's loss function left {missing} of {len(self.params)} trainable weights "
+                                   "without a gradient: it must run the backward")
+            self.checked = True
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=not self.keep_grads)
         return loss
