@@ -5,8 +5,7 @@ References: Liger-Kernel `ops/fused_linear_cross_entropy.py` (gradients in the f
 pass, chunked over tokens), Wijmans et al. 2024 "Cut Your Losses in Large-Vocabulary
 Language Models".
 
-Forward, per chunk of C tokens (C chosen so the chunk logits take at most
-MAX_CHUNK_BYTES):
+Forward, per chunk of C tokens (C from `chunk_rows`: logits of CHUNK_BYTES, within bounds):
 
     logits = h_c @ W^T (+ b)                           [C, V], compute dtype
     loss_c, G = cross_entropy kernel on logits         G = dloss_i/dlogits, unreduced,
@@ -36,15 +35,26 @@ import torch.nn.functional as F
 from kernels.cross_entropy import cross_entropy_forward, grad_scale
 from kernels.references import LossOptions, check_linear_loss_args, reduce_losses
 
-MAX_CHUNK_BYTES = 256 * 2**20  # the chunk logits: 512 tokens at V=256k in bf16, small next to the model
+# The chunk logits take CHUNK_BYTES: for a small model with a large vocabulary they are the largest
+# transient of a step (SmolLM2-135M, V=49152, checkpointed: a third of its peak at 256 MiB). But a chunk
+# keeps at least MIN_CHUNK_ROWS rows, as smaller lm_head GEMMs cost more time than their memory is worth,
+# and at most MAX_CHUNK_BYTES (512 tokens at V=256k in bf16). The measurements: docs/perf-notes.md.
+CHUNK_BYTES = 64 * 2**20
+MIN_CHUNK_ROWS = 512
+MAX_CHUNK_BYTES = 256 * 2**20
 # With a trainable W, every chunk adds a [V, H] product into dW (fp32, V*H*4 bytes: 2.2 GiB at
 # Gemma 2's V=256k, H=2304): fewer, larger chunks cut that traffic, at 1 GiB of chunk logits.
 MAX_CHUNK_BYTES_TRAINABLE_W = 2**30
 
 
 def chunk_rows(N: int, V: int, itemsize: int, need_dw: bool) -> int:
-    max_bytes = MAX_CHUNK_BYTES_TRAINABLE_W if need_dw else MAX_CHUNK_BYTES
-    return max(1, min(N, max_bytes // (V * itemsize)))
+    """The tokens of one chunk, for N tokens of V logits of `itemsize` bytes."""
+    row = V * itemsize
+    if need_dw:
+        rows = MAX_CHUNK_BYTES_TRAINABLE_W // row
+    else:
+        rows = min(max(CHUNK_BYTES // row, MIN_CHUNK_ROWS), MAX_CHUNK_BYTES // row)
+    return max(1, min(N, rows))
 
 
 def _matmul_into_fp32(a, b, out, accumulate):

@@ -207,6 +207,19 @@ def check_fused_linear_cross_entropy(device, dtype, N, H, V, chunk_rows=None, bi
         close(a.grad, b.grad, dtype, name, scale=2)
 
 
+@pytest.mark.parametrize("V, N, rows", [
+    (49152, 4096, 682),  # SmolLM2: 64 MiB of bf16 logits
+    (32000, 8192, 1048),  # TinyLlama: 64 MiB
+    (151936, 8192, 512),  # Qwen2.5: 64 MiB would be 220 rows; at least 512
+    (256000, 8192, 512),  # Gemma 2: 512 rows, 250 MiB, under the 256 MiB cap
+    (32000, 300, 300),  # fewer tokens than a chunk: one chunk
+])
+def test_fused_linear_cross_entropy_chunk_rows(V, N, rows):
+    """The chunk of logits: CHUNK_BYTES, at least MIN_CHUNK_ROWS rows, at most MAX_CHUNK_BYTES (bf16, frozen W)."""
+    assert flce_module.chunk_rows(N, V, 2, need_dw=False) == rows
+    assert flce_module.chunk_rows(N, 512 * 2**20, 2, need_dw=False) == 1  # a row above the cap: one row a chunk
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_fused_linear_cross_entropy(dtype, monkeypatch):
     check_fused_linear_cross_entropy(DEVICE, dtype, 19, 48, 3001, chunk_rows=4, bias=True, monkeypatch=monkeypatch)
