@@ -36,9 +36,9 @@ from kernels.cross_entropy import cross_entropy_forward, grad_scale
 from kernels.references import LossOptions, check_linear_loss_args, reduce_losses
 
 # The chunk logits take CHUNK_BYTES: for a small model with a large vocabulary they are the largest
-# transient of a step (SmolLM2-135M, V=49152, checkpointed: a third of its peak at 256 MiB). But a chunk
-# keeps at least MIN_CHUNK_ROWS rows, as smaller lm_head GEMMs cost more time than their memory is worth,
-# and at most MAX_CHUNK_BYTES (512 tokens at V=256k in bf16). The measurements: docs/perf-notes.md.
+# transient of a checkpointed step. But a chunk keeps at least MIN_CHUNK_ROWS rows, as smaller lm_head
+# GEMMs cost more time than their memory is worth, and at most MAX_CHUNK_BYTES (512 tokens at V=256k in
+# bf16). The measurements behind the three: docs/perf-notes.md, "smaller chunks of logits".
 CHUNK_BYTES = 64 * 2**20
 MIN_CHUNK_ROWS = 512
 MAX_CHUNK_BYTES = 256 * 2**20

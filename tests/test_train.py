@@ -137,7 +137,8 @@ def test_a_resumed_run_pads_short_batches_as_the_uninterrupted_run(run_model, tm
     train.main(cfg_for(run_model, tmp_path / "accum", max_steps=2, grad_accum=3))
     train.main(cfg_for(run_model, tmp_path / "full", max_steps=6, save_every=3))
     import shutil
-    shutil.copytree(tmp_path / "full" / "checkpoints" / "step-0000003", tmp_path / "part" / "checkpoints" / "step-0000003")
+    step3 = os.path.join("checkpoints", "step-0000003")
+    shutil.copytree(tmp_path / "full" / step3, tmp_path / "part" / step3)
     train.main(cfg_for(run_model, tmp_path / "part", max_steps=6, save_every=3, resume="auto"))  # 3 steps left
     assert seen == [step.SHORTEST, step.BUCKET, step.BUCKET, step.BUCKET]
 
