@@ -8,7 +8,9 @@
         run.save(step, model, optimizer, scaler, batches); run.log(record); run.save_adapter(model)
 
 A run folder (--out-dir) holds `.lock`, `train_config.json`, `metrics.jsonl` (one strict-JSON record per
-line), `checkpoints/step-NNNNNNN/` ({state.pt, adapter/, manifest.json}) and, at the end, `adapter/`.
+line), `checkpoints/step-NNNNNNN/` ({state.json, tensors.safetensors, adapter/, manifest.json}) and, at the end,
+`adapter/`. A checkpoint holds no pickle: its tensors are safetensors, everything else JSON, so reading one that
+someone else wrote runs none of their code.
 What is guaranteed, and the tests that show it: docs/reliability.md.
 """
 import dataclasses
@@ -18,6 +20,7 @@ import json
 import math
 import os
 import random
+import re
 import shutil
 import socket
 import sys
@@ -28,9 +31,11 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
 
 import tracking
-from model.adapters import save_adapter
+from model.adapters import ADAPTER_CONFIG, check_replaceable, save_adapter
+from model.files import UnsafePath, atomic_file, check_writable_file, open_append, open_regular, remove_tree
 from model.lora import lora_parameters
 
 
@@ -42,9 +47,10 @@ class Damaged(Exception):
     """A checkpoint that cannot be used: incomplete, changed after it was written, or not for this model."""
 
 
-# What a checkpoint's state.pt holds: save() writes these keys, find() checks for them.
-CHECKPOINT_KEYS = frozenset({"step", "config", "world_size", "data_hash", "lora", "optimizer", "scaler", "data",
-                             "rng"})
+# What a checkpoint holds (state.json and tensors.safetensors together): save() writes these keys, find()
+# checks for them.
+CHECKPOINT_KEYS = frozenset({"step", "config", "world_size", "data_hash", "eval_hash", "lora", "optimizer", "scaler",
+                             "data", "rng"})
 # Options that decide what the saved weights are: a checkpoint cannot continue under other values.
 IDENTITY = ("model", "quantize", "lora_r", "lora_alpha", "lora_targets", "rslora")
 # Options that, with the tokenized data and the process count, decide the rest of the trajectory: a resume
@@ -52,7 +58,12 @@ IDENTITY = ("model", "quantize", "lora_r", "lora_alpha", "lora_targets", "rslora
 TRAJECTORY = ("batch_size", "grad_accum", "max_steps", "lr", "min_lr_ratio", "warmup_steps", "weight_decay",
               "grad_clip", "seed", "packing", "max_len", "train_on_inputs", "lora_dropout")
 MANIFEST = "manifest.json"
-# What a failed write raises: OSError (open, write), RuntimeError (torch.save), SafetensorError (the adapter).
+STATE, TENSORS = "state.json", "tensors.safetensors"
+# A checkpoint written before checkpoints held no pickle. It is read with torch.load(weights_only=True), which
+# unpickles tensors and plain containers only; torch >= 2.6 (pyproject's floor) closes that loader's known
+# code-execution hole (CVE-2025-32434). This reader can go once no such checkpoint is left to resume.
+LEGACY_STATE = "state.pt"
+# What a failed write raises: OSError (open, write), SafetensorError (the tensors, the adapter).
 WRITE_ERRORS = (OSError, RuntimeError, SafetensorError)
 
 
@@ -89,7 +100,8 @@ def rng_state():
 
 def set_rng_state(state):
     torch.set_rng_state(state["torch"])
-    random.setstate(state["python"])
+    version, internal, gauss = state["python"]  # JSON gives lists where getstate() gave tuples
+    random.setstate((version, tuple(internal), gauss))
     if state["cuda"] is not None and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
 
@@ -112,6 +124,78 @@ def sha256_file(path):
     return h.hexdigest()
 
 
+def state_parts(ck):
+    """A checkpoint dict (CHECKPOINT_KEYS) as (JSON-able dict, {name: tensor}) for state.json and
+    tensors.safetensors: every tensor goes to the second, under a name its place in the first gives."""
+    tensors = {f"lora.{n}": t for n, t in ck["lora"].items()}
+    opt_state = {}
+    for i, (idx, st) in enumerate(ck["optimizer"]["state"].items()):
+        opt_state[str(idx)] = {}
+        for k, v in st.items():
+            if torch.is_tensor(v):
+                tensors[f"optimizer.{i}.{k}"] = v
+                opt_state[str(idx)][k] = {"tensor": f"optimizer.{i}.{k}"}
+            else:
+                opt_state[str(idx)][k] = {"value": v}
+    rngs = []
+    for r, rng in enumerate(ck["rng"]):
+        tensors[f"rng.{r}.torch"] = rng["torch"]
+        cuda = rng["cuda"]
+        for d, t in enumerate(cuda or []):
+            tensors[f"rng.{r}.cuda.{d}"] = t
+        rngs.append({"python": rng["python"], "cuda": None if cuda is None else len(cuda)})
+    meta = {k: ck[k] for k in ("step", "config", "world_size", "data_hash", "eval_hash", "scaler", "data")}
+    meta["optimizer"] = {"param_groups": ck["optimizer"]["param_groups"], "state": opt_state}
+    meta["rng"] = rngs
+    return meta, {k: v.detach().cpu().contiguous() for k, v in tensors.items()}
+
+
+def state_from_parts(meta, tensors):
+    """The inverse of state_parts. Raises Damaged when a name that state.json gives has no tensor."""
+    def tensor(name):
+        if name not in tensors:
+            raise Damaged(f"{TENSORS} has no tensor {name!r}, which {STATE} names")
+        return tensors[name]
+
+    missing = CHECKPOINT_KEYS - meta.keys() - {"lora", "eval_hash"}
+    if missing:
+        raise Damaged(f"not a nanotune checkpoint: {STATE} lacks {sorted(missing)}")
+    state = {int(idx): {k: tensor(v["tensor"]) if "tensor" in v else v["value"] for k, v in st.items()}
+             for idx, st in meta["optimizer"]["state"].items()}
+    rngs = [{"torch": tensor(f"rng.{r}.torch"), "python": rng["python"],
+             "cuda": None if rng["cuda"] is None else [tensor(f"rng.{r}.cuda.{d}") for d in range(rng["cuda"])]}
+            for r, rng in enumerate(meta["rng"])]
+    lora = {n[len("lora."):]: t for n, t in tensors.items() if n.startswith("lora.")}
+    return {**meta, "lora": lora, "rng": rngs,
+            "optimizer": {"state": state, "param_groups": meta["optimizer"]["param_groups"]}}
+
+
+def write_state(folder, ck):
+    """Write checkpoint dict `ck` into `folder` as state.json and tensors.safetensors."""
+    meta, tensors = state_parts(ck)
+    save_file(tensors, os.path.join(folder, TENSORS))
+    with open(os.path.join(folder, STATE), "x") as f:
+        json.dump(meta, f, indent=1, allow_nan=False)
+
+
+def read_state(folder):
+    """The checkpoint dict of `folder`, read without unpickling anything (a legacy state.pt: tensors and plain
+    containers only). Raises Damaged when it is not a complete nanotune checkpoint."""
+    if os.path.isfile(os.path.join(folder, STATE)):
+        with open(os.path.join(folder, STATE)) as f:
+            meta = json.load(f)
+        if not isinstance(meta, dict):
+            raise Damaged(f"{STATE} is not a JSON object")
+        ck = state_from_parts(meta, load_file(os.path.join(folder, TENSORS)))
+    elif os.path.isfile(os.path.join(folder, LEGACY_STATE)):
+        ck = torch.load(os.path.join(folder, LEGACY_STATE), map_location="cpu", weights_only=True)
+    else:
+        raise Damaged(f"no {STATE}")
+    if not isinstance(ck, dict) or not CHECKPOINT_KEYS - {"eval_hash"} <= ck.keys():  # older ones lack eval_hash
+        raise Damaged("not a nanotune checkpoint: keys missing")
+    return ck
+
+
 def write_manifest(folder):
     """manifest.json: the sha256 of every other file of `folder`, written after them."""
     files = sorted(os.path.relpath(os.path.join(d, f), folder) for d, _, fs in os.walk(folder) for f in fs)
@@ -121,14 +205,14 @@ def write_manifest(folder):
 
 
 def check_manifest(folder):
-    """Raises Damaged unless every file that manifest.json lists is there with its sha256, state.pt among them."""
+    """Raises Damaged unless every file that manifest.json lists is there with its sha256, the state among them."""
     try:
         with open(os.path.join(folder, MANIFEST)) as f:
             digests = json.load(f)["sha256"]
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise Damaged(f"no readable {MANIFEST} ({type(e).__name__}): the save did not finish") from e
-    if "state.pt" not in digests:
-        raise Damaged(f"{MANIFEST} does not list state.pt")
+    if not ({STATE, TENSORS} <= digests.keys() or LEGACY_STATE in digests):
+        raise Damaged(f"{MANIFEST} does not list {STATE} and {TENSORS}")
     for name, digest in digests.items():
         path = os.path.join(folder, name)
         if not os.path.isfile(path):
@@ -173,7 +257,7 @@ class RunFolder:
         self.lock_path = os.path.join(cfg.out_dir, ".lock")
         self.metrics_path = os.path.join(cfg.out_dir, "metrics.jsonl")
         self.last, self.saved_step = None, 0  # the newest checkpoint written or resumed from, and its step
-        self.data_hash, self._candidates, self._damaged = None, iter(()), []
+        self.data_hash, self.eval_hash, self._candidates, self._damaged = None, None, iter(()), []
         self._lock_fd, self._metrics = None, None
         self.trackers = tracking.Trackers([])  # --report-to: TensorBoard, W&B, trackio (rank 0, once open)
         self.say = print if rank == 0 else (lambda *a, **k: None)
@@ -189,14 +273,24 @@ class RunFolder:
     def check(self):
         """Refuse a folder that another run holds, one that holds a run without --resume/--overwrite, and one
         that cannot be written. Writes nothing."""
-        in_use = self._in_use()
-        if in_use:
-            raise in_use
         has_run = os.path.isdir(self.cfg.out_dir) and any(
             os.path.exists(os.path.join(self.cfg.out_dir, f)) for f in ("metrics.jsonl", "checkpoints", "train_config.json"))
         if has_run and not (self.cfg.overwrite or self.cfg.resume):
             raise UserError(f"{self.cfg.out_dir!r} already holds a run. Pass --resume auto to continue it, --overwrite "
                             "to replace it, or choose another --out-dir")
+        for name in (".lock", "train_config.json", "metrics.jsonl"):  # what open() writes or appends to
+            try:
+                check_writable_file(os.path.join(self.cfg.out_dir, name))
+            except UnsafePath as e:
+                raise UserError(str(e)) from None
+        in_use = self._in_use()
+        if in_use:
+            raise in_use
+        if not self.cfg.overwrite:  # the adapter written at the end replaces an earlier one, nothing else
+            try:
+                check_replaceable(os.path.join(self.cfg.out_dir, "adapter"), ADAPTER_CONFIG)
+            except ValueError as e:
+                raise UserError(f"{e} (the run writes its adapter there at the end)") from None
         where = nearest_existing(self.cfg.out_dir)
         try:  # os.access says yes to root even on a read-only mount: try for real (an unnamed file, gone on close)
             tempfile.TemporaryFile(dir=where).close()
@@ -216,7 +310,7 @@ class RunFolder:
         """The error for a folder whose lock another process holds (rank 0 asks: it takes the lock), or None."""
         if self.rank != 0 or not os.path.exists(self.lock_path):
             return None
-        fd = os.open(self.lock_path, os.O_RDONLY)
+        fd = open_regular(self.lock_path, os.O_RDONLY)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             return None  # free (a holder that died released it); closing the file releases it again
@@ -234,18 +328,20 @@ class RunFolder:
     # ------------------------------------------------------------------------- finding a checkpoint
 
     def checkpoints(self):
-        """The checkpoint folders, oldest first (a *.tmp folder is a save that did not finish: never one)."""
+        """The checkpoint folders, oldest first: folders named exactly step-N (not a *.tmp save that did not
+        finish, not a user's step-N-backup copy, not a link), the ones that resuming reads and rotation deletes."""
         if not os.path.isdir(self.root):
             return []
-        steps = sorted(d for d in os.listdir(self.root) if d.startswith("step-") and not d.endswith(".tmp"))
-        return [os.path.join(self.root, d) for d in steps]
+        steps = sorted((int(d[5:]), d) for d in os.listdir(self.root) if re.fullmatch(r"step-\d+", d)
+                       and not os.path.islink(os.path.join(self.root, d)))
+        return [os.path.join(self.root, d) for _, d in steps]
 
-    def find(self, data_hash):
+    def find(self, data_hash, eval_hash=None):
         """The checkpoint --resume names, verified (sha256 manifest, keys, finite weights) and checked against
         this run (the tokenized training data has the sha256 `data_hash`) before any long work; a damaged one
         is skipped, with a warning, for the one before it. None without --resume, and when --resume auto finds
         no checkpoint: the run starts from step 0."""
-        self.data_hash = data_hash
+        self.data_hash, self.eval_hash = data_hash, eval_hash
         if not self.cfg.resume:
             return None
         auto = self.cfg.resume == "auto"
@@ -262,16 +358,14 @@ class RunFolder:
             if not os.path.isdir(path):  # --resume PATH that does not exist: no checkpoint found
                 continue
             try:
-                if not os.path.isfile(os.path.join(path, "state.pt")):
-                    raise Damaged("no state.pt")
+                if not any(os.path.isfile(os.path.join(path, f)) for f in (STATE, LEGACY_STATE)):
+                    raise Damaged(f"no {STATE}")
                 check_manifest(path)
-                ck = torch.load(os.path.join(path, "state.pt"), map_location="cpu", weights_only=False)
-                if not isinstance(ck, dict) or not CHECKPOINT_KEYS <= ck.keys():
-                    raise Damaged("not a nanotune checkpoint: keys missing")
+                ck = read_state(path)
                 bad = [n for n, t in ck["lora"].items() if not bool(torch.isfinite(t).all())]
                 if bad:
                     raise Damaged(f"its LoRA weights hold NaN/inf ({bad[0]})")
-            except Exception as e:  # Damaged, or any unpickling error of a file changed after its manifest
+            except Exception as e:  # Damaged, or any parse error of a file changed after its manifest
                 self._skip(path, e)
                 continue
             yield {**ck, "path": path}
@@ -291,7 +385,7 @@ class RunFolder:
         if ck is None:
             where = self.root + "/step-*" if self.cfg.resume == "auto" else self.cfg.resume
             if not self._damaged:
-                raise UserError(f"--resume {self.cfg.resume}: no checkpoint found (looked for {where}/state.pt)")
+                raise UserError(f"--resume {self.cfg.resume}: no checkpoint found (looked for {where}/{STATE})")
             raise UserError(f"--resume {self.cfg.resume}: no readable checkpoint: {'; '.join(self._damaged)}. "
                             "Checkpoints are written atomically, so something changed these files afterwards. Delete "
                             "them and resume from an earlier one (--resume PATH), or start again in a new --out-dir")
@@ -314,6 +408,10 @@ class RunFolder:
                             "train_config.json), or pass --resume-anyway to continue with the new ones")
         if changed:
             self.warn(f"--resume-anyway: continuing {ck['path']} with {'; '.join(changed)}")
+        if ck.get("eval_hash", self.eval_hash) != self.eval_hash:
+            self.warn(f"--resume {ck['path']}: the eval data differs from the checkpoint's (--eval-data, "
+                      "--eval-fraction or --max-len), so metrics.jsonl's eval_loss before and after this resume "
+                      "measure two different eval sets")
         return ck
 
     def restore(self, ck, model, optimizer, scaler, batches):
@@ -356,16 +454,12 @@ class RunFolder:
                 self._set_aside_newer(step)
             elif self.cfg.overwrite:
                 for name in ("metrics.jsonl", "checkpoints", "adapter"):
-                    path = os.path.join(self.cfg.out_dir, name)
-                    if os.path.isdir(path):
-                        shutil.rmtree(path)
-                    elif os.path.exists(path):
-                        os.remove(path)
-            config = os.path.join(self.cfg.out_dir, "train_config.json")
-            with open(config + ".tmp", "w") as f:
+                    remove_tree(os.path.join(self.cfg.out_dir, name))  # a link is removed, never followed
+            with atomic_file(os.path.join(self.cfg.out_dir, "train_config.json")) as f:
                 json.dump(dataclasses.asdict(self.cfg), f, indent=2)
-            os.replace(config + ".tmp", config)
-            self._metrics = open(self.metrics_path, "a")
+            self._metrics = open_append(self.metrics_path)
+        except UnsafePath as e:
+            raise UserError(str(e)) from None
         except OSError as e:
             raise UserError(f"cannot set up the run folder {self.cfg.out_dir!r} ({e}); nothing in it was lost") from e
         self.trackers = tracking.open_trackers(self.cfg.trackers(), self.cfg.out_dir, dataclasses.asdict(self.cfg))
@@ -373,7 +467,7 @@ class RunFolder:
     def _lock(self):
         """An exclusive flock on out/.lock for as long as this process runs: the OS drops it when the process
         ends, however it ends. The file holds 'PID host' for the error another run prints."""
-        fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+        fd = open_regular(self.lock_path, os.O_RDWR | os.O_CREAT)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -389,10 +483,10 @@ class RunFolder:
         after `step`, its evals from `step` on). They are the file's tail, so it is truncated in place at the
         first of them: one system call, whatever the file's size, so a kill leaves the old file or the new one.
         A line without its newline (cut by a kill) ends the kept part too."""
-        if not os.path.exists(self.metrics_path):
+        if not os.path.lexists(self.metrics_path):
             return
         keep = 0
-        with open(self.metrics_path, "rb") as f:
+        with os.fdopen(open_regular(self.metrics_path, os.O_RDWR), "rb+") as f:
             for line in f:
                 try:
                     r = json.loads(line) if line.endswith(b"\n") else None
@@ -402,7 +496,7 @@ class RunFolder:
                         and (r["step"] < step or (r["step"] == step and "loss" in r))):
                     break
                 keep += len(line)
-        os.truncate(self.metrics_path, keep)
+            os.ftruncate(f.fileno(), keep)
 
     def _set_aside_newer(self, step):
         """Resuming from an older checkpoint: the newer ones belong to the abandoned run, and --resume auto must
@@ -455,8 +549,8 @@ class RunFolder:
     def _write(self, final, step, model, optimizer, scaler, batches, rngs):
         os.makedirs(self.root, exist_ok=True)
         for d in os.listdir(self.root):
-            if d.endswith(".tmp"):  # left by a save that was killed: incomplete, never read
-                shutil.rmtree(os.path.join(self.root, d))
+            if re.fullmatch(r"step-\d+\.tmp", d):  # left by a save that was killed: incomplete, never read
+                remove_tree(os.path.join(self.root, d))
         tmp = final + ".tmp"
         try:
             os.makedirs(tmp)  # the folder name says it is incomplete until the rename below
@@ -465,6 +559,7 @@ class RunFolder:
                 "config": dataclasses.asdict(self.cfg),
                 "world_size": self.world,
                 "data_hash": self.data_hash,  # the tokenized training data a resume must find again
+                "eval_hash": self.eval_hash,  # the eval data: a resume on other eval data is said
                 "lora": {n: p.detach().cpu() for n, p in lora_parameters(model)},
                 "optimizer": optimizer.state_dict(),
                 "scaler": scaler.state_dict(),  # fp16 loss scale and good-step counter
@@ -472,7 +567,7 @@ class RunFolder:
                 "rng": rngs,  # one per rank
             }
             assert ck.keys() == CHECKPOINT_KEYS, "CHECKPOINT_KEYS must name what a checkpoint holds"
-            torch.save(ck, os.path.join(tmp, "state.pt"))
+            write_state(tmp, ck)
             save_adapter(model, os.path.join(tmp, "adapter"), base_model=self.cfg.model)
             write_manifest(tmp)
         except WRITE_ERRORS as e:  # disk full, quota, permissions
@@ -481,8 +576,8 @@ class RunFolder:
                     "room" if self.last else "no earlier checkpoint exists")
             raise UserError(f"cannot write checkpoint {final} ({e}). Free disk space in {self.cfg.out_dir} (or check "
                             f"its quota and permissions); {keep}") from e
-        if os.path.isdir(final):  # the same step saved again (a checkpoint without state.pt): replace it
-            shutil.rmtree(final)
+        if os.path.lexists(final):  # the same step saved again (a checkpoint without its state): replace it
+            remove_tree(final)
         os.replace(tmp, final)
         if self.cfg.keep_checkpoints:  # 0 keeps every checkpoint
             for path in self.checkpoints()[:-self.cfg.keep_checkpoints]:

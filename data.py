@@ -165,7 +165,8 @@ def _read_hub(repo, revision, config, split, limit):
     datasets = _optional("datasets", f"loading the hub dataset {repo!r}")
     split = split or "train"
     try:
-        ds = datasets.load_dataset(repo, config, split=split, revision=revision)
+        # A hub dataset's own loading script would run its author's code here: never allowed.
+        ds = datasets.load_dataset(repo, config, split=split, revision=revision, trust_remote_code=False)
     except Exception as e:  # offline, not found, gated, no such config or split: all mean "not loaded"
         said = (str(e).strip().splitlines() or [""])[0].rstrip(".")
         raise FileNotFoundError(

@@ -22,8 +22,10 @@ import math
 import os
 import random
 import re
+import reprlib
 import resource
 import signal
+import stat
 import sys
 import time
 import typing
@@ -36,7 +38,7 @@ from tqdm import tqdm
 
 import data
 import tracking
-from checkpoint import RunFolder, UserError, fingerprint, position, rewind
+from checkpoint import RunFolder, UserError, fingerprint, position, rewind, same_model
 from cli import HelpFormatter, auto_device
 from model import LoRAConfig, check_quantize, load_model, load_tokenizer, read_config, resolve
 from model.hub import check_push, push
@@ -172,7 +174,7 @@ class TrainConfig:
                                           f"this; below 0 the lr turns negative), got {self.min_lr_ratio}"),
             (self.loss_scale >= 1, f"--loss-scale must be >= 1, got {self.loss_scale}"),
             (re.fullmatch(r"auto|cpu|mps|cuda(:\d+)?", self.device),
-             f"--device must be {', '.join(choices_of('device'))}, got {self.device!r}"),
+             f"--device must be {', '.join(choices_of('device'))}, got {short(self.device)}"),
             (self.resume or not self.resume_anyway, "--resume-anyway goes with --resume (auto or a checkpoint folder)"),
             (not (self.resume and self.overwrite), "--overwrite replaces the run that --resume continues: pass one"),
             (self.max_steps is None or self.num_epochs is None, f"--max-steps {self.max_steps} and --num-epochs "
@@ -187,7 +189,7 @@ class TrainConfig:
             value = getattr(self, name)
             if value is not None and value not in choices_of(name):
                 optional = " (or left out)" if value_kinds(name)[1] else ""
-                raise UserError(f"{flag(name)} must be one of {', '.join(choices_of(name))}{optional}, got {value!r}")
+                raise UserError(f"{flag(name)} must be one of {', '.join(choices_of(name))}{optional}, got {short(value)}")
         targets = [t for t in self.lora_targets.split(",") if t]
         unknown = [t for t in targets if t not in ALL_TARGETS]
         if unknown or not targets:
@@ -335,7 +337,7 @@ def read_config_file(path):
     for key, value in raw.items():
         name = str(key).replace("-", "_")
         if name not in names:
-            raise UserError(f"--config {path}: unknown option {key!r}; the options are those of train.py --help, "
+            raise UserError(f"--config {path}: unknown option {short(key)}; the options are those of train.py --help, "
                             "written max_len or max-len")
         if name not in FOLDER_ACTIONS:
             values[name] = config_value(name, value, f"--config {path}: {key}")
@@ -363,7 +365,15 @@ def config_value(name, value, where):
     elif kind is str and isinstance(value, str):
         return value
     expected = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}[kind]
-    raise UserError(f"{where} must be {expected}{' or null' if optional else ''}, got {value!r}")
+    raise UserError(f"{where} must be {expected}{' or null' if optional else ''}, got {short(value)}")
+
+
+def short(value):
+    """repr(value), cut to a line: a config file's value may be huge (YAML aliases nest a few bytes into
+    billions of items), and an error line repeats only its start. Cheap however large `value` is."""
+    r = reprlib.Repr()
+    r.maxlevel, r.maxdict, r.maxlist, r.maxtuple, r.maxset, r.maxstring, r.maxother, r.maxlong = 2, 4, 4, 4, 4, 60, 60, 40
+    return r.repr(value)
 
 
 class LossScaler:
@@ -879,7 +889,10 @@ def log_step(run, progress, rec, max_steps, fp16, device):
 
 
 class StopSignals:
-    """SIGINT (Ctrl-C) and SIGTERM (schedulers, `timeout`, container stops), handled alike. Before training
+    """SIGINT (Ctrl-C), SIGTERM (schedulers, `timeout`, container stops) and SIGHUP (the terminal or ssh
+    connection went away), handled alike; SIGHUP stays ignored where the run started with it ignored (`nohup`).
+    After a hangup the console is gone: its output goes to /dev/null, so that no print fails during the save
+    (writes to a hung-up terminal fail with EIO). Before training
     (stage "setup") one interrupts at once: there is nothing to save yet. From then on they stop the run
     between steps, never inside a step or a save: the first asks the loop to stop after its step and save a
     checkpoint; the second says to wait (torchrun passes each Ctrl-C on to its workers, so they see two);
@@ -896,8 +909,9 @@ class StopSignals:
         self.previous = {}
 
     def __enter__(self):
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            self.previous[sig] = signal.signal(sig, self._handle)
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+            if signal.getsignal(sig) is not signal.SIG_IGN or sig != signal.SIGHUP:
+                self.previous[sig] = signal.signal(sig, self._handle)
         return self
 
     def __exit__(self, *_):
@@ -914,6 +928,8 @@ class StopSignals:
         return 128 + (self.signum or signal.SIGINT)
 
     def _handle(self, signum, frame):
+        if signum == signal.SIGHUP:
+            detach_console()
         self.count += 1
         self.signum = self.signum or signum
         if self.stage == "setup" or self.count >= 3:
@@ -926,7 +942,23 @@ class StopSignals:
             line = "saving, please wait" + (" (one more Ctrl-C aborts: the save in progress is lost)"
                                             if self.count == 2 else "")
         if self.say:
-            os.write(2, (line + "\n").encode())
+            try:
+                os.write(2, (line + "\n").encode())
+            except OSError:  # no console left to say it on
+                pass
+
+
+def detach_console():
+    """Point standard output and error at /dev/null where they are a terminal (a character device): after a
+    hangup every write to it fails, and the run must go on to save without one."""
+    null = os.open(os.devnull, os.O_WRONLY)
+    for fd in (1, 2):
+        try:
+            if stat.S_ISCHR(os.fstat(fd).st_mode) and not os.path.samestat(os.fstat(fd), os.fstat(null)):
+                os.dup2(null, fd)
+        except OSError:
+            pass
+    os.close(null)
 
 
 def save_after_failure(e, cfg, run, step, model, optimizer, scaler, batches, start):
@@ -979,6 +1011,9 @@ def main(cfg: TrainConfig) -> int:
         # Every input is checked before the slow work (the weights, the training), on every rank alike, and
         # nothing is written until all checks have passed.
         run.check()
+        if cfg.eval_data and same_model(cfg.eval_data, cfg.data):
+            run.warn(f"--eval-data is the training data ({cfg.data}): the eval loss then says how well the model "
+                     "memorized it, not how it does on new examples")
         path, mcfg, tokenizer, train_enc, eval_enc, eval_rows = load_inputs(cfg, log)
         batches, eval_sets = make_batches(cfg, tokenizer, train_enc, eval_enc, rank, world)
         for line in schedule(cfg, len(batches)):  # --num-epochs decides --max-steps here
@@ -990,7 +1025,7 @@ def main(cfg: TrainConfig) -> int:
         warm = None if cfg.gradient_checkpointing else WarmStart.start(
             mcfg, batches.peek(), device, dtype, lora=cfg.lora(), quantize=cfg.quantize,
             use_kernels=use_kernels, max_len=None if graphs_off else cfg.max_len, shortest=shortest, log=log)
-        ck = run.find(fingerprint(train_enc))
+        ck = run.find(fingerprint(train_enc), fingerprint(eval_enc or []))
         model, mcfg = build_model(cfg, path, device, dtype, use_kernels, rank)
         # --gradient-checkpointing left unset takes its value here, in place (train_config.json records it)
         cfg.gradient_checkpointing, why = choose_checkpointing(cfg, mcfg, dtype, use_kernels, device, world)

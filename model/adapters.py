@@ -32,12 +32,14 @@ previous folder, or none, never a half-written one.
 import json
 import os
 import shutil
+import tempfile
 from contextlib import contextmanager
 
 import torch
 from safetensors.torch import load_file, save_file
 
 from model.config import to_hf_config
+from model.files import remove_tree
 from model.hub import base_model_id, model_card, resolve
 from model.load import load_model, load_tokenizer
 from model.lora import ALL_TARGETS, LoRAConfig, LoRALinear, lora_parameters, merged_weight, quantization
@@ -83,19 +85,22 @@ def atomic_folder(folder, marker=None):
     must pass `check_replaceable(folder, marker)`."""
     check_replaceable(folder, marker)
     folder = os.path.abspath(folder)
-    tmp = f"{folder}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)  # left by a process of this id that was killed
-    os.makedirs(tmp)
+    parent, name = os.path.split(folder)
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(dir=parent, prefix=f".{name}.tmp-")  # a new folder: nothing planted in it
     try:
         yield tmp
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    old = f"{folder}.old-{os.getpid()}"
-    if os.path.lexists(folder):
-        os.replace(folder, old)
-    os.replace(tmp, folder)
-    shutil.rmtree(old, ignore_errors=True)
+    if os.path.islink(folder) or not os.path.isdir(folder):
+        remove_tree(folder)  # a link is removed, never what it points to
+        os.replace(tmp, folder)
+    else:
+        old = tempfile.mkdtemp(dir=parent, prefix=f".{name}.old-")
+        os.replace(folder, old)  # a folder onto an empty folder: one rename, so `folder` is never missing for long
+        os.replace(tmp, folder)
+        remove_tree(old)
 
 
 def adapter_key(name):

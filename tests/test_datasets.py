@@ -73,7 +73,8 @@ def hub(monkeypatch, rows):
     """Make datasets.load_dataset answer with `rows`, as a hub dataset would; returns the calls it gets."""
     datasets, calls = hf_datasets(), []
 
-    def load_dataset(path, name=None, *, split=None, revision=None):
+    def load_dataset(path, name=None, *, split=None, revision=None, trust_remote_code=None):
+        assert trust_remote_code is False, "a hub dataset's loading script must never run"
         calls.append((path, name, split, revision))
         return datasets.Dataset.from_list(rows)
     monkeypatch.setattr(datasets, "load_dataset", load_dataset)

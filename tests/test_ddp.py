@@ -17,6 +17,7 @@ import sys
 import pytest
 import torch
 
+import checkpoint
 import data
 import train
 
@@ -66,7 +67,7 @@ def records(out):
 
 
 def lora(out, step):
-    return torch.load(os.path.join(out, "checkpoints", f"step-{step:07d}", "state.pt"), weights_only=False)["lora"]
+    return checkpoint.read_state(os.path.join(out, "checkpoints", f"step-{step:07d}"))["lora"]
 
 
 def test_two_ranks_equal_one_rank_and_resume(run_model, dataset, tmp_path, monkeypatch):

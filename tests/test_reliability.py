@@ -21,7 +21,6 @@ import signal
 import subprocess
 import sys
 import threading
-import zipfile
 from collections import namedtuple
 
 import pytest
@@ -236,10 +235,8 @@ def test_resume_mismatch(run_model, dataset, tmp_path, capsys):
     assert train.cli(args(run_model, dataset, out, "--max-steps", "2", "--resume", "auto", "--lora-r", "8")) == 2
     assert "the checkpoint was trained with lora_r=16, this run has 8. Resume with the same model and LoRA " \
            "settings" in capsys.readouterr().err
-    state = out / "checkpoints" / "step-0000001" / "state.pt"
-    ck = torch.load(state, weights_only=False)
-    torch.save({**ck, "world_size": 2}, state)
-    checkpoint.write_manifest(state.parent)  # as if 2 processes had written it
+    folder = out / "checkpoints" / "step-0000001"
+    _rewrite(folder, lambda ck: ck.update(world_size=2))  # as if 2 processes had written it
     assert train.cli(args(run_model, dataset, out, "--max-steps", "2", "--resume", "auto")) == 2
     assert "written by 2 process(es), this run has 1. Resume with the same number (torchrun --nproc_per_node=2)" \
            in capsys.readouterr().err
@@ -247,13 +244,13 @@ def test_resume_mismatch(run_model, dataset, tmp_path, capsys):
 
     missing = tmp_path / "new" / "checkpoints" / "step-0000001"
     refused(args(run_model, dataset, tmp_path / "new", "--resume", missing), capsys, tmp_path / "new",
-            r"--resume .*step-0000001: no checkpoint found \(looked for .*new/checkpoints/step-0000001/state\.pt\)")
+            r"--resume .*step-0000001: no checkpoint found \(looked for .*new/checkpoints/step-0000001/state\.json\)")
 
 def test_damaged_checkpoint_falls_back_to_the_one_before(run_model, dataset, tmp_path, capsys):
     out = tmp_path / "out"
     assert train.cli(args(run_model, dataset, out, "--save-every", "1", "--max-steps", "2")) == 0
     ckpts = out / "checkpoints"
-    newest = ckpts / "step-0000002" / "state.pt"
+    newest = ckpts / "step-0000002" / "tensors.safetensors"
     newest.write_bytes(newest.read_bytes()[:1000])  # truncated after it was written
     capsys.readouterr()
     assert train.cli(args(run_model, dataset, out, "--save-every", "1", "--max-steps", "3", "--resume", "auto",
@@ -264,27 +261,27 @@ def test_damaged_checkpoint_falls_back_to_the_one_before(run_model, dataset, tmp
     assert [r["step"] for r in read_metrics(out)] == [1, 2, 3]
 
     assert sorted(p for p in os.listdir(ckpts) if p.startswith("step-")) == ["step-0000002", "step-0000003"]
-    (ckpts / "step-0000003" / "state.pt").write_bytes(b"not a checkpoint")
-    torch.save({"weights": torch.zeros(1)}, ckpts / "step-0000002" / "state.pt")  # readable, but not ours
+    (ckpts / "step-0000003" / "state.json").write_bytes(b"not a checkpoint")
+    (ckpts / "step-0000002" / "state.json").write_text('{"weights": [0]}')  # readable, but not ours
     assert train.cli(args(run_model, dataset, out, "--max-steps", "4", "--resume", "auto")) == 2
     err = capsys.readouterr().err.splitlines()[-1]
-    assert err.startswith("error: --resume auto: no readable checkpoint: ") and "step-0000002 (Damaged: state.pt " \
+    assert err.startswith("error: --resume auto: no readable checkpoint: ") and "step-0000002 (Damaged: state.json " \
         "does not match its sha256" in err
     assert "Delete them and resume from an earlier one (--resume PATH), or start again in a new --out-dir" in err
 
 
 def test_disk_full_while_saving_keeps_the_previous_checkpoint(run_model, dataset, tmp_path, capsys, monkeypatch):
     out = tmp_path / "out"
-    real_save, calls = torch.save, []
+    real_save, calls = checkpoint.save_file, []
 
-    def save(obj, f, *a, **k):
+    def save(tensors, f, *a, **k):
         calls.append(f)
         if len(calls) == 2:  # the second checkpoint: the disk fills up half way
             open(f, "wb").write(b"partial")
             raise OSError(errno.ENOSPC, "No space left on device")
-        return real_save(obj, f, *a, **k)
+        return real_save(tensors, f, *a, **k)
 
-    monkeypatch.setattr(torch, "save", save)
+    monkeypatch.setattr(checkpoint, "save_file", save)
     assert train.cli(args(run_model, dataset, out, "--save-every", "1", "--max-steps", "3")) == 2
     err = capsys.readouterr().err.splitlines()[-1]
     ckpts = out / "checkpoints"
@@ -292,7 +289,7 @@ def test_disk_full_while_saving_keeps_the_previous_checkpoint(run_model, dataset
                           f"device). Free disk space in {out}"), err
     assert f"the last good checkpoint is {ckpts / 'step-0000001'}: continue from it with --resume auto" in err
     assert sorted(os.listdir(ckpts)) == ["step-0000001"], "the partial save must be removed, the first kept"
-    monkeypatch.setattr(torch, "save", real_save)
+    monkeypatch.setattr(checkpoint, "save_file", real_save)
     assert train.cli(args(run_model, dataset, out, "--save-every", "1", "--max-steps", "3", "--resume", "auto")) == 0
     assert f"resumed from {ckpts / 'step-0000001'} at step 1" in capsys.readouterr().out
 
@@ -329,7 +326,7 @@ def test_fp16_stops_after_too_many_skipped_steps(run_model, dataset, tmp_path, c
 
 def test_killed_mid_checkpoint_keeps_the_previous_one(run_model, dataset, tmp_path, capsys):
     """SIGKILL while the second checkpoint is half written: the first stays whole, and --resume auto
-    takes it (not the half-written *.tmp, which already holds a state.pt)."""
+    takes it (not the half-written *.tmp, which already holds a state.json)."""
     out = tmp_path / "out"
     stall_second_save = (
         "import sys, time, checkpoint, train\n"
@@ -357,7 +354,7 @@ def test_killed_mid_checkpoint_keeps_the_previous_one(run_model, dataset, tmp_pa
     assert "stalled mid-save" in lines[-1], "".join(lines[-30:])
     ckpts = out / "checkpoints"
     assert sorted(os.listdir(ckpts)) == ["step-0000002", "step-0000004.tmp"]
-    assert (ckpts / "step-0000004.tmp" / "state.pt").exists()
+    assert (ckpts / "step-0000004.tmp" / "state.json").exists()
     assert (ckpts / "step-0000002" / "adapter" / "adapter_model.safetensors").exists()
     assert checkpoint.RunFolder(train.TrainConfig(out_dir=str(out))).checkpoints()[-1] == str(ckpts / "step-0000002")
 
@@ -385,7 +382,7 @@ def test_ctrl_c_checkpoints_and_resume_is_exact(run_model, dataset, tmp_path, ca
     ckpt = out / "checkpoints" / f"step-{step:07d}"
     assert f"interrupted after step {step}: saved {ckpt}. To continue, run the same command with --resume auto" \
            in stdout
-    assert 1 <= step < 12 and (ckpt / "state.pt").exists()
+    assert 1 <= step < 12 and (ckpt / "state.json").exists()
     assert f"SIGINT: stopping after step {step}, then saving a checkpoint" in stderr, stderr[-3000:]
 
     assert train.cli(args(run_model, dataset, out, *opts, "--resume", "auto")) == 0
@@ -513,7 +510,7 @@ def test_sigterm_stops_after_the_step_and_saves(run_model, dataset, tmp_path, ca
     assert "SIGTERM: stopping after step 2, then saving a checkpoint" in captured.err
     assert f"interrupted after step 2: saved {ckpt}. To continue, run the same command with --resume auto" \
            in captured.out
-    assert [r["step"] for r in read_metrics(out)] == [1, 2] and (ckpt / "state.pt").exists()
+    assert [r["step"] for r in read_metrics(out)] == [1, 2] and (ckpt / "state.json").exists()
     assert not (out / "adapter").exists()
 
 
@@ -541,12 +538,12 @@ def test_ctrl_c_while_saving_waits(run_model, dataset, tmp_path, capfd, monkeypa
     """Two Ctrl-C during the final checkpoint (the only one, --save-every 0): "saving, please wait"; the
     checkpoint, the eval and the adapter are all written, and the run is complete (exit 0)."""
     out = tmp_path / "out"
-    send_on_call(monkeypatch, torch, "save", 1, signal.SIGINT, times=2)
+    send_on_call(monkeypatch, checkpoint, "save_file", 1, signal.SIGINT, times=2)
     assert train.cli(args(run_model, dataset, out, "--eval-fraction", "0.1")) == 0
     captured = capfd.readouterr()
     assert captured.err.count("saving, please wait") == 2, captured.err
     assert "one more Ctrl-C aborts" in captured.err
-    assert (out / "checkpoints" / "step-0000002" / "state.pt").exists()
+    assert (out / "checkpoints" / "step-0000002" / "state.json").exists()
     assert (out / "adapter" / "adapter_model.safetensors").exists()
     assert "eval_loss" in read_metrics(out)[-1] and "done: adapter in" in captured.out
     assert sorted(os.listdir(out / "checkpoints")) == ["step-0000002"]
@@ -555,7 +552,7 @@ def test_ctrl_c_while_saving_waits(run_model, dataset, tmp_path, capfd, monkeypa
 def test_a_third_ctrl_c_aborts_the_save_and_loses_only_it(run_model, dataset, tmp_path, capfd, monkeypatch,
                                                           signal_guard):
     out = tmp_path / "out"
-    send_on_call(monkeypatch, torch, "save", 2, signal.SIGINT, times=3)  # the step-2 (final) checkpoint
+    send_on_call(monkeypatch, checkpoint, "save_file", 2, signal.SIGINT, times=3)  # the step-2 (final) checkpoint
     assert train.cli(args(run_model, dataset, out, "--save-every", "1")) == 130
     err = capfd.readouterr().err
     ckpts = out / "checkpoints"
@@ -687,42 +684,47 @@ def test_resuming_an_older_checkpoint_sets_the_newer_aside(run_model, dataset, t
     assert f"resumed from {ckpts / 'step-0000002'} at step 2" in capsys.readouterr().out
 
 
-def _flip_tensor_bytes(state):
-    """Flip 16 bytes inside the first tensor's data of a torch.save file (stored uncompressed in its zip)."""
-    with zipfile.ZipFile(state) as z:
-        info = next(i for i in z.infolist() if "/data/" in i.filename and i.file_size >= 64)
-    start = info.header_offset + 30 + len(info.filename.encode()) + len(info.extra)  # past the local header
-    with open(state, "r+b") as f:
+def _flip_tensor_bytes(tensors):
+    """Flip 16 bytes inside the tensor data of a safetensors file (past its 8-byte length and JSON header)."""
+    with open(tensors, "rb") as f:
+        start = 8 + int.from_bytes(f.read(8), "little")
+    with open(tensors, "r+b") as f:
         f.seek(start + 16)
         chunk = f.read(16)
         f.seek(start + 16)
         f.write(bytes(b ^ 0xFF for b in chunk))
 
 
-def _rewrite_lora(folder, change):
-    """Change the LoRA tensors of a checkpoint and write its manifest again, as a different program would."""
-    ck = torch.load(folder / "state.pt", weights_only=False)
-    change(ck["lora"])
-    torch.save(ck, folder / "state.pt")
+def _rewrite(folder, change):
+    """Change a checkpoint's state and write its manifest again, as a different program would."""
+    ck = checkpoint.read_state(folder)
+    change(ck)
+    for name in ("state.json", "tensors.safetensors", "manifest.json"):
+        os.remove(folder / name)
+    checkpoint.write_state(folder, ck)
     checkpoint.write_manifest(folder)
 
 
+def _rewrite_lora(folder, change):
+    _rewrite(folder, lambda ck: change(ck["lora"]))
+
+
 DAMAGES = {  # how the newest checkpoint is damaged -> what the warning says
-    "flipped-bytes": (lambda d: _flip_tensor_bytes(d / "state.pt"),
-                      r"state\.pt does not match its sha256 in manifest\.json: it changed after it was written"),
+    "flipped-bytes": (lambda d: _flip_tensor_bytes(d / "tensors.safetensors"),
+                      r"tensors\.safetensors does not match its sha256 in manifest\.json: it changed after it was written"),
     "missing-tensor": (lambda d: _rewrite_lora(d, lambda lora: lora.pop(next(iter(lora)))),
                        r"its LoRA tensors do not fit the model: missing \['model\.layers\.0\..*lora_A'\]"),
     "wrong-shape": (lambda d: _rewrite_lora(d, lambda lora: lora.update({k: v[:1] for k, v in list(lora.items())[:1]})),
-                    r"its LoRA tensors do not fit the model: shape of model\.layers\.0\..*lora_A \(1, 64\) "
-                    r"\(the model's is \(16, 64\)\)"),
-    "no-state": (lambda d: os.remove(d / "state.pt"), r"Damaged: no state\.pt"),
+                    r"its LoRA tensors do not fit the model: shape of model\.layers\.0\..*lora_A \(1, (\d+)\) "
+                    r"\(the model's is \(16, \1\)\)"),
+    "no-state": (lambda d: os.remove(d / "state.json"), r"Damaged: no state\.json"),
 }
 
 
 @pytest.mark.parametrize("damage", DAMAGES)
 def test_damaged_checkpoint_is_found_and_skipped(run_model, dataset, tmp_path, capsys, damage):
     """A checkpoint changed after it was written (checksums), one whose tensors do not fit the model, and a
-    folder without state.pt: each is skipped with a warning, and the run resumes from the one before it."""
+    folder without state.json: each is skipped with a warning, and the run resumes from the one before it."""
     out = tmp_path / "out"
     assert train.cli(args(run_model, dataset, out, "--save-every", "1")) == 0
     make, match = DAMAGES[damage]
@@ -796,23 +798,17 @@ class FullDisk(io.TextIOWrapper):
 
 def test_disk_full_writing_metrics(run_model, dataset, tmp_path, capsys, monkeypatch):
     """One error line; an emergency checkpoint of the last complete step; the run resumes from it."""
-    real_open = open
-
-    def fake_open(file, mode="r", *a, **k):
-        if str(file).endswith("metrics.jsonl") and mode == "a":
-            return FullDisk(real_open(file, "ab"), encoding="utf-8")
-        return real_open(file, mode, *a, **k)
-
+    real_open = checkpoint.open_append
     out = tmp_path / "out"
     FullDisk.room = 2
-    monkeypatch.setattr("builtins.open", fake_open)
+    monkeypatch.setattr(checkpoint, "open_append", lambda path: FullDisk(open(path, "ab"), encoding="utf-8"))
     assert train.cli(args(run_model, dataset, out, "--max-steps", "4")) == 2
     err = capsys.readouterr().err
     ckpt = out / "checkpoints" / "step-0000003"
     assert err.count("\n") == 1 and err.startswith(f"error: cannot write {out / 'metrics.jsonl'} (No space left on "
                                                    f"device). The last good checkpoint is {ckpt}: free disk space in "
                                                    f"{out} and continue from it with --resume {ckpt}"), err
-    monkeypatch.setattr("builtins.open", real_open)
+    monkeypatch.setattr(checkpoint, "open_append", real_open)
     assert train.cli(args(run_model, dataset, out, "--max-steps", "4", "--resume", "auto")) == 0
     assert [r["step"] for r in read_metrics(out)] == [1, 2, 4]  # step 3's record was the one that did not fit
 
@@ -926,7 +922,7 @@ def test_real_cuda_out_of_memory(run_model, dataset, tmp_path, capsys, monkeypat
                           "--cuda-graphs", "off")) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("error: out of GPU memory in step 2 "), err
-    assert (out / "checkpoints" / "step-0000001" / "state.pt").exists()
+    assert (out / "checkpoints" / "step-0000001" / "state.json").exists()
     mcfg = read_config(run_model)
     cfg = train.TrainConfig(model=run_model, max_len=256, batch_size=10 ** 6)
     assert "expect out-of-memory" in train.memory_warning(cfg, mcfg, torch.bfloat16, True, torch.device("cuda"))

@@ -192,7 +192,7 @@ def test_cli_end_to_end(run_model, tmp_path):
     assert "step 3/3 | loss" in r.stdout and "answer accuracy" in r.stdout
     assert (out / "adapter" / "adapter_model.safetensors").exists()
     assert (out / "adapter" / "adapter_config.json").exists()
-    assert (out / "checkpoints" / "step-0000003" / "state.pt").exists()
+    assert (out / "checkpoints" / "step-0000003" / "state.json").exists()
     assert (out / "train_config.json").exists()
     rows = read_metrics(str(out))
     assert any("eval_loss" in r for r in rows) and any("grad_norm" in r for r in rows)
