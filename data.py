@@ -67,6 +67,8 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+import files
+
 IGNORE_INDEX = -100  # what torch.nn.functional.cross_entropy skips by default
 BATCH_KEYS = ("input_ids", "targets", "position_ids", "doc_ids")
 PAD_PIECE = 64  # the shortest document that a packed row's padding is split into (see `pack`)
@@ -827,18 +829,19 @@ def _cpu_count():
 
 
 def _encode_cached(records, *, tokenizer, system_prompt, num_proc, cache_dir, log):
-    """encode_example of every record, from the cache when it holds them."""
+    """encode_example of every record, from the cache when it holds them. A cache file that cannot be read,
+    is not a regular file, or whose arrays disagree with each other, the records or the vocabulary
+    (`_check_cache`) is never used: the records are tokenized again and the file replaced."""
     path = os.path.join(cache_dir, _cache_key(records, tokenizer, system_prompt) + ".npz")
     arrays = None
-    if os.path.exists(path):
+    if os.path.lexists(path):
         try:
-            with np.load(path) as f:
+            with files.open_regular(path) as fh, np.load(fh) as f:  # np.load refuses pickled arrays
                 arrays = f["ids"], f["mask"], f["lengths"]
-            if len(arrays[2]) != len(records):
-                raise ValueError(f"it holds {len(arrays[2])} examples, not {len(records)}")
+            _check_cache(arrays, len(records), tokenizer.vocab_size)
             log(f"data: {len(records)} examples tokenized before, read from {path}")
-        except Exception as e:  # a damaged or foreign file: tokenize again and overwrite it
-            log(f"data: ignoring the unreadable cache file {path} ({e})")
+        except Exception as e:  # a damaged, foreign or planted file: tokenize again and replace it
+            log(f"data: ignoring the damaged cache file {path} ({e}); tokenizing again")
             arrays = None
     if arrays is None:
         arrays = _tokenize(records, tokenizer, system_prompt, num_proc, log)
@@ -846,6 +849,29 @@ def _encode_cached(records, *, tokenizer, system_prompt, num_proc, cache_dir, lo
     ids, mask, lengths = arrays
     ids, mask, bounds = ids.tolist(), mask.tolist(), [0] + np.cumsum(lengths).tolist()
     return [(ids[a:b], mask[a:b]) for a, b in zip(bounds, bounds[1:])]
+
+
+def _check_cache(arrays, n_records, vocab_size):
+    """Raise ValueError, saying what disagrees, unless the cached (ids, mask, lengths) are what `_tokenize`
+    writes for n_records records: 1-D integer ids, a bool mask and integer lengths, one length per record,
+    the lengths adding up to the ids' and the mask's length, every id a token of the vocabulary."""
+    ids, mask, lengths = arrays
+    if any(a.ndim != 1 for a in arrays):
+        raise ValueError(f"its arrays have the shapes {ids.shape}, {mask.shape}, {lengths.shape}, not one axis each")
+    if not (np.issubdtype(ids.dtype, np.integer) and mask.dtype == bool and np.issubdtype(lengths.dtype, np.integer)):
+        raise ValueError(f"its arrays are of {ids.dtype}, {mask.dtype} and {lengths.dtype}, not integers, booleans "
+                         "and integers")
+    if len(lengths) != n_records:
+        raise ValueError(f"it holds {len(lengths)} examples, not {n_records}")
+    if n_records and lengths.min() < 0:
+        raise ValueError(f"it holds the negative length {lengths.min()}")
+    total = sum(lengths.tolist())  # Python ints: no overflow
+    if not len(ids) == len(mask) == total:
+        raise ValueError(f"its lengths add up to {total} tokens, but it holds {len(ids)} ids and {len(mask)} mask "
+                         "entries")
+    if len(ids) and not (ids.min() >= 0 and ids.max() < vocab_size):
+        raise ValueError(f"it holds token ids from {ids.min()} to {ids.max()}, outside the tokenizer's vocabulary "
+                         f"of {vocab_size}")
 
 
 def _cache_key(records, tokenizer, system_prompt):
@@ -868,16 +894,11 @@ def _code_hash():
 
 
 def _write_cache(path, arrays, log):
-    tmp = f"{path}.{os.getpid()}.tmp"
     try:
         os.makedirs(os.path.dirname(path), exist_ok=True)
-        with open(tmp, "wb") as f:
-            np.savez(f, ids=arrays[0], mask=arrays[1], lengths=arrays[2])
-        os.replace(tmp, path)  # atomic: a reader never sees half a file
+        files.write_atomic(path, lambda f: np.savez(f, ids=arrays[0], mask=arrays[1], lengths=arrays[2]))
     except OSError as e:  # a read-only or full disk costs only the cache
         log(f"data: could not cache the tokenized examples in {path} ({e}); continuing without")
-        with contextlib.suppress(OSError):
-            os.remove(tmp)
 
 
 def _tokenize(records, tokenizer, system_prompt, num_proc, log):

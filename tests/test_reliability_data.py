@@ -1,0 +1,134 @@
+"""Reliability of the data side, tried as a hostile or careless user would: symlinks planted in the
+tokenized-data cache and the run folder, chat templates that never finish, damaged cache files,
+malformed CSV and JSONL rows, and eval sets whose answers do not fit --max-len."""
+import json
+import os
+import sys
+import types
+
+import pytest
+
+import files
+import tracking
+from data import load_datasets
+from model.tokenizer import load_tokenizer
+from tests.tiny_tokenizer import make_test_tokenizer
+
+
+def quiet(*args):
+    pass
+
+
+@pytest.fixture(scope="module")
+def tok(tmp_path_factory):
+    return load_tokenizer(make_test_tokenizer(tmp_path_factory.mktemp("tok")))
+
+
+def write_jsonl(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+CHATS = [{"messages": [{"role": "user", "content": f"question {i}"}, {"role": "assistant", "content": f"answer {i}"}]}
+         for i in range(5)]
+
+# ----------------------------------------------------------------------------- symlinks: the cache, .wandb_id
+
+
+def planted(tmp_path, name="precious.txt"):
+    """A file outside the folder under attack, and its contents."""
+    outside = tmp_path / "outside"
+    outside.mkdir(exist_ok=True)
+    victim = outside / name
+    victim.write_text("the user's own file\n")
+    return victim
+
+
+def cache_entry(tok, folder, rows):
+    """(the data file, the cache folder, the cache file of its rows, the examples), tokenized once in `folder`."""
+    folder.mkdir(exist_ok=True)
+    path, cache = write_jsonl(folder / "d.jsonl", rows), folder / "cache"
+    first = load_datasets(tok, data=path, eval_fraction=0, cache_dir=str(cache), log=quiet)
+    (entry,) = cache.iterdir()
+    return path, cache, entry, first
+
+
+def test_a_symlink_at_the_cache_file_or_its_temp_file_is_not_written_through(tok, tmp_path):
+    path, cache, entry, first = cache_entry(tok, tmp_path, CHATS)
+    victim, other = planted(tmp_path), planted(tmp_path, "other.txt")
+    entry.unlink()
+    entry.symlink_to(victim)
+    # where a temp file named by the process id would go: a link there would be truncated and overwritten
+    os.symlink(other, f"{entry}.{os.getpid()}.tmp")
+    logs = []
+    assert load_datasets(tok, data=path, eval_fraction=0, cache_dir=str(cache), log=logs.append) == first
+    assert victim.read_text() == other.read_text() == "the user's own file\n"
+    assert not entry.is_symlink() and entry.is_file()  # the link is replaced by a cache file of its own
+    assert any(line.startswith(f"data: ignoring the damaged cache file {entry} (") for line in logs), logs
+    assert load_datasets(tok, data=path, eval_fraction=0, cache_dir=str(cache), log=logs.append) == first
+
+
+def test_a_symlinked_cache_file_is_not_read(tok, tmp_path):
+    """A link to another data set's valid cache file, of as many rows, would change the run's tokens."""
+    path, cache, entry, first = cache_entry(tok, tmp_path, CHATS)
+    *_, other_entry, other = cache_entry(tok, tmp_path / "other", [{"text": f"other {i}"} for i in range(5)])
+    assert other != first
+    entry.unlink()
+    entry.symlink_to(other_entry)
+    logs = []
+    assert load_datasets(tok, data=path, eval_fraction=0, cache_dir=str(cache), log=logs.append) == first
+    assert any("a symbolic link, not followed" in line for line in logs), logs
+
+
+def test_write_atomic_leaves_no_temp_file_and_keeps_the_old_file_on_error(tmp_path):
+    target = tmp_path / "f.bin"
+    target.write_bytes(b"old")
+
+    def fail(f):
+        f.write(b"half")
+        raise OSError("disk full")
+    with pytest.raises(OSError, match="disk full"):
+        files.write_atomic(str(target), fail)
+    assert target.read_bytes() == b"old" and os.listdir(tmp_path) == ["f.bin"]
+    files.write_atomic(str(target), lambda f: f.write(b"new"))
+    assert target.read_bytes() == b"new" and os.listdir(tmp_path) == ["f.bin"]
+
+
+@pytest.fixture
+def fake_wandb(monkeypatch):
+    """A stand-in `wandb` module that records the run id each init was given."""
+    ids = []
+    module = types.SimpleNamespace(init=lambda **kw: ids.append(kw["id"]), log=lambda *a, **k: None,
+                                   finish=lambda: None)
+    monkeypatch.setitem(sys.modules, "wandb", module)
+    return ids
+
+
+def test_wandb_id_is_kept_in_the_run_folder(tmp_path, fake_wandb):
+    tracking.open_trackers(["wandb"], str(tmp_path), config={}).close()
+    tracking.open_trackers(["wandb"], str(tmp_path), config={}).close()  # a resumed run: the same W&B run
+    assert fake_wandb[0] == fake_wandb[1] == (tmp_path / ".wandb_id").read_text()
+    assert os.listdir(tmp_path) == [".wandb_id"]
+
+
+@pytest.mark.parametrize("dangling", [False, True])
+def test_a_symlinked_wandb_id_is_neither_read_nor_written_through(tmp_path, fake_wandb, dangling):
+    """A link to an existing file would send its contents to W&B as the run id; a dangling one would make
+    the run create a file outside its folder."""
+    victim = planted(tmp_path)
+    if dangling:
+        victim.unlink()
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / ".wandb_id").symlink_to(victim)
+    with pytest.raises(ValueError, match=rf"cannot read the W&B run id in {out / '.wandb_id'} \(.*symbolic link"):
+        tracking.open_trackers(["wandb"], str(out), config={})
+    assert fake_wandb == []
+    assert (victim.read_text() == "the user's own file\n") if not dangling else not victim.exists()
+
+
+def test_a_wandb_id_file_of_other_contents_is_refused(tmp_path, fake_wandb):
+    (tmp_path / ".wandb_id").write_text("x" * 10_000)
+    with pytest.raises(ValueError, match="does not hold a W&B run id"):
+        tracking.open_trackers(["wandb"], str(tmp_path), config={})
+    assert fake_wandb == []
