@@ -59,6 +59,7 @@ import random
 import re
 import signal
 import string
+import threading
 import time
 from functools import lru_cache
 
@@ -86,6 +87,7 @@ ALPACA_PROMPT_NO_INPUT = "### Instruction:\n{instruction}\n\n### Response:\n"
 CHAT_ROLES = ("system", "user", "assistant")  # every template takes these (or refuses one, as Gemma's does system)
 SHAREGPT_ROLES = {"human": "user", "gpt": "assistant", "system": "system",
                   "user": "user", "assistant": "assistant", "tool": "tool"}
+RENDER_SECONDS = 5.0  # the longest one chat may take to render (real templates take milliseconds)
 SPLIT_NAMES = ("train", "test", "validation", "valid", "val", "dev", "eval")  # how hub snapshots name split files
 
 # ----------------------------------------------------------------------------- loading
@@ -612,10 +614,52 @@ def _spans_in_one_render(full, rendered, messages):
 
 
 def _render(tokenizer, messages, where, add_generation_prompt=False):
+    """The chat template's rendering of `messages`. The Jinja sandbox stops a template from touching
+    anything but its arguments; RENDER_SECONDS stops one that would never finish (nested loops)."""
     try:
-        return tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+        with _time_limit(RENDER_SECONDS, SlowTemplate(where)):
+            return tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+    except SlowTemplate:
+        raise
     except Exception as e:  # the template's raise_exception(), a Jinja error, or a Python error inside it
         raise ValueError(f"{where}: the chat template failed on it ({type(e).__name__}: {e})") from None
+
+
+class SlowTemplate(ValueError):
+    """A chat template that took over RENDER_SECONDS to render the chat that `where` names."""
+
+    def __init__(self, where):
+        super().__init__(where)  # the only argument: a pool process sends it back pickled as SlowTemplate(where)
+        self.where = where
+
+    def __str__(self):
+        return self.message("the chat template")
+
+    def message(self, template):
+        """The error line, naming the template (`template`: 'the model's chat template', '--chat-template FILE')."""
+        return (f"{template} took over {RENDER_SECONDS:g} s to render {self.where}, so it was stopped (a chat "
+                "template renders a chat in milliseconds; this one loops far too long): fix it, or pass another "
+                "with --chat-template FILE")
+
+
+@contextlib.contextmanager
+def _time_limit(seconds, error):
+    """Raise `error` inside the block once it has run for `seconds`: a SIGALRM timer, which stops pure-Python
+    code (a Jinja template is compiled to Python) wherever it is. Signals reach only the main thread, where
+    train.py and the tokenizing pool's processes read data; in another thread the block runs unbounded."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def stop(signum, frame):
+        raise error
+    previous = signal.signal(signal.SIGALRM, stop)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
 
 
 _MARKERS = {}  # (template, bos, eos) -> (header, turn_end)
@@ -724,9 +768,14 @@ def load_datasets(tokenizer, *, data="builtin", eval_data=None, eval_fraction=0.
         _layout(row, tokenizer, system_prompt, where)
     options = dict(tokenizer=tokenizer, system_prompt=system_prompt, num_proc=num_proc or _cpu_count(),
                    cache_dir=cache_dir or default_cache_dir(), log=log)
-    encoded = _encode_cached(records, **options)
-    if eval_records is not None:
-        train, held_out = encoded, _encode_cached(eval_records, **options)
+    try:
+        encoded = _encode_cached(records, **options)
+        held_out = _encode_cached(eval_records, **options) if eval_records is not None else None
+    except SlowTemplate as e:
+        raise ValueError(e.message(f"--chat-template {chat_template}" if chat_template else
+                                   "the model's chat template")) from None
+    if held_out is not None:
+        train = encoded
     else:
         train_rows, eval_rows = _split(len(records), eval_fraction, seed)
         train, held_out = [encoded[i] for i in train_rows], [encoded[i] for i in eval_rows]

@@ -3,16 +3,20 @@ tokenized-data cache and the run folder, chat templates that never finish, damag
 malformed CSV and JSONL rows, and eval sets whose answers do not fit --max-len."""
 import json
 import os
+import re
+import signal
 import sys
+import time
 import types
 
 import pytest
 
+import data
 import files
 import tracking
 from data import load_datasets
 from model.tokenizer import load_tokenizer
-from tests.tiny_tokenizer import make_test_tokenizer
+from tests.tiny_tokenizer import CHATML, make_test_tokenizer
 
 
 def quiet(*args):
@@ -132,3 +136,37 @@ def test_a_wandb_id_file_of_other_contents_is_refused(tmp_path, fake_wandb):
     with pytest.raises(ValueError, match="does not hold a W&B run id"):
         tracking.open_trackers(["wandb"], str(tmp_path), config={})
     assert fake_wandb == []
+
+# ----------------------------------------------------------------------------- a chat template that never finishes
+
+LOOPS = "{% for i in range(OUTER) %}{% for j in range(INNER) %}{% endfor %}{% endfor %}"
+
+
+@pytest.mark.parametrize("num_proc, outer, inner", [(1, 10_000, 1_000), (2, 100_000, 100_000)])
+def test_a_chat_template_that_loops_too_long_is_stopped_naming_it(tok, tmp_path, monkeypatch, num_proc, outer, inner):
+    """Ten million empty iterations take seconds unbounded; 10^10 (the pool's case) take hours."""
+    monkeypatch.setattr(data, "RENDER_SECONDS", 0.2)
+    template = tmp_path / "bomb.jinja"
+    template.write_text(LOOPS.replace("OUTER", str(outer)).replace("INNER", str(inner)) + CHATML)
+    rows = CHATS * (1 if num_proc == 1 else data.CHUNK)
+    start = time.monotonic()
+    with pytest.raises(ValueError, match=rf"^--chat-template {re.escape(str(template))} took over 0\.2 s to render "
+                                         r".*d\.jsonl: line \d+, so it was stopped .*: fix it, or pass another"):
+        load_datasets(tok, data=write_jsonl(tmp_path / "d.jsonl", rows), chat_template=str(template),
+                      num_proc=num_proc, cache_dir=str(tmp_path / "c"), log=quiet)
+    assert time.monotonic() - start < 5
+    assert signal.getitimer(signal.ITIMER_REAL) == (0.0, 0.0)
+    assert signal.getsignal(signal.SIGALRM) is signal.SIG_DFL
+
+
+def test_the_models_own_slow_template_is_named_and_a_quick_one_renders_as_before(tmp_path, monkeypatch):
+    monkeypatch.setattr(data, "RENDER_SECONDS", 0.2)
+    slow = load_tokenizer(make_test_tokenizer(tmp_path / "slow", chat_template=LOOPS.replace("OUTER", "100000")
+                                              .replace("INNER", "100000") + CHATML))
+    with pytest.raises(ValueError, match=r"^the model's chat template took over 0\.2 s to render .*d\.jsonl: line 1"):
+        load_datasets(slow, data=write_jsonl(tmp_path / "d.jsonl", CHATS), num_proc=1,
+                      cache_dir=str(tmp_path / "c"), log=quiet)
+    quick = load_tokenizer(make_test_tokenizer(tmp_path / "quick", chat_template=LOOPS.replace("OUTER", "10")
+                                               .replace("INNER", "10") + CHATML))
+    assert data.encode_example(CHATS[0], quick) == data.encode_example(CHATS[0], load_tokenizer(
+        make_test_tokenizer(tmp_path / "plain")))
