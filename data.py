@@ -886,8 +886,8 @@ def _encode_cached(records, *, tokenizer, system_prompt, num_proc, cache_dir, lo
     if os.path.lexists(path):
         try:
             with files.open_regular(path) as fh, np.load(fh) as f:  # np.load refuses pickled arrays
-                arrays = f["ids"], f["mask"], f["lengths"]
-            _check_cache(arrays, len(records), tokenizer.vocab_size)
+                arrays, digest = (f["ids"], f["mask"], f["lengths"]), f["digest"]
+            _check_cache(arrays, digest, len(records), tokenizer.vocab_size)
             log(f"data: {len(records)} examples tokenized before, read from {path}")
         except Exception as e:  # a damaged, foreign or planted file: tokenize again and replace it
             log(f"data: ignoring the damaged cache file {path} ({e}); tokenizing again")
@@ -900,10 +900,11 @@ def _encode_cached(records, *, tokenizer, system_prompt, num_proc, cache_dir, lo
     return [(ids[a:b], mask[a:b]) for a, b in zip(bounds, bounds[1:])]
 
 
-def _check_cache(arrays, n_records, vocab_size):
+def _check_cache(arrays, digest, n_records, vocab_size):
     """Raise ValueError, saying what disagrees, unless the cached (ids, mask, lengths) are what `_tokenize`
     writes for n_records records: 1-D integer ids, a bool mask and integer lengths, one length per record,
-    the lengths adding up to the ids' and the mask's length, every id a token of the vocabulary."""
+    the lengths adding up to the ids' and the mask's length, every id a token of the vocabulary, and the
+    arrays' `_digest` the `digest` written with them."""
     ids, mask, lengths = arrays
     if any(a.ndim != 1 for a in arrays):
         raise ValueError(f"its arrays have the shapes {ids.shape}, {mask.shape}, {lengths.shape}, not one axis each")
@@ -921,6 +922,18 @@ def _check_cache(arrays, n_records, vocab_size):
     if len(ids) and not (ids.min() >= 0 and ids.max() < vocab_size):
         raise ValueError(f"it holds token ids from {ids.min()} to {ids.max()}, outside the tokenizer's vocabulary "
                          f"of {vocab_size}")
+    if digest.tobytes() != _digest(arrays):
+        raise ValueError("its arrays do not match the checksum written with them")
+
+
+def _digest(arrays):
+    """The sha256 of the cached arrays (dtypes, shapes and contents): it finds arrays that agree in their
+    sizes but not in their contents, e.g. lengths that move the examples' boundaries."""
+    h = hashlib.sha256()
+    for a in arrays:
+        h.update(f"{a.dtype} {a.shape};".encode())
+        h.update(memoryview(np.ascontiguousarray(a)).cast("B"))
+    return h.digest()
 
 
 def _cache_key(records, tokenizer, system_prompt):
@@ -945,7 +958,8 @@ def _code_hash():
 def _write_cache(path, arrays, log):
     try:
         os.makedirs(os.path.dirname(path), exist_ok=True)
-        files.write_atomic(path, lambda f: np.savez(f, ids=arrays[0], mask=arrays[1], lengths=arrays[2]))
+        digest = np.frombuffer(_digest(arrays), dtype=np.uint8)
+        files.write_atomic(path, lambda f: np.savez(f, ids=arrays[0], mask=arrays[1], lengths=arrays[2], digest=digest))
     except OSError as e:  # a read-only or full disk costs only the cache
         log(f"data: could not cache the tokenized examples in {path} ({e}); continuing without")
 

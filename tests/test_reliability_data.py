@@ -9,6 +9,7 @@ import sys
 import time
 import types
 
+import numpy as np
 import pytest
 
 import data
@@ -170,3 +171,48 @@ def test_the_models_own_slow_template_is_named_and_a_quick_one_renders_as_before
                                                .replace("INNER", "10") + CHATML))
     assert data.encode_example(CHATS[0], quick) == data.encode_example(CHATS[0], load_tokenizer(
         make_test_tokenizer(tmp_path / "plain")))
+
+# ----------------------------------------------------------------------------- a cache file that disagrees with itself
+
+
+def plant(entry, **changes):
+    """Rewrite the cache file `entry` with some of its arrays changed: changes[name](array) -> new array."""
+    with np.load(entry) as f:
+        arrays = {k: f[k] for k in f.files}
+    arrays.update({k: change(arrays[k]) for k, change in changes.items()})
+    with open(entry, "wb") as f:
+        np.savez(f, **arrays)
+
+
+@pytest.mark.parametrize("changes, reason", [
+    ({"lengths": lambda a: np.concatenate([a[:1] + 1, a[1:-1], a[-1:] - 1])},  # the same total, other boundaries
+     "its arrays do not match the checksum written with them"),
+    ({"digest": lambda a: a[:0]}, "its arrays do not match the checksum written with them"),
+    ({"lengths": lambda a: a - 1}, r"its lengths add up to \d+ tokens, but it holds \d+ ids and \d+ mask entries"),
+    ({"mask": lambda a: a[:-1]}, r"its lengths add up to \d+ tokens, but it holds \d+ ids and \d+ mask entries"),
+    ({"lengths": lambda a: a[:-1]}, r"it holds 4 examples, not 5"),
+    ({"ids": lambda a: np.where(a == a.max(), 10_000, a)},
+     r"it holds token ids from \d+ to 10000, outside the tokenizer's vocabulary of 400"),
+    ({"ids": lambda a: np.where(a == a.min(), -1, a)}, r"it holds token ids from -1 to"),
+    ({"mask": lambda a: a.astype(np.int64)}, r"its arrays are of int32, int64 and int64, not integers, booleans"),
+    ({"ids": lambda a: a[None]}, r"its arrays have the shapes \(1, \d+\), \(\d+,\), \(5,\), not one axis each"),
+])
+def test_an_inconsistent_or_out_of_vocabulary_cache_is_rebuilt(tok, tmp_path, changes, reason):
+    path, cache, entry, first = cache_entry(tok, tmp_path, CHATS)
+    plant(entry, **changes)
+    logs = []
+    again = load_datasets(tok, data=path, eval_fraction=0, cache_dir=str(cache), log=logs.append)
+    assert again == first
+    assert any(re.fullmatch(rf"data: ignoring the damaged cache file {re.escape(str(entry))} \({reason}.*\); "
+                            "tokenizing again", line) for line in logs), logs
+    logs.clear()
+    assert load_datasets(tok, data=path, eval_fraction=0, cache_dir=str(cache), log=logs.append) == first
+    assert any(line.startswith("data: 5 examples tokenized before") for line in logs)  # rewritten, now used
+
+
+def test_a_pickled_cache_file_is_refused(tok, tmp_path):
+    path, cache, entry, first = cache_entry(tok, tmp_path, CHATS)
+    plant(entry, ids=lambda a: np.array([{"payload": 1}], dtype=object))
+    logs = []
+    assert load_datasets(tok, data=path, eval_fraction=0, cache_dir=str(cache), log=logs.append) == first
+    assert any("allow_pickle=False" in line for line in logs), logs
