@@ -49,7 +49,6 @@ import contextlib
 import csv
 import hashlib
 import importlib
-import io
 import itertools
 import json
 import math
@@ -124,7 +123,7 @@ def _read_spec(spec, limit):
         split = spec.partition(":")[2] or "train"
         return [(f"builtin:{split}: item {i}", ex) for i, ex in enumerate(builtin_dataset(split))]
     if os.path.isfile(spec):
-        return _read_file(spec)
+        return _read_file(spec, limit=limit)
     if os.path.isdir(spec):
         return _read_folder(spec, None, limit)
     folder, _, split = spec.rpartition(":")
@@ -138,7 +137,7 @@ def _read_spec(spec, limit):
             "hub dataset (user/repo:path/to/file.jsonl), or 'builtin'")
     repo, revision, rest = hub["repo"], hub["revision"], hub["rest"] or ""
     if "/" in rest or rest.lower().endswith(DATA_EXTENSIONS):
-        return _read_file(_hub_download(repo, rest, revision), name=f"{repo}:{rest}")
+        return _read_file(_hub_download(repo, rest, revision), name=f"{repo}:{rest}", limit=limit)
     parts = rest.split(":") if rest else []
     if len(parts) > 2:
         raise ValueError(f"{spec!r}: a hub dataset is written user/repo[@revision][:config]:split, with at most "
@@ -210,7 +209,7 @@ def _read_folder(folder, split, limit):
                          f"e.g. --data {folder}:{splits[-1] if 'train' not in splits else 'train'}")
     rows = []
     for f in files:
-        rows += _read_file(os.path.join(folder, f))
+        rows += _read_file(os.path.join(folder, f), limit=None if limit is None else limit - len(rows))
         if limit is not None and len(rows) >= limit:
             break
     return rows
@@ -244,18 +243,25 @@ def _read_saved(folder, split, limit):
     return _dataset_rows(ds, folder, limit)
 
 
-def _read_file(path, name=None):
-    """[(where, row)] of one data file; `name` (default: the path) starts every `where`."""
+def _read_file(path, name=None, limit=None):
+    """[(where, row)] of one data file; `name` (default: the path) starts every `where`. With `limit`, reading
+    stops once that many rows are in (all but .json, which is one JSON document, are read row by row)."""
     name = name or path
     ext = os.path.splitext(path)[1].lower()
     if ext not in _READERS:
         raise ValueError(f"{name}: unsupported file type {ext or '(no extension)'!r}. Expected .jsonl (one JSON "
                          "object per line), .json (a list of objects, or {\"data\": [...]}), .csv, .txt or .parquet; "
                          "convert it")
-    rows = _READERS[ext](path, name)
+    rows = list(itertools.islice(_READERS[ext](path, name), limit))
     if not rows:
         raise ValueError(f"{name} is empty: it needs at least one example, e.g. {{\"text\": \"...\"}}")
     return rows
+
+
+def _not_utf8(name, line, raw, at):
+    """The error for byte `at` of line `line` (its bytes `raw`), which does not decode as UTF-8."""
+    return ValueError(f"{name}: line {line} is not UTF-8 text (byte 0x{raw[at]:02x} at byte {at + 1} of the line); "
+                      "save the file as UTF-8")
 
 
 def _read_text(path, name):
@@ -264,24 +270,59 @@ def _read_text(path, name):
     try:
         return raw.decode("utf-8-sig")  # -sig: tolerate the byte-order mark some editors write
     except UnicodeDecodeError as e:
-        line = raw.count(b"\n", 0, e.start) + 1
-        column = e.start - raw.rfind(b"\n", 0, e.start)
-        raise ValueError(f"{name}: line {line} is not UTF-8 text (byte 0x{raw[e.start]:02x} at byte {column} of the "
-                         "line); save the file as UTF-8") from None
+        start = raw.rfind(b"\n", 0, e.start) + 1
+        raise _not_utf8(name, raw.count(b"\n", 0, start) + 1, raw[start:], e.start - start) from None
+
+
+def _lines(path, name):
+    """(number, text) of each line of a UTF-8 file, read one at a time, each with its line end. Lines end at
+    '\\n' only (a JSON string may hold a raw U+2028, which str.splitlines would split at); a byte-order mark
+    at the start is dropped, as some editors write one."""
+    with open(path, "rb") as f:
+        for n, raw in enumerate(f, 1):
+            bom = 3 if n == 1 and raw.startswith(b"\xef\xbb\xbf") else 0
+            try:
+                yield n, raw[bom:].decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise _not_utf8(name, n, raw, bom + e.start) from None
+
+
+def _json(text, name, where):
+    """json.loads(text), with an error naming `where` for nesting deeper than the parser's recursion limit,
+    which no JSON parse error covers."""
+    try:
+        value = json.loads(text)
+    except RecursionError:
+        raise ValueError(f"{name}: {where} nests lists or objects too deeply to read; flatten it") from None
+    return value
+
+
+def _no_lone_surrogate(value, name, where):
+    """Raise ValueError naming `where` if JSON-read `value` holds a lone surrogate (from an escape like "\\ud800",
+    half of a UTF-16 pair), which is no text: it would fail later, naming no file or row. Worth calling only
+    where `_SURROGATE_ESCAPE` finds such an escape in the JSON text."""
+    try:
+        json.dumps(value, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"{name}: {where} holds a lone surrogate escape ({e.object[e.start]!a}), half of a UTF-16 "
+                         "pair, which is not text; fix or remove it") from None
+
+
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")  # a surrogate's escape; valid pairs (an emoji) are common
 
 
 def _read_jsonl(path, name):
-    rows = []
-    # split("\n"), not splitlines(): JSON strings may hold a raw U+2028, which splitlines splits on.
-    for n, line in enumerate(_read_text(path, name).split("\n"), 1):
+    for n, line in _lines(path, name):
         if not line.strip():
             continue
         try:
-            rows.append((f"{name}: line {n}", json.loads(line)))
+            row = _json(line, name, f"line {n}")
         except json.JSONDecodeError as e:
             raise ValueError(f"{name}: line {n} is not valid JSON ({e.msg}, column {e.colno}). "
                              "A .jsonl file needs exactly one JSON object per line") from None
-    return rows
+        if _SURROGATE_ESCAPE.search(line):
+            _no_lone_surrogate(row, name, f"line {n}")
+        yield f"{name}: line {n}", row
 
 
 def _read_json(path, name):
@@ -289,7 +330,7 @@ def _read_json(path, name):
     if not text.strip():
         return []
     try:
-        data = json.loads(text)
+        data = _json(text, name, "the file")
     except json.JSONDecodeError as e:
         hint = "; if it holds one object per line, name it .jsonl" if e.msg == "Extra data" else ""
         raise ValueError(f"{name}: not valid JSON at line {e.lineno}, column {e.colno} ({e.msg}){hint}") from None
@@ -298,42 +339,69 @@ def _read_json(path, name):
     if not isinstance(data, list):
         raise ValueError(f"{name}: expected a JSON list of examples or {{\"data\": [...]}}, "
                          f"got a {type(data).__name__}")
+    if _SURROGATE_ESCAPE.search(text):
+        for i, ex in enumerate(data):
+            _no_lone_surrogate(ex, name, f"item {i}")
     return [(f"{name}: item {i}", ex) for i, ex in enumerate(data)]
 
 
 def _read_csv(path, name):
-    reader = csv.DictReader(io.StringIO(_read_text(path, name), newline=""))
-    rows = []
+    lines = _lines(path, name)
+    reader = csv.DictReader((line for _, line in lines), restval=None)
     try:
+        header = reader.fieldnames or []
+        twice = next((c for c in header if header.count(c) > 1), None)
+        if twice is not None:
+            raise ValueError(f"{name}: the header names the column {twice!r} {header.count(twice)} times; "
+                             "give each column its own name")
         for row in reader:
             if None in row:
                 raise ValueError(f"{name}: line {reader.line_num} has more fields than the header "
-                                 f"({', '.join(reader.fieldnames)})")
-            rows.append((f"{name}: line {reader.line_num}", row))
+                                 f"({', '.join(header)})")
+            if None in row.values():  # restval: the row ended before the header did
+                raise ValueError(f"{name}: line {reader.line_num} has {sum(v is not None for v in row.values())} "
+                                 f"fields, fewer than the header's {len(header)} ({', '.join(header)}); a field "
+                                 "that holds a comma or a line break needs double quotes")
+            yield f"{name}: line {reader.line_num}", row
     except csv.Error as e:
         raise ValueError(f"{name}: line {reader.line_num} is not valid CSV ({e})") from None
-    return rows
 
 
 def _read_txt(path, name):
-    rows, block, first = [], [], 0
-    for n, line in enumerate(re.split(r"\r?\n", _read_text(path, name)) + [""], 1):
+    block, first = [], 0
+    for n, line in itertools.chain(_lines(path, name), [(None, "")]):
+        line = line.rstrip("\r\n")
         if line.strip():
             first = first if block else n
             block.append(line)
         elif block:
-            rows.append((f"{name}: line {first}", {"text": "\n".join(block)}))
+            yield f"{name}: line {first}", {"text": "\n".join(block)}
             block = []
-    return rows
 
 
 def _read_parquet(path, name):
     parquet = _optional("pyarrow.parquet", f"reading the parquet file {name}")
+    damaged = f"{name}: not a readable parquet file"
     try:
-        table = parquet.read_table(path)
+        table = parquet.ParquetFile(path)
+        columns = table.schema_arrow.names
     except Exception as e:  # pyarrow raises ArrowInvalid, OSError, ... for a damaged file
-        raise ValueError(f"{name}: not a readable parquet file ({e})") from None
-    return [(f"{name}: row {i}", row) for i, row in enumerate(table.to_pylist())]
+        raise ValueError(f"{damaged} ({e})") from None
+    twice = next((c for c in columns if columns.count(c) > 1), None)
+    if twice is not None:
+        raise ValueError(f"{name}: it has {columns.count(twice)} columns named {twice!r}; give each column its own "
+                         "name")
+    batches, i = table.iter_batches(batch_size=1024), 0  # a batch at a time: --max-examples reads only a few
+    while True:
+        try:
+            batch = next(batches, None)
+        except Exception as e:  # a damaged row group
+            raise ValueError(f"{damaged} ({e})") from None
+        if batch is None:
+            return
+        for row in batch.to_pylist():
+            yield f"{name}: row {i}", row
+            i += 1
 
 
 _READERS = {".jsonl": _read_jsonl, ".json": _read_json, ".csv": _read_csv, ".txt": _read_txt, ".parquet": _read_parquet}

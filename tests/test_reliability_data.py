@@ -216,3 +216,71 @@ def test_a_pickled_cache_file_is_refused(tok, tmp_path):
     logs = []
     assert load_datasets(tok, data=path, eval_fraction=0, cache_dir=str(cache), log=logs.append) == first
     assert any("allow_pickle=False" in line for line in logs), logs
+
+# ----------------------------------------------------------------------------- rows that fail far from their file
+
+
+def refused(tmp_path, name, content, message, **options):
+    path = tmp_path / name
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(content.encode() if isinstance(content, str) else content)
+    with pytest.raises(ValueError, match=message):
+        data.load_examples(str(tmp_path / name.split("/")[0]), **options)
+
+
+DEEP = "[" * 100_000 + "]" * 100_000
+
+
+@pytest.mark.parametrize("name, content, message", [
+    ("d.csv", "text,text\na,b\n", r"^.*d\.csv: the header names the column 'text' 2 times; give each column its own"),
+    ("d.csv", "instruction,input,output\nAdd,1 + 2,3\nAdd,2 + 2\n",
+     r"d\.csv: line 3 has 2 fields, fewer than the header's 3 \(instruction, input, output\); a field that holds a "
+     r"comma"),
+    ("d.jsonl", '{"text": "ok"}\n{"text": "x", "more": ' + DEEP + "}\n",
+     r"d\.jsonl: line 2 nests lists or objects too deeply to read; flatten it"),
+    ("d.json", '[{"text": "ok"}, {"text": "x", "more": ' + DEEP + "}]",
+     r"d\.json: the file nests lists or objects too deeply to read"),
+    ("d.jsonl", '{"text": "ok \\ud83d\\ude00"}\n{"text": "half \\ud800 of a pair"}\n',
+     r"d\.jsonl: line 2 holds a lone surrogate escape \('\\ud800'\), half of a UTF-16 pair, which is not text"),
+    ("d.json", '[{"text": "ok"}, {"text": "a", "b": ["\\uDC00"]}]', r"d\.json: item 1 holds a lone surrogate escape"),
+], ids=["csv same column twice", "csv short row", "jsonl deep", "json deep", "jsonl surrogate", "json surrogate"])
+def test_a_bad_row_is_named_by_its_file_and_line(tmp_path, name, content, message):
+    refused(tmp_path, name, content, message)
+
+
+def test_an_escaped_surrogate_pair_is_text(tmp_path):
+    (tmp_path / "d.jsonl").write_text('{"text": "smile \\ud83d\\ude00"}\n')
+    assert data.load_examples(str(tmp_path / "d.jsonl")) == [{"text": "smile \U0001F600"}]
+
+
+BROKEN_AFTER_3 = {  # three good rows, then a line that fails to read
+    "d.jsonl": '{"text": "a"}\n\n{"text": "b"}\n{"text": "c"}\n{"text": \n',
+    "d.csv": "text\na\nb\nc\nd,e\n",
+    "d.txt": b"a\n\nb\nb\n\nc\n\n\xff\n",
+    "folder/a.jsonl": '{"text": "a"}\n{"text": "b"}\n{"text": "c"}\n{"text": \n',
+}
+
+
+@pytest.mark.parametrize("name", BROKEN_AFTER_3)
+def test_max_examples_stops_reading_once_enough_rows_are_in(tmp_path, name):
+    content = BROKEN_AFTER_3[name]
+    refused(tmp_path, name, content, r": line \d+ ", max_examples=4)  # the broken line, once reached
+    rows = data.load_examples(str(tmp_path / name.split("/")[0]), max_examples=3)
+    assert [r["text"] for r in rows] == ["a", "b\nb" if name == "d.txt" else "b", "c"]
+
+
+def test_max_examples_reads_a_parquet_file_a_batch_at_a_time(tmp_path, monkeypatch):
+    parquet = pytest.importorskip("pyarrow.parquet", reason="the 'data' extra is not installed")
+    import pyarrow as pa
+    parquet.write_table(pa.Table.from_pylist([{"text": f"row {i}"} for i in range(5000)]), str(tmp_path / "d.parquet"),
+                        row_group_size=1000)
+    read, iter_batches = [], parquet.ParquetFile.iter_batches
+
+    def counted(self, *args, **kwargs):
+        for batch in iter_batches(self, *args, **kwargs):
+            read.append(len(batch))
+            yield batch
+    monkeypatch.setattr(parquet.ParquetFile, "iter_batches", counted)
+    rows = data.load_examples(str(tmp_path / "d.parquet"), max_examples=3)
+    assert [r["text"] for r in rows] == ["row 0", "row 1", "row 2"] and sum(read) < 5000
+    assert len(data.load_examples(str(tmp_path / "d.parquet"))) == 5000 and sum(read) >= 5000
