@@ -796,6 +796,7 @@ def _common_prefix_len(a, b):
 # ----------------------------------------------------------------------------- datasets: split, tokenize, cache
 
 CHUNK = 256  # examples per task of the tokenizing pool
+EVAL_FEW = 20  # an eval set smaller than this is warned about: one example moves its accuracy by over 5%
 PROGRESS_EVERY = 10.0  # seconds between progress lines while tokenizing
 
 
@@ -815,9 +816,10 @@ def load_datasets(tokenizer, *, data="builtin", eval_data=None, eval_fraction=0.
     Every row is checked before any is tokenized. Tokenizing runs in `num_proc` processes (default:
     every CPU) and is cached in `cache_dir` (default `default_cache_dir()`), keyed by the rows, the
     tokenizer, the chat template, the system prompt and the code that encodes them: the same data
-    again is read back without tokenizing. Training examples longer than max_len are dropped, saying
-    so; eval examples are kept (batching truncates them). Bad input raises ValueError or
-    FileNotFoundError with a one-line message.
+    again is read back without tokenizing. Training and eval examples longer than max_len are dropped,
+    saying so (`log`), as truncating them would cut off their answers; an eval set of fewer than EVAL_FEW
+    examples is warned about. Bad input (also an eval set left with no target token) raises ValueError
+    or FileNotFoundError with a one-line message.
     """
     if not 0 <= eval_fraction < 1:
         raise ValueError(f"--eval-fraction must be at least 0 and below 1 (got {eval_fraction}): it is the share "
@@ -861,7 +863,37 @@ def load_datasets(tokenizer, *, data="builtin", eval_data=None, eval_fraction=0.
                          "answers/assistant turns, or pass --train-on-inputs")
     if len(fits) < len(train):
         log(f"data: dropped {len(train) - len(fits)} of {len(train)} examples longer than --max-len {max_len}")
+    if held_out:
+        split = eval_data is None and not _is_builtin(data)
+        held_out, eval_records = _eval_fits(held_out, eval_records, max_len, split, log)
     return (fits, held_out, [row for _, row in eval_records]) if with_rows else (fits, held_out)
+
+
+def _eval_fits(held_out, records, max_len, split, log):
+    """(eval examples, their records) without those longer than max_len, whose answers truncation would cut
+    off (an example with no target left scores nothing, and one cut short scores the wrong answer), saying
+    how many were dropped. An eval set left with no target token is a ValueError (its loss would read 0.0);
+    one of fewer than EVAL_FEW examples is warned about. split: the eval set is held out of --data."""
+    keep = [i for i, (ids, _) in enumerate(held_out) if len(ids) <= max_len]
+    if len(keep) < len(held_out):
+        log(f"data: dropped {len(held_out) - len(keep)} of {len(held_out)} eval examples longer than --max-len "
+            f"{max_len} (truncating them would cut off their answers)")
+    if not keep:
+        raise ValueError(f"every eval example is longer than --max-len {max_len} (the shortest has "
+                         f"{min(len(ids) for ids, _ in held_out)} tokens), so the eval would score no answer; raise "
+                         "--max-len, or evaluate on shorter examples with --eval-data FILE"
+                         + (", or hold out none with --eval-fraction 0" if split else ""))
+    held_out, records = [held_out[i] for i in keep], [records[i] for i in keep]
+    if not any(any(mask[1:]) for _, mask in held_out):  # a target needs a token before it
+        raise ValueError("no eval example has any target token (every label is masked), so the eval would score "
+                         "nothing: check the eval data's answers/assistant turns"
+                         + (", or hold out none with --eval-fraction 0" if split else ""))
+    if len(held_out) < EVAL_FEW:
+        log(f"data: warning: the eval set has only {len(held_out)} example{'s' if len(held_out) > 1 else ''}, so "
+            f"its loss and accuracy are noisy (one example is {1 / len(held_out):.0%} of the accuracy); "
+            + ("hold out more with --eval-fraction, or pass " if split else "pass ")
+            + f"--eval-data FILE with {EVAL_FEW} or more")
+    return held_out, records
 
 
 def _split(n, eval_fraction, seed):

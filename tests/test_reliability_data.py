@@ -284,3 +284,67 @@ def test_max_examples_reads_a_parquet_file_a_batch_at_a_time(tmp_path, monkeypat
     rows = data.load_examples(str(tmp_path / "d.parquet"), max_examples=3)
     assert [r["text"] for r in rows] == ["row 0", "row 1", "row 2"] and sum(read) < 5000
     assert len(data.load_examples(str(tmp_path / "d.parquet"))) == 5000 and sum(read) >= 5000
+
+# ----------------------------------------------------------------------------- eval rows that do not fit --max-len
+
+
+def qa(i, words=1):
+    return {"instruction": f"Say {i}", "output": " ".join([str(i)] * words)}
+
+
+def test_eval_rows_longer_than_max_len_are_dropped_and_counted(tok, tmp_path):
+    short, long = [qa(i) for i in range(25)], [qa(i, words=40) for i in range(3)]
+    eval_path = write_jsonl(tmp_path / "eval.jsonl", short[:2] + long + short[2:])
+    logs = []
+    train, held_out, rows = load_datasets(tok, data=write_jsonl(tmp_path / "d.jsonl", short), eval_data=eval_path,
+                                          max_len=48, cache_dir=str(tmp_path / "c"), log=logs.append, with_rows=True)
+    assert rows == short and held_out == [data.encode_example(r, tok) for r in short]  # whole, answers and all
+    assert "data: dropped 3 of 28 eval examples longer than --max-len 48 (truncating them would cut off their " \
+           "answers)" in logs
+    assert not any("warning" in line for line in logs)
+
+
+@pytest.mark.parametrize("eval_data, fix", [(True, r"--eval-data FILE$"), (False, r"--eval-fraction 0$")])
+def test_an_eval_set_whose_answers_never_fit_is_refused(tok, tmp_path, eval_data, fix):
+    """Truncated to --max-len, no eval row keeps a target: the eval would report loss 0.0 and accuracy 0%."""
+    if eval_data:
+        options = dict(data=write_jsonl(tmp_path / "d.jsonl", [qa(i) for i in range(30)]),
+                       eval_data=write_jsonl(tmp_path / "e.jsonl", [qa(i, words=40) for i in range(30)]))
+    else:  # the rows that the seeded split holds out are the long ones
+        held = set(data._split(40, 0.1, 0)[1])
+        options = dict(data=write_jsonl(tmp_path / "d.jsonl", [qa(i, words=40 if i in held else 1) for i in range(40)]),
+                       eval_fraction=0.1, seed=0)
+    with pytest.raises(ValueError, match=r"^every eval example is longer than --max-len 48 \(the shortest has \d+ "
+                                         r"tokens\), so the eval would score no answer; raise --max-len, .*" + fix):
+        load_datasets(tok, max_len=48, cache_dir=str(tmp_path / "c"), log=quiet, **options)
+
+
+def test_train_py_refuses_such_an_eval_set_before_training(run_model, tmp_path, capsys):
+    import train
+    write_jsonl(tmp_path / "e.jsonl", [qa(i, words=60) for i in range(20)])
+    argv = ["--model", run_model, "--out-dir", str(tmp_path / "out"), "--max-steps", "1", "--max-len", "64",
+            "--eval-data", str(tmp_path / "e.jsonl"), "--device", "cpu"]
+    assert train.cli(argv) == 2
+    assert "error: every eval example is longer than --max-len 64" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("n_eval, split, warned", [
+    (5, False, "data: warning: the eval set has only 5 examples, so its loss and accuracy are noisy (one example is "
+               "20% of the accuracy); pass --eval-data FILE with 20 or more"),
+    (1, False, "data: warning: the eval set has only 1 example, so"),
+    (10, True, "data: warning: the eval set has only 10 examples, so its loss and accuracy are noisy (one example is "
+               "10% of the accuracy); hold out more with --eval-fraction, or pass --eval-data FILE with 20 or more"),
+    (20, False, None),
+])
+def test_a_tiny_eval_set_is_warned_about(tok, tmp_path, n_eval, split, warned):
+    rows = [qa(i) for i in range(100)]
+    options = (dict(data=write_jsonl(tmp_path / "d.jsonl", rows), eval_fraction=0.1) if split else
+               dict(data=write_jsonl(tmp_path / "d.jsonl", rows[:30]),
+                    eval_data=write_jsonl(tmp_path / "e.jsonl", rows[:n_eval])))
+    logs = []
+    _, held_out = load_datasets(tok, cache_dir=str(tmp_path / "c"), log=logs.append, **options)
+    assert len(held_out) == n_eval
+    if warned is None:
+        assert not any("warning" in line for line in logs), logs
+    else:
+        assert any(line.startswith(warned) for line in logs), logs
