@@ -288,13 +288,28 @@ def _lines(path, name):
 
 
 def _json(text, name, where):
-    """json.loads(text), with an error naming `where` for nesting deeper than the parser's recursion limit,
-    which no JSON parse error covers."""
+    """json.loads(text), with errors naming `where` for what no JSON parse error covers: an object that
+    has a key twice (a JSON reader keeps the last value silently, so a row would train on the other one),
+    and nesting deeper than the parser's recursion limit."""
     try:
-        value = json.loads(text)
+        return json.loads(text, object_pairs_hook=_unique_keys)
+    except _KeyTwice as e:
+        raise ValueError(f"{name}: {where} has an object with the key {e.args[0]!r} twice; give each key once"
+                         ) from None
     except RecursionError:
         raise ValueError(f"{name}: {where} nests lists or objects too deeply to read; flatten it") from None
-    return value
+
+
+class _KeyTwice(Exception):
+    """A JSON object with the key args[0] twice."""
+
+
+def _unique_keys(pairs):
+    obj = dict(pairs)
+    if len(obj) < len(pairs):
+        seen = set()
+        raise _KeyTwice(next(k for k, _ in pairs if k in seen or seen.add(k)))
+    return obj
 
 
 def _no_lone_surrogate(value, name, where):

@@ -348,3 +348,14 @@ def test_a_tiny_eval_set_is_warned_about(tok, tmp_path, n_eval, split, warned):
         assert not any("warning" in line for line in logs), logs
     else:
         assert any(line.startswith(warned) for line in logs), logs
+
+
+@pytest.mark.parametrize("name, content, message", [
+    ("d.jsonl", '{"text": "ok"}\n{"text": "a", "text": "b"}\n', r"d\.jsonl: line 2 has an object with the key 'text' "
+                                                               r"twice; give each key once"),
+    ("d.json", '[{"messages": [{"role": "user", "content": "a", "role": "assistant"}]}]',
+     r"d\.json: the file has an object with the key 'role' twice"),
+])
+def test_a_json_object_with_a_key_twice_is_refused(tmp_path, name, content, message):
+    """Like a CSV column named twice: a JSON reader keeps the last value, and the row would train on it silently."""
+    refused(tmp_path, name, content, message)
