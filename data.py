@@ -49,7 +49,6 @@ import contextlib
 import csv
 import hashlib
 import importlib
-import io
 import itertools
 import json
 import math
@@ -59,6 +58,7 @@ import random
 import re
 import signal
 import string
+import threading
 import time
 from functools import lru_cache
 
@@ -66,6 +66,8 @@ import huggingface_hub
 import numpy as np
 import torch
 from tqdm import tqdm
+
+import files
 
 IGNORE_INDEX = -100  # what torch.nn.functional.cross_entropy skips by default
 BATCH_KEYS = ("input_ids", "targets", "position_ids", "doc_ids")
@@ -84,6 +86,7 @@ ALPACA_PROMPT_NO_INPUT = "### Instruction:\n{instruction}\n\n### Response:\n"
 CHAT_ROLES = ("system", "user", "assistant")  # every template takes these (or refuses one, as Gemma's does system)
 SHAREGPT_ROLES = {"human": "user", "gpt": "assistant", "system": "system",
                   "user": "user", "assistant": "assistant", "tool": "tool"}
+RENDER_SECONDS = 5.0  # the longest one chat may take to render (real templates take milliseconds)
 SPLIT_NAMES = ("train", "test", "validation", "valid", "val", "dev", "eval")  # how hub snapshots name split files
 
 # ----------------------------------------------------------------------------- loading
@@ -120,7 +123,7 @@ def _read_spec(spec, limit):
         split = spec.partition(":")[2] or "train"
         return [(f"builtin:{split}: item {i}", ex) for i, ex in enumerate(builtin_dataset(split))]
     if os.path.isfile(spec):
-        return _read_file(spec)
+        return _read_file(spec, limit=limit)
     if os.path.isdir(spec):
         return _read_folder(spec, None, limit)
     folder, _, split = spec.rpartition(":")
@@ -134,7 +137,7 @@ def _read_spec(spec, limit):
             "hub dataset (user/repo:path/to/file.jsonl), or 'builtin'")
     repo, revision, rest = hub["repo"], hub["revision"], hub["rest"] or ""
     if "/" in rest or rest.lower().endswith(DATA_EXTENSIONS):
-        return _read_file(_hub_download(repo, rest, revision), name=f"{repo}:{rest}")
+        return _read_file(_hub_download(repo, rest, revision), name=f"{repo}:{rest}", limit=limit)
     parts = rest.split(":") if rest else []
     if len(parts) > 2:
         raise ValueError(f"{spec!r}: a hub dataset is written user/repo[@revision][:config]:split, with at most "
@@ -207,7 +210,7 @@ def _read_folder(folder, split, limit):
                          f"e.g. --data {folder}:{splits[-1] if 'train' not in splits else 'train'}")
     rows = []
     for f in files:
-        rows += _read_file(os.path.join(folder, f))
+        rows += _read_file(os.path.join(folder, f), limit=None if limit is None else limit - len(rows))
         if limit is not None and len(rows) >= limit:
             break
     return rows
@@ -241,18 +244,25 @@ def _read_saved(folder, split, limit):
     return _dataset_rows(ds, folder, limit)
 
 
-def _read_file(path, name=None):
-    """[(where, row)] of one data file; `name` (default: the path) starts every `where`."""
+def _read_file(path, name=None, limit=None):
+    """[(where, row)] of one data file; `name` (default: the path) starts every `where`. With `limit`, reading
+    stops once that many rows are in (all but .json, which is one JSON document, are read row by row)."""
     name = name or path
     ext = os.path.splitext(path)[1].lower()
     if ext not in _READERS:
         raise ValueError(f"{name}: unsupported file type {ext or '(no extension)'!r}. Expected .jsonl (one JSON "
                          "object per line), .json (a list of objects, or {\"data\": [...]}), .csv, .txt or .parquet; "
                          "convert it")
-    rows = _READERS[ext](path, name)
+    rows = list(itertools.islice(_READERS[ext](path, name), limit))
     if not rows:
         raise ValueError(f"{name} is empty: it needs at least one example, e.g. {{\"text\": \"...\"}}")
     return rows
+
+
+def _not_utf8(name, line, raw, at):
+    """The error for byte `at` of line `line` (its bytes `raw`), which does not decode as UTF-8."""
+    return ValueError(f"{name}: line {line} is not UTF-8 text (byte 0x{raw[at]:02x} at byte {at + 1} of the line); "
+                      "save the file as UTF-8")
 
 
 def _read_text(path, name):
@@ -261,24 +271,74 @@ def _read_text(path, name):
     try:
         return raw.decode("utf-8-sig")  # -sig: tolerate the byte-order mark some editors write
     except UnicodeDecodeError as e:
-        line = raw.count(b"\n", 0, e.start) + 1
-        column = e.start - raw.rfind(b"\n", 0, e.start)
-        raise ValueError(f"{name}: line {line} is not UTF-8 text (byte 0x{raw[e.start]:02x} at byte {column} of the "
-                         "line); save the file as UTF-8") from None
+        start = raw.rfind(b"\n", 0, e.start) + 1
+        raise _not_utf8(name, raw.count(b"\n", 0, start) + 1, raw[start:], e.start - start) from None
+
+
+def _lines(path, name):
+    """(number, text) of each line of a UTF-8 file, read one at a time, each with its line end. Lines end at
+    '\\n' only (a JSON string may hold a raw U+2028, which str.splitlines would split at); a byte-order mark
+    at the start is dropped, as some editors write one."""
+    with open(path, "rb") as f:
+        for n, raw in enumerate(f, 1):
+            bom = 3 if n == 1 and raw.startswith(b"\xef\xbb\xbf") else 0
+            try:
+                yield n, raw[bom:].decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise _not_utf8(name, n, raw, bom + e.start) from None
+
+
+def _json(text, name, where):
+    """json.loads(text), with errors naming `where` for what no JSON parse error covers: an object that
+    has a key twice (a JSON reader keeps the last value silently, so a row would train on the other one),
+    and nesting deeper than the parser's recursion limit."""
+    try:
+        return json.loads(text, object_pairs_hook=_unique_keys)
+    except _KeyTwice as e:
+        raise ValueError(f"{name}: {where} has an object with the key {e.args[0]!r} twice; give each key once"
+                         ) from None
+    except RecursionError:
+        raise ValueError(f"{name}: {where} nests lists or objects too deeply to read; flatten it") from None
+
+
+class _KeyTwice(Exception):
+    """A JSON object with the key args[0] twice."""
+
+
+def _unique_keys(pairs):
+    obj = dict(pairs)
+    if len(obj) < len(pairs):
+        seen = set()
+        raise _KeyTwice(next(k for k, _ in pairs if k in seen or seen.add(k)))
+    return obj
+
+
+def _no_lone_surrogate(value, name, where):
+    """Raise ValueError naming `where` if JSON-read `value` holds a lone surrogate (from an escape like "\\ud800",
+    half of a UTF-16 pair), which is no text: it would fail later, naming no file or row. Worth calling only
+    where `_SURROGATE_ESCAPE` finds such an escape in the JSON text."""
+    try:
+        json.dumps(value, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"{name}: {where} holds a lone surrogate escape ({e.object[e.start]!a}), half of a UTF-16 "
+                         "pair, which is not text; fix or remove it") from None
+
+
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")  # a surrogate's escape; valid pairs (an emoji) are common
 
 
 def _read_jsonl(path, name):
-    rows = []
-    # split("\n"), not splitlines(): JSON strings may hold a raw U+2028, which splitlines splits on.
-    for n, line in enumerate(_read_text(path, name).split("\n"), 1):
+    for n, line in _lines(path, name):
         if not line.strip():
             continue
         try:
-            rows.append((f"{name}: line {n}", json.loads(line)))
+            row = _json(line, name, f"line {n}")
         except json.JSONDecodeError as e:
             raise ValueError(f"{name}: line {n} is not valid JSON ({e.msg}, column {e.colno}). "
                              "A .jsonl file needs exactly one JSON object per line") from None
-    return rows
+        if _SURROGATE_ESCAPE.search(line):
+            _no_lone_surrogate(row, name, f"line {n}")
+        yield f"{name}: line {n}", row
 
 
 def _read_json(path, name):
@@ -286,7 +346,7 @@ def _read_json(path, name):
     if not text.strip():
         return []
     try:
-        data = json.loads(text)
+        data = _json(text, name, "the file")
     except json.JSONDecodeError as e:
         hint = "; if it holds one object per line, name it .jsonl" if e.msg == "Extra data" else ""
         raise ValueError(f"{name}: not valid JSON at line {e.lineno}, column {e.colno} ({e.msg}){hint}") from None
@@ -295,42 +355,69 @@ def _read_json(path, name):
     if not isinstance(data, list):
         raise ValueError(f"{name}: expected a JSON list of examples or {{\"data\": [...]}}, "
                          f"got a {type(data).__name__}")
+    if _SURROGATE_ESCAPE.search(text):
+        for i, ex in enumerate(data):
+            _no_lone_surrogate(ex, name, f"item {i}")
     return [(f"{name}: item {i}", ex) for i, ex in enumerate(data)]
 
 
 def _read_csv(path, name):
-    reader = csv.DictReader(io.StringIO(_read_text(path, name), newline=""))
-    rows = []
+    lines = _lines(path, name)
+    reader = csv.DictReader((line for _, line in lines), restval=None)
     try:
+        header = reader.fieldnames or []
+        twice = next((c for c in header if header.count(c) > 1), None)
+        if twice is not None:
+            raise ValueError(f"{name}: the header names the column {twice!r} {header.count(twice)} times; "
+                             "give each column its own name")
         for row in reader:
             if None in row:
                 raise ValueError(f"{name}: line {reader.line_num} has more fields than the header "
-                                 f"({', '.join(reader.fieldnames)})")
-            rows.append((f"{name}: line {reader.line_num}", row))
+                                 f"({', '.join(header)})")
+            if None in row.values():  # restval: the row ended before the header did
+                raise ValueError(f"{name}: line {reader.line_num} has {sum(v is not None for v in row.values())} "
+                                 f"fields, fewer than the header's {len(header)} ({', '.join(header)}); a field "
+                                 "that holds a comma or a line break needs double quotes")
+            yield f"{name}: line {reader.line_num}", row
     except csv.Error as e:
         raise ValueError(f"{name}: line {reader.line_num} is not valid CSV ({e})") from None
-    return rows
 
 
 def _read_txt(path, name):
-    rows, block, first = [], [], 0
-    for n, line in enumerate(re.split(r"\r?\n", _read_text(path, name)) + [""], 1):
+    block, first = [], 0
+    for n, line in itertools.chain(_lines(path, name), [(None, "")]):
+        line = line.rstrip("\r\n")
         if line.strip():
             first = first if block else n
             block.append(line)
         elif block:
-            rows.append((f"{name}: line {first}", {"text": "\n".join(block)}))
+            yield f"{name}: line {first}", {"text": "\n".join(block)}
             block = []
-    return rows
 
 
 def _read_parquet(path, name):
     parquet = _optional("pyarrow.parquet", f"reading the parquet file {name}")
+    damaged = f"{name}: not a readable parquet file"
     try:
-        table = parquet.read_table(path)
+        table = parquet.ParquetFile(path)
+        columns = table.schema_arrow.names
     except Exception as e:  # pyarrow raises ArrowInvalid, OSError, ... for a damaged file
-        raise ValueError(f"{name}: not a readable parquet file ({e})") from None
-    return [(f"{name}: row {i}", row) for i, row in enumerate(table.to_pylist())]
+        raise ValueError(f"{damaged} ({e})") from None
+    twice = next((c for c in columns if columns.count(c) > 1), None)
+    if twice is not None:
+        raise ValueError(f"{name}: it has {columns.count(twice)} columns named {twice!r}; give each column its own "
+                         "name")
+    batches, i = table.iter_batches(batch_size=1024), 0  # a batch at a time: --max-examples reads only a few
+    while True:
+        try:
+            batch = next(batches, None)
+        except Exception as e:  # a damaged row group
+            raise ValueError(f"{damaged} ({e})") from None
+        if batch is None:
+            return
+        for row in batch.to_pylist():
+            yield f"{name}: row {i}", row
+            i += 1
 
 
 _READERS = {".jsonl": _read_jsonl, ".json": _read_json, ".csv": _read_csv, ".txt": _read_txt, ".parquet": _read_parquet}
@@ -611,10 +698,52 @@ def _spans_in_one_render(full, rendered, messages):
 
 
 def _render(tokenizer, messages, where, add_generation_prompt=False):
+    """The chat template's rendering of `messages`. The Jinja sandbox stops a template from touching
+    anything but its arguments; RENDER_SECONDS stops one that would never finish (nested loops)."""
     try:
-        return tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+        with _time_limit(RENDER_SECONDS, SlowTemplate(where)):
+            return tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+    except SlowTemplate:
+        raise
     except Exception as e:  # the template's raise_exception(), a Jinja error, or a Python error inside it
         raise ValueError(f"{where}: the chat template failed on it ({type(e).__name__}: {e})") from None
+
+
+class SlowTemplate(ValueError):
+    """A chat template that took over RENDER_SECONDS to render the chat that `where` names."""
+
+    def __init__(self, where):
+        super().__init__(where)  # the only argument: a pool process sends it back pickled as SlowTemplate(where)
+        self.where = where
+
+    def __str__(self):
+        return self.message("the chat template")
+
+    def message(self, template):
+        """The error line, naming the template (`template`: 'the model's chat template', '--chat-template FILE')."""
+        return (f"{template} took over {RENDER_SECONDS:g} s to render {self.where}, so it was stopped (a chat "
+                "template renders a chat in milliseconds; this one loops far too long): fix it, or pass another "
+                "with --chat-template FILE")
+
+
+@contextlib.contextmanager
+def _time_limit(seconds, error):
+    """Raise `error` inside the block once it has run for `seconds`: a SIGALRM timer, which stops pure-Python
+    code (a Jinja template is compiled to Python) wherever it is. Signals reach only the main thread, where
+    train.py and the tokenizing pool's processes read data; in another thread the block runs unbounded."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def stop(signum, frame):
+        raise error
+    previous = signal.signal(signal.SIGALRM, stop)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
 
 
 _MARKERS = {}  # (template, bos, eos) -> (header, turn_end)
@@ -683,6 +812,7 @@ def _common_prefix_len(a, b):
 # ----------------------------------------------------------------------------- datasets: split, tokenize, cache
 
 CHUNK = 256  # examples per task of the tokenizing pool
+EVAL_FEW = 20  # an eval set smaller than this is warned about: one example moves its accuracy by over 5%
 PROGRESS_EVERY = 10.0  # seconds between progress lines while tokenizing
 
 
@@ -702,9 +832,10 @@ def load_datasets(tokenizer, *, data="builtin", eval_data=None, eval_fraction=0.
     Every row is checked before any is tokenized. Tokenizing runs in `num_proc` processes (default:
     every CPU) and is cached in `cache_dir` (default `default_cache_dir()`), keyed by the rows, the
     tokenizer, the chat template, the system prompt and the code that encodes them: the same data
-    again is read back without tokenizing. Training examples longer than max_len are dropped, saying
-    so; eval examples are kept (batching truncates them). Bad input raises ValueError or
-    FileNotFoundError with a one-line message.
+    again is read back without tokenizing. Training and eval examples longer than max_len are dropped,
+    saying so (`log`), as truncating them would cut off their answers; an eval set of fewer than EVAL_FEW
+    examples is warned about. Bad input (also an eval set left with no target token) raises ValueError
+    or FileNotFoundError with a one-line message.
     """
     if not 0 <= eval_fraction < 1:
         raise ValueError(f"--eval-fraction must be at least 0 and below 1 (got {eval_fraction}): it is the share "
@@ -723,9 +854,14 @@ def load_datasets(tokenizer, *, data="builtin", eval_data=None, eval_fraction=0.
         _layout(row, tokenizer, system_prompt, where)
     options = dict(tokenizer=tokenizer, system_prompt=system_prompt, num_proc=num_proc or _cpu_count(),
                    cache_dir=cache_dir or default_cache_dir(), log=log)
-    encoded = _encode_cached(records, **options)
-    if eval_records is not None:
-        train, held_out = encoded, _encode_cached(eval_records, **options)
+    try:
+        encoded = _encode_cached(records, **options)
+        held_out = _encode_cached(eval_records, **options) if eval_records is not None else None
+    except SlowTemplate as e:
+        raise ValueError(e.message(f"--chat-template {chat_template}" if chat_template else
+                                   "the model's chat template")) from None
+    if held_out is not None:
+        train = encoded
     else:
         train_rows, eval_rows = _split(len(records), eval_fraction, seed)
         train, held_out = [encoded[i] for i in train_rows], [encoded[i] for i in eval_rows]
@@ -743,7 +879,37 @@ def load_datasets(tokenizer, *, data="builtin", eval_data=None, eval_fraction=0.
                          "answers/assistant turns, or pass --train-on-inputs")
     if len(fits) < len(train):
         log(f"data: dropped {len(train) - len(fits)} of {len(train)} examples longer than --max-len {max_len}")
+    if held_out:
+        split = eval_data is None and not _is_builtin(data)
+        held_out, eval_records = _eval_fits(held_out, eval_records, max_len, split, log)
     return (fits, held_out, [row for _, row in eval_records]) if with_rows else (fits, held_out)
+
+
+def _eval_fits(held_out, records, max_len, split, log):
+    """(eval examples, their records) without those longer than max_len, whose answers truncation would cut
+    off (an example with no target left scores nothing, and one cut short scores the wrong answer), saying
+    how many were dropped. An eval set left with no target token is a ValueError (its loss would read 0.0);
+    one of fewer than EVAL_FEW examples is warned about. split: the eval set is held out of --data."""
+    keep = [i for i, (ids, _) in enumerate(held_out) if len(ids) <= max_len]
+    if len(keep) < len(held_out):
+        log(f"data: dropped {len(held_out) - len(keep)} of {len(held_out)} eval examples longer than --max-len "
+            f"{max_len} (truncating them would cut off their answers)")
+    if not keep:
+        raise ValueError(f"every eval example is longer than --max-len {max_len} (the shortest has "
+                         f"{min(len(ids) for ids, _ in held_out)} tokens), so the eval would score no answer; raise "
+                         "--max-len, or evaluate on shorter examples with --eval-data FILE"
+                         + (", or hold out none with --eval-fraction 0" if split else ""))
+    held_out, records = [held_out[i] for i in keep], [records[i] for i in keep]
+    if not any(any(mask[1:]) for _, mask in held_out):  # a target needs a token before it
+        raise ValueError("no eval example has any target token (every label is masked), so the eval would score "
+                         "nothing: check the eval data's answers/assistant turns"
+                         + (", or hold out none with --eval-fraction 0" if split else ""))
+    if len(held_out) < EVAL_FEW:
+        log(f"data: warning: the eval set has only {len(held_out)} example{'s' if len(held_out) > 1 else ''}, so "
+            f"its loss and accuracy are noisy (one example is {1 / len(held_out):.0%} of the accuracy); "
+            + ("hold out more with --eval-fraction, or pass " if split else "pass ")
+            + f"--eval-data FILE with {EVAL_FEW} or more")
+    return held_out, records
 
 
 def _split(n, eval_fraction, seed):
@@ -828,18 +994,19 @@ def _cpu_count():
 
 
 def _encode_cached(records, *, tokenizer, system_prompt, num_proc, cache_dir, log):
-    """encode_example of every record, from the cache when it holds them."""
+    """encode_example of every record, from the cache when it holds them. A cache file that cannot be read,
+    is not a regular file, or whose arrays disagree with each other, the records or the vocabulary
+    (`_check_cache`) is never used: the records are tokenized again and the file replaced."""
     path = os.path.join(cache_dir, _cache_key(records, tokenizer, system_prompt) + ".npz")
     arrays = None
-    if os.path.exists(path):
+    if os.path.lexists(path):
         try:
-            with np.load(path) as f:
-                arrays = f["ids"], f["mask"], f["lengths"]
-            if len(arrays[2]) != len(records):
-                raise ValueError(f"it holds {len(arrays[2])} examples, not {len(records)}")
+            with files.open_regular(path) as fh, np.load(fh) as f:  # np.load refuses pickled arrays
+                arrays, digest = (f["ids"], f["mask"], f["lengths"]), f["digest"]
+            _check_cache(arrays, digest, len(records), tokenizer.vocab_size)
             log(f"data: {len(records)} examples tokenized before, read from {path}")
-        except Exception as e:  # a damaged or foreign file: tokenize again and overwrite it
-            log(f"data: ignoring the unreadable cache file {path} ({e})")
+        except Exception as e:  # a damaged, foreign or planted file: tokenize again and replace it
+            log(f"data: ignoring the damaged cache file {path} ({e}); tokenizing again")
             arrays = None
     if arrays is None:
         arrays = _tokenize(records, tokenizer, system_prompt, num_proc, log)
@@ -847,6 +1014,42 @@ def _encode_cached(records, *, tokenizer, system_prompt, num_proc, cache_dir, lo
     ids, mask, lengths = arrays
     ids, mask, bounds = ids.tolist(), mask.tolist(), [0] + np.cumsum(lengths).tolist()
     return [(ids[a:b], mask[a:b]) for a, b in zip(bounds, bounds[1:])]
+
+
+def _check_cache(arrays, digest, n_records, vocab_size):
+    """Raise ValueError, saying what disagrees, unless the cached (ids, mask, lengths) are what `_tokenize`
+    writes for n_records records: 1-D integer ids, a bool mask and integer lengths, one length per record,
+    the lengths adding up to the ids' and the mask's length, every id a token of the vocabulary, and the
+    arrays' `_digest` the `digest` written with them."""
+    ids, mask, lengths = arrays
+    if any(a.ndim != 1 for a in arrays):
+        raise ValueError(f"its arrays have the shapes {ids.shape}, {mask.shape}, {lengths.shape}, not one axis each")
+    if not (np.issubdtype(ids.dtype, np.integer) and mask.dtype == bool and np.issubdtype(lengths.dtype, np.integer)):
+        raise ValueError(f"its arrays are of {ids.dtype}, {mask.dtype} and {lengths.dtype}, not integers, booleans "
+                         "and integers")
+    if len(lengths) != n_records:
+        raise ValueError(f"it holds {len(lengths)} examples, not {n_records}")
+    if n_records and lengths.min() < 0:
+        raise ValueError(f"it holds the negative length {lengths.min()}")
+    total = sum(lengths.tolist())  # Python ints: no overflow
+    if not len(ids) == len(mask) == total:
+        raise ValueError(f"its lengths add up to {total} tokens, but it holds {len(ids)} ids and {len(mask)} mask "
+                         "entries")
+    if len(ids) and not (ids.min() >= 0 and ids.max() < vocab_size):
+        raise ValueError(f"it holds token ids from {ids.min()} to {ids.max()}, outside the tokenizer's vocabulary "
+                         f"of {vocab_size}")
+    if digest.tobytes() != _digest(arrays):
+        raise ValueError("its arrays do not match the checksum written with them")
+
+
+def _digest(arrays):
+    """The sha256 of the cached arrays (dtypes, shapes and contents): it finds arrays that agree in their
+    sizes but not in their contents, e.g. lengths that move the examples' boundaries."""
+    h = hashlib.sha256()
+    for a in arrays:
+        h.update(f"{a.dtype} {a.shape};".encode())
+        h.update(memoryview(np.ascontiguousarray(a)).cast("B"))
+    return h.digest()
 
 
 def _cache_key(records, tokenizer, system_prompt):
@@ -869,16 +1072,12 @@ def _code_hash():
 
 
 def _write_cache(path, arrays, log):
-    tmp = f"{path}.{os.getpid()}.tmp"
     try:
         os.makedirs(os.path.dirname(path), exist_ok=True)
-        with open(tmp, "wb") as f:
-            np.savez(f, ids=arrays[0], mask=arrays[1], lengths=arrays[2])
-        os.replace(tmp, path)  # atomic: a reader never sees half a file
+        digest = np.frombuffer(_digest(arrays), dtype=np.uint8)
+        files.write_atomic(path, lambda f: np.savez(f, ids=arrays[0], mask=arrays[1], lengths=arrays[2], digest=digest))
     except OSError as e:  # a read-only or full disk costs only the cache
         log(f"data: could not cache the tokenized examples in {path} ({e}); continuing without")
-        with contextlib.suppress(OSError):
-            os.remove(tmp)
 
 
 def _tokenize(records, tokenizer, system_prompt, num_proc, log):

@@ -15,10 +15,14 @@ import importlib
 import json
 import math
 import os
+import re
 import secrets
+
+import files
 
 TRACKERS = {"tensorboard": "tensorboard", "wandb": "wandb", "trackio": "trackio"}  # name -> module to import
 PROJECT = "nanotune"
+ID_BYTES = 64  # the longest W&B run id read from a run folder's .wandb_id
 
 
 def check_trackers(names):
@@ -58,10 +62,7 @@ class _RunWithId:
         self.lib = importlib.import_module(module)
         name = os.path.basename(os.path.abspath(out_dir))
         if module == "wandb":
-            id_file = os.path.join(out_dir, ".wandb_id")
-            run_id = open(id_file).read().strip() if os.path.exists(id_file) else secrets.token_hex(4)
-            with open(id_file, "w") as f:
-                f.write(run_id)
+            run_id = _wandb_id(os.path.join(out_dir, ".wandb_id"))
             self.lib.init(project=os.environ.get("WANDB_PROJECT", PROJECT), name=name, id=run_id, resume="allow",
                           dir=out_dir, config=config)
         else:
@@ -72,6 +73,27 @@ class _RunWithId:
 
     def close(self):
         self.lib.finish()
+
+
+def _wandb_id(path):
+    """The W&B run id kept in `path` (the run folder's .wandb_id), or a new one written there. The file is read
+    and written only as a regular file, never through a symlink (files.py), and must hold a short id of
+    letters and digits: it is sent to W&B, so a planted link must not send another file's contents."""
+    if not os.path.lexists(path):
+        run_id = secrets.token_hex(4)
+        files.write_atomic(path, lambda f: f.write(run_id.encode()))
+        return run_id
+    try:
+        with files.open_regular(path) as f:
+            text = f.read(ID_BYTES + 1)
+    except OSError as e:
+        raise ValueError(f"cannot read the W&B run id in {path} ({e}); remove the file to start a new W&B "
+                         "run") from None
+    run_id = text.decode("ascii", "replace").strip()
+    if len(text) > ID_BYTES or not re.fullmatch(r"[0-9A-Za-z]+", run_id):
+        raise ValueError(f"{path} does not hold a W&B run id (a short string of letters and digits); remove the "
+                         "file to start a new W&B run")
+    return run_id
 
 
 class Trackers:

@@ -466,7 +466,7 @@ def test_a_damaged_cache_file_is_tokenized_again(tok, tmp_path):
     (entry,) = cache.iterdir()
     entry.write_bytes(b"not a zip file")
     assert load_datasets(tok, data=path, cache_dir=str(cache), log=logs.append) == first
-    assert any(line.startswith(f"data: ignoring the unreadable cache file {entry}") for line in logs)
+    assert any(line.startswith(f"data: ignoring the damaged cache file {entry}") for line in logs)
     logs.clear()
     assert load_datasets(tok, data=path, cache_dir=str(cache), log=logs.append) == first  # rewritten, readable
     assert any(line.startswith("data: 1 examples tokenized before") for line in logs)
