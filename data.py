@@ -67,7 +67,8 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-import files
+from model.files import atomic_file, open_read
+
 
 IGNORE_INDEX = -100  # what torch.nn.functional.cross_entropy skips by default
 BATCH_KEYS = ("input_ids", "targets", "position_ids", "doc_ids")
@@ -1001,7 +1002,7 @@ def _encode_cached(records, *, tokenizer, system_prompt, num_proc, cache_dir, lo
     arrays = None
     if os.path.lexists(path):
         try:
-            with files.open_regular(path) as fh, np.load(fh) as f:  # np.load refuses pickled arrays
+            with open_read(path) as fh, np.load(fh) as f:  # np.load refuses pickled arrays
                 arrays, digest = (f["ids"], f["mask"], f["lengths"]), f["digest"]
             _check_cache(arrays, digest, len(records), tokenizer.vocab_size)
             log(f"data: {len(records)} examples tokenized before, read from {path}")
@@ -1075,7 +1076,8 @@ def _write_cache(path, arrays, log):
     try:
         os.makedirs(os.path.dirname(path), exist_ok=True)
         digest = np.frombuffer(_digest(arrays), dtype=np.uint8)
-        files.write_atomic(path, lambda f: np.savez(f, ids=arrays[0], mask=arrays[1], lengths=arrays[2], digest=digest))
+        with atomic_file(path, "wb") as f:
+            np.savez(f, ids=arrays[0], mask=arrays[1], lengths=arrays[2], digest=digest)
     except OSError as e:  # a read-only or full disk costs only the cache
         log(f"data: could not cache the tokenized examples in {path} ({e}); continuing without")
 

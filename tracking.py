@@ -18,7 +18,7 @@ import os
 import re
 import secrets
 
-import files
+from model.files import atomic_file, open_read
 
 TRACKERS = {"tensorboard": "tensorboard", "wandb": "wandb", "trackio": "trackio"}  # name -> module to import
 PROJECT = "nanotune"
@@ -77,16 +77,17 @@ class _RunWithId:
 
 def _wandb_id(path):
     """The W&B run id kept in `path` (the run folder's .wandb_id), or a new one written there. The file is read
-    and written only as a regular file, never through a symlink (files.py), and must hold a short id of
+    and written only as a regular file, never through a symlink (model/files.py), and must hold a short id of
     letters and digits: it is sent to W&B, so a planted link must not send another file's contents."""
     if not os.path.lexists(path):
         run_id = secrets.token_hex(4)
-        files.write_atomic(path, lambda f: f.write(run_id.encode()))
+        with atomic_file(path, "wb") as f:
+            f.write(run_id.encode())
         return run_id
     try:
-        with files.open_regular(path) as f:
+        with open_read(path) as f:
             text = f.read(ID_BYTES + 1)
-    except OSError as e:
+    except (OSError, ValueError) as e:  # ValueError: a link or special file (UnsafePath)
         raise ValueError(f"cannot read the W&B run id in {path} ({e}); remove the file to start a new W&B "
                          "run") from None
     run_id = text.decode("ascii", "replace").strip()

@@ -657,8 +657,11 @@ def evaluate(model, eval_sets, device):
         c, t = data.answer_accuracy(hit, b)
         correct, total = correct + c, total + t
     model.train()
-    return {"eval_loss": loss_sum / max(n_tok, 1), "eval_accuracy": correct / max(total, 1),
-            "eval_token_accuracy": tok_right / max(n_tok, 1)}
+    if n_tok == 0:  # data.load_datasets refuses such an eval set; a loss of 0 here would read as perfect
+        raise UserError("the eval batches hold no target token, so there is no eval loss to report; raise "
+                        "--eval-batches or --max-len, or check the eval data's answers")
+    return {"eval_loss": loss_sum / n_tok, "eval_accuracy": correct / max(total, 1),
+            "eval_token_accuracy": tok_right / n_tok}
 
 
 def log_eval(step, result, run, log):

@@ -7,6 +7,7 @@ through these functions instead:
 
     with atomic_file(path) as f: f.write(...)   # a new temp file beside `path`, renamed over it at the end
     fd = open_regular(path, os.O_RDWR | os.O_CREAT)  # an existing file, appended to or locked in place
+    with open_read(path) as f: ...              # a file someone else may have planted, read as bytes
 
 `atomic_file` creates its temp file with O_EXCL (so nothing already there is opened, link or not) in
 `path`'s own folder, and `os.replace` renames it over `path`: a link at `path` is replaced, never
@@ -45,6 +46,12 @@ def open_regular(path, flags, mode=0o644):
         raise _refuse(path, "not a regular file")
     os.set_blocking(fd, True)
     return fd
+
+
+def open_read(path):
+    """`path` opened for reading bytes, when it is a regular file: a link or a special file (a FIFO, which
+    would block) raises UnsafePath, so a planted link cannot make nanotune read another file."""
+    return os.fdopen(open_regular(path, os.O_RDONLY), "rb")
 
 
 def open_append(path):
