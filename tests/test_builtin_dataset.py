@@ -96,6 +96,6 @@ def test_is_deterministic():
 def test_a_task_that_runs_out_of_questions_is_named(monkeypatch):
     def coin(rng):
         return "Heads or tails?", "", "heads" if rng.random() < 0.5 else "tails"
-    monkeypatch.setattr(data, "_TASKS", data._TASKS + (coin,))
+    monkeypatch.setattr(data.builtin, "_TASKS", data._TASKS + (coin,))
     with pytest.raises(RuntimeError, match="coin has too few distinct questions"):
         data._builtin_examples.__wrapped__()  # past the cache, which holds the real dataset

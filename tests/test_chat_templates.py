@@ -447,15 +447,15 @@ def test_the_one_render_shortcut_agrees_with_the_search_per_message(family, monk
     chats = [TURNS, TURNS[:2], [{"role": "user", "content": ""}, {"role": "assistant", "content": ""}],
              TURNS[:1] + [{"role": "assistant", "content": "<think>\nhm\n</think>\n\nhello"}]]
     chats += [] if name == "gemma" else [[SYSTEM] + TURNS]
-    one_render = data._spans_in_one_render
+    one_render = data.formats._spans_in_one_render
     served = []
     def spy(*args):
         served.append(one_render(*args) is not None)
         return one_render(*args)
-    monkeypatch.setattr(data, "_spans_in_one_render", spy)
+    monkeypatch.setattr(data.formats, "_spans_in_one_render", spy)
     shortcut = [encode_example({"messages": chat}, tok) for chat in chats]
     assert served == [name != "qwen3" or i != 3 for i in range(len(chats))]
-    monkeypatch.setattr(data, "_spans_in_one_render", lambda *a: None)
+    monkeypatch.setattr(data.formats, "_spans_in_one_render", lambda *a: None)
     assert [encode_example({"messages": chat}, tok) for chat in chats] == shortcut
 
 

@@ -1,4 +1,4 @@
-"""Tests for data.py: formats and loss masks, packing, loading errors, batching; damaged tokenizer files
+"""Tests for the data package: formats and loss masks, packing, loading errors, batching; damaged tokenizer files
 (the builtin dataset: tests/test_builtin_dataset.py)."""
 import json
 import re

@@ -410,7 +410,7 @@ def test_long_examples_are_dropped_and_said(tok, tmp_path):
 
 def test_no_target_at_all_is_refused(tok, tmp_path, monkeypatch):
     encode = data.encode_example
-    monkeypatch.setattr(data, "encode_example", lambda *a, **k: (encode(*a, **k)[0], [False] * len(encode(*a, **k)[0])))
+    monkeypatch.setattr(data.cache, "encode_example", lambda *a, **k: (encode(*a, **k)[0], [False] * len(encode(*a, **k)[0])))
     with pytest.raises(ValueError, match=r"no example has any target token \(every label is masked\)"
                                          r".*--train-on-inputs"):
         load_datasets(tok, data=write_jsonl(tmp_path / "d.jsonl", [{"text": "hi"}]), cache_dir=str(tmp_path / "c"),
@@ -493,7 +493,7 @@ def test_parallel_tokenizing_matches_serial_and_reports_progress(tok, tmp_path, 
     rows = [{"messages": [{"role": "user", "content": f"question {i}"}, {"role": "assistant", "content": str(i)}]}
             if i % 2 else {"text": f"document {i}"} for i in range(3 * data.CHUNK)]
     path = write_jsonl(tmp_path / "d.jsonl", rows)
-    monkeypatch.setattr(data, "PROGRESS_EVERY", 0.0)
+    monkeypatch.setattr(data.cache, "PROGRESS_EVERY", 0.0)
     logs = []
     parallel = load_datasets(tok, data=path, num_proc=2, cache_dir=str(tmp_path / "a"), log=logs.append)
     serial = load_datasets(tok, data=path, num_proc=1, cache_dir=str(tmp_path / "b"), log=quiet)

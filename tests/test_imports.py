@@ -7,7 +7,7 @@ import subprocess
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PACKAGES = ("model", "kernels")
+PACKAGES = ("model", "kernels", "data")
 
 
 def project_modules():

@@ -190,7 +190,7 @@ def test_every_example_too_long(run_model, dataset, tmp_path, capsys):
 def test_every_label_masked(run_model, dataset, tmp_path, capsys, monkeypatch):
     # Every valid example format trains at least its EOS; the guard is for what a custom encoder might do.
     encode = data.encode_example
-    monkeypatch.setattr(data, "encode_example", lambda *a, **k: (encode(*a, **k)[0], [False] * len(encode(*a, **k)[0])))
+    monkeypatch.setattr(data.cache, "encode_example", lambda *a, **k: (encode(*a, **k)[0], [False] * len(encode(*a, **k)[0])))
     refused(args(run_model, dataset, tmp_path / "out"), capsys, tmp_path / "out",
             r"no example has any target token \(every label is masked\).*--train-on-inputs")
 

@@ -147,7 +147,7 @@ LOOPS = "{% for i in range(OUTER) %}{% for j in range(INNER) %}{% endfor %}{% en
 @pytest.mark.parametrize("num_proc, outer, inner", [(1, 10_000, 1_000), (2, 100_000, 100_000)])
 def test_a_chat_template_that_loops_too_long_is_stopped_naming_it(tok, tmp_path, monkeypatch, num_proc, outer, inner):
     """Ten million empty iterations take seconds unbounded; 10^10 (the pool's case) take hours."""
-    monkeypatch.setattr(data, "RENDER_SECONDS", 0.2)
+    monkeypatch.setattr(data.formats, "RENDER_SECONDS", 0.2)
     template = tmp_path / "bomb.jinja"
     template.write_text(LOOPS.replace("OUTER", str(outer)).replace("INNER", str(inner)) + CHATML)
     rows = CHATS * (1 if num_proc == 1 else data.CHUNK)
@@ -162,7 +162,7 @@ def test_a_chat_template_that_loops_too_long_is_stopped_naming_it(tok, tmp_path,
 
 
 def test_the_models_own_slow_template_is_named_and_a_quick_one_renders_as_before(tmp_path, monkeypatch):
-    monkeypatch.setattr(data, "RENDER_SECONDS", 0.2)
+    monkeypatch.setattr(data.formats, "RENDER_SECONDS", 0.2)
     slow = load_tokenizer(make_test_tokenizer(tmp_path / "slow", chat_template=LOOPS.replace("OUTER", "100000")
                                               .replace("INNER", "100000") + CHATML))
     with pytest.raises(ValueError, match=r"^the model's chat template took over 0\.2 s to render .*d\.jsonl: line 1"):

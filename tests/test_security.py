@@ -100,7 +100,7 @@ def test_a_legacy_state_pt_checkpoint_still_resumes(run_model, dataset, tmp_path
 def test_nothing_in_the_project_unpickles():
     """No product code calls torch.load without weights_only=True, pickle.load(s), or np.load with pickles."""
     offenders = []
-    for folder in (".", "model", "kernels", "scripts", "scripts/bench"):
+    for folder in (".", "data", "model", "kernels", "scripts", "scripts/bench"):
         for name in os.listdir(os.path.join(ROOT, folder)):
             if not name.endswith(".py"):
                 continue

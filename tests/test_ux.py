@@ -518,7 +518,7 @@ def test_tokenizing_shows_a_bar_on_a_terminal(run_model, tmp_path, monkeypatch):
     """On a terminal, tokenizing draws a tqdm bar on stderr instead of the periodic progress lines."""
     screen = Terminal()
     monkeypatch.setattr(sys, "stderr", screen)
-    monkeypatch.setattr(data, "PROGRESS_EVERY", 0.0)
+    monkeypatch.setattr(data.cache, "PROGRESS_EVERY", 0.0)
     rows = [{"text": f"document {i}"} for i in range(3 * data.CHUNK)]
     path = tmp_path / "d.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
