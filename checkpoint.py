@@ -1,70 +1,47 @@
-"""The run folder and its checkpoints (nanochat's checkpoint_manager.py is the model).
+"""Checkpoints: save, find, verify, restore (nanochat's checkpoint_manager.py is the model).
 
-    with RunFolder(cfg, rank, world) as run:  # leaving it closes metrics.jsonl and releases the lock
-        run.check()                           # before any long work: writes nothing
-        ck = run.find(fingerprint(train_examples))  # the checkpoint --resume names, verified (None: a new run)
-        step = run.restore(ck, model, optimizer, scaler, batches)
-        run.open(step)                        # lock, then clear (--overwrite) or trim (--resume), train_config.json
-        run.save(step, model, optimizer, scaler, batches); run.log(record); run.save_adapter(model)
+    ckpts = Checkpoints(cfg, rank, world, warn)
+    ck = ckpts.find(data_hash, eval_hash)    # the checkpoint --resume names, verified (None: a new run)
+    step = ckpts.restore(ck, model, optimizer, scaler, batches)
+    ckpts.save(step, model, optimizer, scaler, batches); ckpts.save_adapter(model)
 
-A run folder (--out-dir) holds `.lock`, `train_config.json`, `metrics.jsonl` (one strict-JSON record per
-line), `checkpoints/step-NNNNNNN/` ({state.json, tensors.safetensors, adapter/, manifest.json}) and, at the end,
-`adapter/`. A checkpoint holds no pickle: its tensors are safetensors, everything else JSON, so reading one that
-someone else wrote runs none of their code.
-What is guaranteed, and the tests that show it: docs/reliability.md.
+A checkpoint is `--out-dir/checkpoints/step-NNNNNNN/`: state.json and tensors.safetensors (statefiles.py), the
+adapter in PEFT's format, and manifest.json. It is written into step-N.tmp/ and renamed into place, so an
+interrupted save leaves every earlier checkpoint whole. What is guaranteed, and the tests: docs/reliability.md.
 """
 import dataclasses
-import fcntl
 import hashlib
-import json
-import math
 import os
 import random
 import re
 import shutil
-import socket
-import sys
 import tempfile
 import time
 
 import numpy as np
 import torch
-import torch.distributed as dist
 from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
 
-import tracking
-from model.adapters import ADAPTER_CONFIG, check_replaceable, save_adapter
-from model.files import UnsafePath, atomic_file, check_writable_file, open_append, open_regular, remove_tree
+from config import UserError
+from distributed import gather
+from model.adapters import ADAPTER_CONFIG, save_adapter
+from model.files import remove_tree
 from model.lora import lora_parameters
+from runlog import nearest_existing
+from statefiles import CHECKPOINT_KEYS, LEGACY_STATE, STATE, Damaged, check_manifest, read_state, write_manifest, \
+    write_state
 
-
-class UserError(Exception):
-    """Bad input, or a run-folder problem the user must fix: printed as one line, no traceback."""
-
-
-class Damaged(Exception):
-    """A checkpoint that cannot be used: incomplete, changed after it was written, or not for this model."""
-
-
-# What a checkpoint holds (state.json and tensors.safetensors together): save() writes these keys, find()
-# checks for them.
-CHECKPOINT_KEYS = frozenset({"step", "config", "world_size", "data_hash", "eval_hash", "lora", "optimizer", "scaler",
-                             "data", "rng"})
 # Options that decide what the saved weights are: a checkpoint cannot continue under other values.
 IDENTITY = ("model", "quantize", "lora_r", "lora_alpha", "lora_targets", "rslora")
 # Options that, with the tokenized data and the process count, decide the rest of the trajectory: a resume
 # under other values does not reproduce the uninterrupted run, so it needs --resume-anyway.
 TRAJECTORY = ("batch_size", "grad_accum", "max_steps", "lr", "min_lr_ratio", "warmup_steps", "weight_decay",
               "grad_clip", "seed", "packing", "max_len", "train_on_inputs", "lora_dropout")
-MANIFEST = "manifest.json"
-STATE, TENSORS = "state.json", "tensors.safetensors"
-# A checkpoint written before checkpoints held no pickle. It is read with torch.load(weights_only=True), which
-# unpickles tensors and plain containers only; torch >= 2.6 (pyproject's floor) closes that loader's known
-# code-execution hole (CVE-2025-32434). This reader can go once no such checkpoint is left to resume.
-LEGACY_STATE = "state.pt"
+# The options an adapter's model card lists: those that decide what was trained, and how.
+CARD_OPTIONS = ("max_steps", "batch_size", "grad_accum", "max_len", "packing", "train_on_inputs", "lr",
+                "warmup_steps", "lora_dropout", "rslora", "dtype", "seed")
 # What a failed write raises: OSError (open, write), SafetensorError (the tensors, the adapter).
-WRITE_ERRORS = (OSError, RuntimeError, SafetensorError)
+WRITE_ERRORS = (OSError, SafetensorError)
 
 
 def fingerprint(encoded):
@@ -116,111 +93,6 @@ def rewind(batches, pos):
     set_rng_state(pos[1])
 
 
-def sha256_file(path):
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 20):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-def state_parts(ck):
-    """A checkpoint dict (CHECKPOINT_KEYS) as (JSON-able dict, {name: tensor}) for state.json and
-    tensors.safetensors: every tensor goes to the second, under a name its place in the first gives."""
-    tensors = {f"lora.{n}": t for n, t in ck["lora"].items()}
-    opt_state = {}
-    for i, (idx, st) in enumerate(ck["optimizer"]["state"].items()):
-        opt_state[str(idx)] = {}
-        for k, v in st.items():
-            if torch.is_tensor(v):
-                tensors[f"optimizer.{i}.{k}"] = v
-                opt_state[str(idx)][k] = {"tensor": f"optimizer.{i}.{k}"}
-            else:
-                opt_state[str(idx)][k] = {"value": v}
-    rngs = []
-    for r, rng in enumerate(ck["rng"]):
-        tensors[f"rng.{r}.torch"] = rng["torch"]
-        cuda = rng["cuda"]
-        for d, t in enumerate(cuda or []):
-            tensors[f"rng.{r}.cuda.{d}"] = t
-        rngs.append({"python": rng["python"], "cuda": None if cuda is None else len(cuda)})
-    meta = {k: ck[k] for k in ("step", "config", "world_size", "data_hash", "eval_hash", "scaler", "data")}
-    meta["optimizer"] = {"param_groups": ck["optimizer"]["param_groups"], "state": opt_state}
-    meta["rng"] = rngs
-    return meta, {k: v.detach().cpu().contiguous() for k, v in tensors.items()}
-
-
-def state_from_parts(meta, tensors):
-    """The inverse of state_parts. Raises Damaged when a name that state.json gives has no tensor."""
-    def tensor(name):
-        if name not in tensors:
-            raise Damaged(f"{TENSORS} has no tensor {name!r}, which {STATE} names")
-        return tensors[name]
-
-    missing = CHECKPOINT_KEYS - meta.keys() - {"lora", "eval_hash"}
-    if missing:
-        raise Damaged(f"not a nanotune checkpoint: {STATE} lacks {sorted(missing)}")
-    state = {int(idx): {k: tensor(v["tensor"]) if "tensor" in v else v["value"] for k, v in st.items()}
-             for idx, st in meta["optimizer"]["state"].items()}
-    rngs = [{"torch": tensor(f"rng.{r}.torch"), "python": rng["python"],
-             "cuda": None if rng["cuda"] is None else [tensor(f"rng.{r}.cuda.{d}") for d in range(rng["cuda"])]}
-            for r, rng in enumerate(meta["rng"])]
-    lora = {n[len("lora."):]: t for n, t in tensors.items() if n.startswith("lora.")}
-    return {**meta, "lora": lora, "rng": rngs,
-            "optimizer": {"state": state, "param_groups": meta["optimizer"]["param_groups"]}}
-
-
-def write_state(folder, ck):
-    """Write checkpoint dict `ck` into `folder` as state.json and tensors.safetensors."""
-    meta, tensors = state_parts(ck)
-    save_file(tensors, os.path.join(folder, TENSORS))
-    with open(os.path.join(folder, STATE), "x") as f:
-        json.dump(meta, f, indent=1, allow_nan=False)
-
-
-def read_state(folder):
-    """The checkpoint dict of `folder`, read without unpickling anything (a legacy state.pt: tensors and plain
-    containers only). Raises Damaged when it is not a complete nanotune checkpoint."""
-    if os.path.isfile(os.path.join(folder, STATE)):
-        with open(os.path.join(folder, STATE)) as f:
-            meta = json.load(f)
-        if not isinstance(meta, dict):
-            raise Damaged(f"{STATE} is not a JSON object")
-        ck = state_from_parts(meta, load_file(os.path.join(folder, TENSORS)))
-    elif os.path.isfile(os.path.join(folder, LEGACY_STATE)):
-        ck = torch.load(os.path.join(folder, LEGACY_STATE), map_location="cpu", weights_only=True)
-    else:
-        raise Damaged(f"no {STATE}")
-    if not isinstance(ck, dict) or not CHECKPOINT_KEYS - {"eval_hash"} <= ck.keys():  # older ones lack eval_hash
-        raise Damaged("not a nanotune checkpoint: keys missing")
-    return ck
-
-
-def write_manifest(folder):
-    """manifest.json: the sha256 of every other file of `folder`, written after them."""
-    files = sorted(os.path.relpath(os.path.join(d, f), folder) for d, _, fs in os.walk(folder) for f in fs)
-    digests = {f: sha256_file(os.path.join(folder, f)) for f in files if f != MANIFEST}
-    with open(os.path.join(folder, MANIFEST), "w") as f:
-        json.dump({"sha256": digests}, f, indent=1)
-
-
-def check_manifest(folder):
-    """Raises Damaged unless every file that manifest.json lists is there with its sha256, the state among them."""
-    try:
-        with open(os.path.join(folder, MANIFEST)) as f:
-            digests = json.load(f)["sha256"]
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise Damaged(f"no readable {MANIFEST} ({type(e).__name__}): the save did not finish") from e
-    if not ({STATE, TENSORS} <= digests.keys() or LEGACY_STATE in digests):
-        raise Damaged(f"{MANIFEST} does not list {STATE} and {TENSORS}")
-    for name, digest in digests.items():
-        path = os.path.join(folder, name)
-        if not os.path.isfile(path):
-            raise Damaged(f"{name} is missing")
-        if sha256_file(path) != digest:
-            raise Damaged(f"{name} does not match its sha256 in {MANIFEST}: it changed after it was written")
-
-
 def lora_mismatch(lora, model):
     """What differs between a checkpoint's LoRA tensors and the model's ('' when they fit)."""
     want = {n: tuple(p.shape) for n, p in lora_parameters(model)}
@@ -233,70 +105,17 @@ def lora_mismatch(lora, model):
     return ", ".join(p for p in parts if p)
 
 
-def nearest_existing(path):
-    """`path`, or its closest ancestor that exists: where a folder not yet created will live."""
-    path = os.path.abspath(path)
-    while not os.path.exists(path):
-        path = os.path.dirname(path)
-    return path
 
+class Checkpoints:
+    """The checkpoints of one run. Every rank builds one and reads checkpoints through it; only rank 0 writes."""
 
-def strict_json(record):
-    """One metrics.jsonl line: standard JSON, a NaN or inf written as null (JSON has no such numbers)."""
-    return json.dumps({k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in record.items()},
-                      allow_nan=False) + "\n"
-
-
-class RunFolder:
-    """The run folder of one training run. Every rank builds one and reads checkpoints through it; only rank 0
-    writes (and takes the lock)."""
-
-    def __init__(self, cfg, rank=0, world=1):
+    def __init__(self, cfg, rank=0, world=1, warn=None):
         self.cfg, self.rank, self.world = cfg, rank, world
         self.root = os.path.join(cfg.out_dir, "checkpoints")
-        self.lock_path = os.path.join(cfg.out_dir, ".lock")
-        self.metrics_path = os.path.join(cfg.out_dir, "metrics.jsonl")
         self.last, self.saved_step = None, 0  # the newest checkpoint written or resumed from, and its step
         self.data_hash, self.eval_hash, self._candidates, self._damaged = None, None, iter(()), []
-        self._lock_fd, self._metrics = None, None
-        self.trackers = tracking.Trackers([])  # --report-to: TensorBoard, W&B, trackio (rank 0, once open)
+        self.warn = warn or (lambda message: None)
         self.say = print if rank == 0 else (lambda *a, **k: None)
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, exc_type, *_):
-        self.close(failed=exc_type is not None)
-
-    # ------------------------------------------------------------------------- before the long work
-
-    def check(self):
-        """Refuse a folder that another run holds, one that holds a run without --resume/--overwrite, and one
-        that cannot be written. Writes nothing."""
-        has_run = os.path.isdir(self.cfg.out_dir) and any(
-            os.path.exists(os.path.join(self.cfg.out_dir, f)) for f in ("metrics.jsonl", "checkpoints", "train_config.json"))
-        if has_run and not (self.cfg.overwrite or self.cfg.resume):
-            raise UserError(f"{self.cfg.out_dir!r} already holds a run. Pass --resume auto to continue it, --overwrite "
-                            "to replace it, or choose another --out-dir")
-        for name in (".lock", "train_config.json", "metrics.jsonl"):  # what open() writes or appends to
-            try:
-                check_writable_file(os.path.join(self.cfg.out_dir, name))
-            except UnsafePath as e:
-                raise UserError(str(e)) from None
-        in_use = self._in_use()
-        if in_use:
-            raise in_use
-        if not self.cfg.overwrite:  # the adapter written at the end replaces an earlier one, nothing else
-            try:
-                check_replaceable(os.path.join(self.cfg.out_dir, "adapter"), ADAPTER_CONFIG)
-            except ValueError as e:
-                raise UserError(f"{e} (the run writes its adapter there at the end)") from None
-        where = nearest_existing(self.cfg.out_dir)
-        try:  # os.access says yes to root even on a read-only mount: try for real (an unnamed file, gone on close)
-            tempfile.TemporaryFile(dir=where).close()
-        except OSError as e:
-            raise UserError(f"cannot write to --out-dir {self.cfg.out_dir!r} ({e.strerror}: {where!r}); choose a "
-                            "writable folder") from e
 
     def check_free_disk(self, model):
         need = 3 * sum(p.numel() * 4 for _, p in lora_parameters(model)) + (64 << 20)  # weights + 2 Adam moments
@@ -306,28 +125,7 @@ class RunFolder:
                             f"{need / 2**20:.0f} MiB (twice that while the previous one is kept); free space or use "
                             "another --out-dir")
 
-    def _in_use(self):
-        """The error for a folder whose lock another process holds (rank 0 asks: it takes the lock), or None."""
-        if self.rank != 0 or not os.path.exists(self.lock_path):
-            return None
-        fd = open_regular(self.lock_path, os.O_RDONLY)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            return None  # free (a holder that died released it); closing the file releases it again
-        except BlockingIOError:
-            return self._in_use_error(fd)
-        finally:
-            os.close(fd)
-
-    def _in_use_error(self, fd):
-        pid, _, host = os.pread(fd, 200, 0).decode(errors="replace").strip().partition(" ")
-        holder = f"PID {pid} on {host}" if pid else "a process that has not written its PID yet"
-        return UserError(f"--out-dir {self.cfg.out_dir!r} is in use by another run ({holder} holds "
-                         f"{self.lock_path}); wait for it to finish or stop it, or choose another --out-dir")
-
-    # ------------------------------------------------------------------------- finding a checkpoint
-
-    def checkpoints(self):
+    def list(self):
         """The checkpoint folders, oldest first: folders named exactly step-N (not a *.tmp save that did not
         finish, not a user's step-N-backup copy, not a link), the ones that resuming reads and rotation deletes."""
         if not os.path.isdir(self.root):
@@ -345,7 +143,7 @@ class RunFolder:
         if not self.cfg.resume:
             return None
         auto = self.cfg.resume == "auto"
-        paths = self.checkpoints()[::-1] if auto else [self.cfg.resume]
+        paths = self.list()[::-1] if auto else [self.cfg.resume]
         if auto and not paths:
             self.say(f"--resume auto: no checkpoint in {self.root}; starting a new run")
             return None
@@ -374,9 +172,6 @@ class RunFolder:
         self._damaged.append(f"{path} ({type(e).__name__}: {str(e)[:160]})")
         self.warn(f"cannot read checkpoint {self._damaged[-1]}; trying the one before it")
 
-    def warn(self, message):
-        if self.rank == 0:
-            print(f"warning: {message}", file=sys.stderr)
 
     def _next(self):
         """The next readable checkpoint, checked against this run: one of another model or LoRA shape, process
@@ -440,68 +235,11 @@ class RunFolder:
 
     # ------------------------------------------------------------------------- writing
 
-    def open(self, step):
-        """Take the folder (rank 0, once every check has passed; the other ranks never write): lock it, then
-        clear it (--overwrite), so that a later --resume auto cannot pick up the previous run's checkpoints,
-        or (--resume) cut its metrics back to `step` and set aside newer checkpoints; write train_config.json."""
-        if self.rank != 0:
-            return
-        try:
-            os.makedirs(self.cfg.out_dir, exist_ok=True)
-            self._lock()
-            if self.cfg.resume:
-                self._trim_metrics(step)
-                self._set_aside_newer(step)
-            elif self.cfg.overwrite:
-                for name in ("metrics.jsonl", "checkpoints", "adapter"):
-                    remove_tree(os.path.join(self.cfg.out_dir, name))  # a link is removed, never followed
-            with atomic_file(os.path.join(self.cfg.out_dir, "train_config.json")) as f:
-                json.dump(dataclasses.asdict(self.cfg), f, indent=2)
-            self._metrics = open_append(self.metrics_path)
-        except UnsafePath as e:
-            raise UserError(str(e)) from None
-        except OSError as e:
-            raise UserError(f"cannot set up the run folder {self.cfg.out_dir!r} ({e}); nothing in it was lost") from e
-        self.trackers = tracking.open_trackers(self.cfg.trackers(), self.cfg.out_dir, dataclasses.asdict(self.cfg))
 
-    def _lock(self):
-        """An exclusive flock on out/.lock for as long as this process runs: the OS drops it when the process
-        ends, however it ends. The file holds 'PID host' for the error another run prints."""
-        fd = open_regular(self.lock_path, os.O_RDWR | os.O_CREAT)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            error = self._in_use_error(fd)
-            os.close(fd)
-            raise error from None
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()} {socket.gethostname()}\n".encode(), 0)
-        self._lock_fd = fd
-
-    def _trim_metrics(self, step):
-        """Drop the records past the checkpoint at `step`, which the resumed run writes again (its train records
-        after `step`, its evals from `step` on). They are the file's tail, so it is truncated in place at the
-        first of them: one system call, whatever the file's size, so a kill leaves the old file or the new one.
-        A line without its newline (cut by a kill) ends the kept part too."""
-        if not os.path.lexists(self.metrics_path):
-            return
-        keep = 0
-        with os.fdopen(open_regular(self.metrics_path, os.O_RDWR), "rb+") as f:
-            for line in f:
-                try:
-                    r = json.loads(line) if line.endswith(b"\n") else None
-                except ValueError:
-                    r = None
-                if not (isinstance(r, dict) and isinstance(r.get("step"), int)
-                        and (r["step"] < step or (r["step"] == step and "loss" in r))):
-                    break
-                keep += len(line)
-            os.ftruncate(f.fileno(), keep)
-
-    def _set_aside_newer(self, step):
+    def set_aside_newer(self, step):
         """Resuming from an older checkpoint: the newer ones belong to the abandoned run, and --resume auto must
         not pick them later. They move to checkpoints/abandoned-<time>/, not deleted."""
-        newer = [p for p in self.checkpoints() if int(os.path.basename(p)[5:]) > step]
+        newer = [p for p in self.list() if int(os.path.basename(p)[5:]) > step]
         if not newer:
             return
         dest = tempfile.mkdtemp(prefix=time.strftime("abandoned-%Y%m%d-%H%M%S-"), dir=self.root)
@@ -511,16 +249,6 @@ class RunFolder:
         self.say(f"moved {len(newer)} newer checkpoint(s) ({names}) of the abandoned run to {dest}: this run "
                  f"continues from step {step}")
 
-    def log(self, record):
-        """Append one record to metrics.jsonl (rank 0), flushed, so that a crash loses at most the line being written."""
-        if self._metrics is None:
-            return
-        try:
-            self._metrics.write(strict_json(record))
-            self._metrics.flush()
-        except OSError as e:
-            raise OSError(e.errno, e.strerror, self.metrics_path) from e
-        self.trackers.log(record, record["step"])
 
     def next_steps(self, fix):
         """How to go on after a failure: `fix`, then continue from the last good checkpoint."""
@@ -538,9 +266,7 @@ class RunFolder:
         if bad:
             raise UserError(f"not saving checkpoint {final}: {', '.join(bad[:2])}{' ...' if len(bad) > 2 else ''} "
                             f"hold NaN/inf after step {step}. {self.next_steps('lower --lr (or check the data)')}")
-        rngs = [rng_state()] * self.world
-        if self.world > 1:  # each rank's own dropout stream, so a resume continues every one of them exactly
-            dist.all_gather_object(rngs, rngs[0])
+        rngs = gather(rng_state(), self.world)  # each rank's own dropout stream: a resume continues every one
         if self.rank == 0:
             self._write(final, step, model, optimizer, scaler, batches, rngs)
         self.last, self.saved_step = final, step
@@ -580,39 +306,31 @@ class RunFolder:
             remove_tree(final)
         os.replace(tmp, final)
         if self.cfg.keep_checkpoints:  # 0 keeps every checkpoint
-            for path in self.checkpoints()[:-self.cfg.keep_checkpoints]:
+            for path in self.list()[:-self.cfg.keep_checkpoints]:
                 if path != final:
                     shutil.rmtree(path, ignore_errors=True)
+
+    @property
+    def adapter_folder(self):
+        return os.path.join(self.cfg.out_dir, "adapter")
+
+    def adapter_done(self):
+        """Whether the run's adapter (written at the end, after the final checkpoint) is in the folder."""
+        return os.path.isfile(os.path.join(self.adapter_folder, ADAPTER_CONFIG))
 
     def save_adapter(self, model, metrics=None):
         """The run's result, out/adapter/ in PEFT's format (rank 0), after the final checkpoint."""
         if self.rank != 0:
             return
-        folder = os.path.join(self.cfg.out_dir, "adapter")
+        folder = self.adapter_folder
         bad = nonfinite(model)
         if bad:
             raise UserError(f"not writing the adapter: {bad[0]} holds NaN/inf. {self.next_steps('lower --lr')}")
         try:
             save_adapter(model, folder, base_model=self.cfg.model, dataset=self.cfg.data,
-                         options=dataclasses.asdict(self.cfg), metrics=metrics)
+                         options={k: getattr(self.cfg, k) for k in CARD_OPTIONS}, metrics=metrics)
         except WRITE_ERRORS as e:
             raise UserError(f"cannot write the adapter to {folder} ({e}). Nothing is lost: the final checkpoint "
                             f"{self.last} holds the same weights, and {self.last}/adapter is this adapter") from e
         return folder
 
-    def close(self, failed=False):
-        """Close metrics.jsonl and release the lock. After a failure, a metrics line that cannot be flushed
-        (disk full) is dropped: the error that stopped the run is the one to report."""
-        metrics, self._metrics = self._metrics, None
-        self.trackers.close()
-        self.trackers = tracking.Trackers([])
-        try:
-            if metrics is not None:
-                metrics.close()
-        except OSError:
-            if not failed:
-                raise
-        finally:
-            if self._lock_fd is not None:
-                os.close(self._lock_fd)
-                self._lock_fd = None

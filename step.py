@@ -1,10 +1,13 @@
 """One training micro-step: forward and backward of one micro-batch, eager or replayed from a CUDA graph.
 
-    step = EagerStep(forward, device)  or  GraphStep(forward, device, params, max_len, log)
+    step = EagerStep(model, device, loss_fn)  or  GraphStep(model, device, params, max_len, log, loss_fn=loss_fn)
     loss = step(batch, num_targets, loss_mult)   # adds d(loss * loss_mult)/dp into every p.grad
+    step.zero_grad(optimizer)                    # after the optimizer step
 
-`loss` is Σ token losses of the micro-batch / num_targets (a 0-dim fp32 device tensor);
-the gradients are those of loss * loss_mult (loss_mult: the fp16 loss scale times the world size).
+`loss` is loss_fn(model, batch, num_targets), a 0-dim fp32 device tensor: train.py's is Σ token losses of
+the micro-batch / num_targets, the target count of the whole optimizer step (a 0-dim fp32 device tensor here).
+The gradients are those of loss * loss_mult (loss_mult: the fp16 loss scale times the world size).
+Without a loss_fn the step takes the model's own: model(..., targets=..., num_targets=...), the same mean.
 
 Why a graph: a step of a small model, or of a short batch, is bound by the CPU time it takes
 Python and PyTorch to issue its ~1-3k kernels, not by the GPU. A CUDA graph records those
@@ -52,6 +55,7 @@ import threading
 import torch
 
 import data
+from memory import warm_start_fits
 from model.capture import capture, warm_up
 from model.load import random_model
 from model.lora import lora_parameters
@@ -67,24 +71,30 @@ class EagerStep:
     its position_ids and doc_ids may be None (one causal sequence per row). It may hold "docs", the
     Documents of its doc_ids (GraphStep's buffers); otherwise the model computes them where it needs them."""
 
-    graphed = False
-
-    def __init__(self, forward, device):
-        self.forward, self.device = forward, device
+    def __init__(self, forward, device, loss_fn=None):
+        self.forward, self.device, self.loss_fn = forward, device, loss_fn or model_loss
 
     def __call__(self, batch, num_targets, loss_mult):
-        loss = self.loss(batch, num_targets)
+        loss = self.loss(batch, torch.tensor(float(num_targets), device=self.device))
         (loss * loss_mult).backward()
         return loss.detach()
 
     def loss(self, batch, num_targets):
-        """The micro-batch's loss (forward only)."""
+        """The micro-batch's loss (forward only); num_targets: a 0-dim fp32 tensor on the device."""
         batch = {k: None if v is None else v.to(self.device) if k == "docs" else v.to(self.device, non_blocking=True)
                  for k, v in batch.items()}
-        loss = self.forward(batch["input_ids"], batch["position_ids"], batch["doc_ids"], targets=batch["targets"],
-                            num_targets=num_targets, docs=batch.get("docs"))
-        assert loss.dtype == torch.float32, f"loss must be float32, got {loss.dtype}"
+        loss = self.loss_fn(self.forward, batch, num_targets)
+        assert loss.dtype == torch.float32 and loss.dim() == 0, f"loss must be a float32 scalar, got {loss.dtype}"
         return loss
+
+    def zero_grad(self, optimizer):
+        optimizer.zero_grad(set_to_none=True)
+
+
+def model_loss(model, batch, num_targets):
+    """The model's own loss: Σ token losses / num_targets (what train.py's loss_fn spells out)."""
+    return model(batch["input_ids"], batch["position_ids"], batch["doc_ids"], targets=batch["targets"],
+                 num_targets=num_targets, docs=batch.get("docs"))
 
 
 class _Graph:
@@ -114,10 +124,8 @@ class _Graph:
 class GraphStep:
     """The micro-step replayed from a CUDA graph per batch shape (captured on first use)."""
 
-    graphed = True
-
-    def __init__(self, forward, device, params, max_len, log=print, warmed=False, shortest=SHORTEST):
-        self.eager = EagerStep(forward, device)
+    def __init__(self, forward, device, params, max_len, log=print, warmed=False, shortest=SHORTEST, loss_fn=None):
+        self.eager = EagerStep(forward, device, loss_fn)
         self.device = device
         self.params = list(params)
         self.max_len = max_len
@@ -149,6 +157,10 @@ class GraphStep:
         g.load(batch, num_targets, loss_mult)
         g.graph.replay()
         return g.loss
+
+    def zero_grad(self, optimizer):
+        """The graphs add into fixed .grad buffers: zeroed in place, never freed."""
+        optimizer.zero_grad(set_to_none=False)
 
     def _capture(self, batch, num_targets, loss_mult):
         g = _Graph(batch, self.device)
@@ -281,17 +293,17 @@ class WarmStart:
 
     @classmethod
     def start(cls, mcfg, batch, device, dtype, *, lora, quantize=None, use_kernels=True, max_len=None,
-              shortest=SHORTEST, log=print):
+              shortest=SHORTEST, log=print, loss_fn=None):
         """The running warm start, or None where it does not apply: not CUDA, or memory that is not plentiful
-        (`fits`). max_len: pad the batch to its CUDA-graph bucket first, as GraphStep does (`pad_to_bucket`
-        with `shortest`); None for eager steps."""
+        (`memory.warm_start_fits`). max_len: pad the batch to its CUDA-graph bucket first, as GraphStep does (`pad_to_bucket`
+        with `shortest`); None for eager steps. loss_fn: the run's (see EagerStep)."""
         if device.type != "cuda":
             return None
         types = list(dict.fromkeys(mcfg.layer_types))  # one layer of each type, in order of appearance
         small = dataclasses.replace(mcfg, n_layers=len(types), layer_types=types)
         if max_len is not None:
             batch = pad_to_bucket(batch, max_len, shortest)
-        if not fits(mcfg, small, batch, dtype, use_kernels, torch.cuda.mem_get_info(device)[0]):
+        if not warm_start_fits(mcfg, small, batch, dtype, use_kernels, torch.cuda.mem_get_info(device)[0]):
             return None
 
         def run():
@@ -300,7 +312,7 @@ class WarmStart:
                                      use_kernels=use_kernels)
                 model.train()
                 params = [p for _, p in lora_parameters(model)]
-                EagerStep(model, device)(batch, max(1, data.num_targets(batch)), 1.0)
+                EagerStep(model, device, loss_fn)(batch, max(1, data.num_targets(batch)), 1.0)
                 torch.nn.utils.clip_grad_norm_(params, 1.0)
                 torch.cuda.current_stream().synchronize()
 
@@ -326,30 +338,3 @@ class WarmStart:
             self.log(f"note: the warm-up beside the loading stopped ({type(self.failed).__name__}: "
                      f"{str(self.failed)[:200]}); the first step pays its one-time costs")
         return self.failed is None
-
-
-def fits(mcfg, small, batch, dtype, use_kernels, free):
-    """Whether the model's weights and WarmStart's copy of it (`small`, one layer per type) fit in half of `free`
-    bytes together: the copy runs while the model loads, so the process's peak holds both; where memory is
-    tight, the run goes without. A generous estimate: the weights at `dtype` (NF4 ones take less), the copy's
-    step at 24 values a token for each layer's hidden and intermediate width, and the logits (`logits_bytes`)."""
-    size = torch.finfo(dtype).bits // 8
-    h, i, n = small.hidden_size, small.intermediate_size, batch["input_ids"].numel()
-    copy = (_weights(small) + 24 * n * small.n_layers * (h + i)) * size + logits_bytes(n, small, dtype, use_kernels)
-    return _weights(mcfg) * size + copy <= free / 2
-
-
-def logits_bytes(tokens, mcfg, dtype, use_kernels):
-    """The memory of a micro-batch's logits in its loss, in bytes: the fused cross-entropy kernel keeps a chunk
-    of at most 256 MiB and the fp32 gradient of its input; the torch reference keeps them in the compute dtype
-    and in fp32, with their fp32 gradient."""
-    if use_kernels:
-        return (256 << 20) + tokens * mcfg.hidden_size * 4
-    return tokens * mcfg.vocab_size * (torch.finfo(dtype).bits // 8 + 8)
-
-
-def _weights(mcfg):
-    """The base weights of a model of `mcfg` (the embedding and the head counted apart)."""
-    h = mcfg.hidden_size
-    width = (2 * mcfg.n_heads + 2 * mcfg.n_kv_heads) * mcfg.head_dim
-    return 2 * mcfg.vocab_size * h + mcfg.n_layers * (h * width + 3 * h * mcfg.intermediate_size)

@@ -451,14 +451,14 @@ class Transformer(nn.Module):
         return logits if c is None else c * torch.tanh(logits / c)
 
     def forward(self, input_ids, position_ids=None, doc_ids=None, targets=None, num_targets=None,
-                ignore_index=-100, cache=None, docs=None):
+                ignore_index=-100, cache=None, docs=None, reduction="mean"):
         """Logits (B, T, V) when `targets` is None.
 
         With `targets` (B, T), already shifted (targets[b, t] is the token that position t
-        predicts; `ignore_index` where nothing is predicted), returns the loss
-        Σ token losses / num_targets without materializing the logits. `num_targets`
-        defaults to the count in this batch; the training loop passes the count of the
-        whole optimizer step so that micro-batches are weighted by tokens.
+        predicts; `ignore_index` where nothing is predicted), returns the token losses without
+        materializing the logits (the fused head), fp32: reduction "sum" gives Σ token losses,
+        "mean" that sum / num_targets (default: the count in this batch), "none" the losses
+        (B * T,), 0 where ignored (not with a trainable lm_head: see the kernel).
         cache, docs: see `hidden_states` (generation, model/generate.py; the training step).
         """
         h = self.hidden_states(input_ids, position_ids, doc_ids, cache, docs)
@@ -466,7 +466,7 @@ class Transformer(nn.Module):
             return self.logits(h)
         return self.ops.linear_cross_entropy(
             h.reshape(-1, h.shape[-1]), self.lm_head.weight, targets.reshape(-1),
-            ignore_index=ignore_index, softcap=self.config.final_softcap, reduction="mean", num_targets=num_targets)
+            ignore_index=ignore_index, softcap=self.config.final_softcap, reduction=reduction, num_targets=num_targets)
 
     def score(self, input_ids, position_ids, doc_ids, targets, ignore_index=-100, chunk_bytes=1 << 28):
         """(token_loss (B, T) fp32, hit (B, T) bool) for evaluation, without B×T×V logits.

@@ -157,3 +157,9 @@ def run_script_here(monkeypatch, name, *args):
     import sys
     monkeypatch.setattr(sys, "argv", [name, *map(str, args)])
     runpy.run_path(os.path.join(ROOT, "scripts", name), run_name="__main__")
+
+
+def untimed(rows):
+    """metrics.jsonl records without what is measured rather than computed (the rate, the process's memory):
+    what two runs of the same computation agree on."""
+    return [{k: v for k, v in r.items() if k not in ("tokens_per_s", "peak_rss_gib")} for r in rows]

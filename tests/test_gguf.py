@@ -17,6 +17,7 @@ import torch
 gguf = pytest.importorskip("gguf", reason="the optional gguf package is not installed: pip install -e '.[gguf]'")
 from gguf import GGMLQuantizationType as QType  # noqa: E402
 
+import config  # noqa: E402
 import train  # noqa: E402
 from model import LoRAConfig, LoRALinear, load_model, load_tokenizer, read_config  # noqa: E402
 from model.adapters import load_with_adapter, merge_and_save, save_adapter  # noqa: E402
@@ -115,7 +116,7 @@ def test_finetune_smollm2_loss_falls(smollm2_path, tmp_path):
              "Marvin the robot likes blue tea.", "The door code is 4711."]
     (tmp_path / "texts.jsonl").write_text("\n".join(json.dumps({"text": t}) for t in texts))
     out = tmp_path / "run"
-    cfg = train.TrainConfig(model=smollm2_path, data=str(tmp_path / "texts.jsonl"), out_dir=str(out), max_len=48,
+    cfg = config.TrainConfig(model=smollm2_path, data=str(tmp_path / "texts.jsonl"), out_dir=str(out), max_len=48,
                             batch_size=1, max_steps=6, warmup_steps=1, lr=3e-3, lora_r=8, lora_alpha=16,
                             eval_every=0, save_every=0, dtype="fp32", device="cpu", kernels=False,
                             gradient_checkpointing=False)

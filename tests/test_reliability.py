@@ -27,11 +27,17 @@ import pytest
 import torch
 
 import checkpoint
+import runlog
+import statefiles
+import config
 import data
+import memory
+import precision
 import step
 import train
-from model import read_config
-from tests.helpers import builtin_jsonl, read_metrics, refused
+from model import LoRAConfig, load_model, read_config
+from model.lora import lora_parameters
+from tests.helpers import builtin_jsonl, read_metrics, refused, untimed
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -272,7 +278,7 @@ def test_damaged_checkpoint_falls_back_to_the_one_before(run_model, dataset, tmp
 
 def test_disk_full_while_saving_keeps_the_previous_checkpoint(run_model, dataset, tmp_path, capsys, monkeypatch):
     out = tmp_path / "out"
-    real_save, calls = checkpoint.save_file, []
+    real_save, calls = statefiles.save_file, []
 
     def save(tensors, f, *a, **k):
         calls.append(f)
@@ -281,7 +287,7 @@ def test_disk_full_while_saving_keeps_the_previous_checkpoint(run_model, dataset
             raise OSError(errno.ENOSPC, "No space left on device")
         return real_save(tensors, f, *a, **k)
 
-    monkeypatch.setattr(checkpoint, "save_file", save)
+    monkeypatch.setattr(statefiles, "save_file", save)
     assert train.cli(args(run_model, dataset, out, "--save-every", "1", "--max-steps", "3")) == 2
     err = capsys.readouterr().err.splitlines()[-1]
     ckpts = out / "checkpoints"
@@ -289,7 +295,7 @@ def test_disk_full_while_saving_keeps_the_previous_checkpoint(run_model, dataset
                           f"device). Free disk space in {out}"), err
     assert f"the last good checkpoint is {ckpts / 'step-0000001'}: continue from it with --resume auto" in err
     assert sorted(os.listdir(ckpts)) == ["step-0000001"], "the partial save must be removed, the first kept"
-    monkeypatch.setattr(checkpoint, "save_file", real_save)
+    monkeypatch.setattr(statefiles, "save_file", real_save)
     assert train.cli(args(run_model, dataset, out, "--save-every", "1", "--max-steps", "3", "--resume", "auto")) == 0
     assert f"resumed from {ckpts / 'step-0000001'} at step 1" in capsys.readouterr().out
 
@@ -300,7 +306,7 @@ def test_disk_full_while_saving_keeps_the_previous_checkpoint(run_model, dataset
 def test_nan_stops_naming_step_and_checkpoint(run_model, dataset, tmp_path, capsys, monkeypatch):
     """An absurd lr (past what --lr accepts) overflows the weights after the first step; the run stops at the
     step that is NaN."""
-    monkeypatch.setattr(train, "lr_at", lambda cfg, step: 1e30)
+    monkeypatch.setattr(train, "lr_at", lambda cfg, max_steps, step: 1e30)
     out = tmp_path / "out"
     assert train.cli(args(run_model, dataset, out, "--save-every", "1", "--max-steps", "5")) == 2
     err = capsys.readouterr().err
@@ -356,7 +362,7 @@ def test_killed_mid_checkpoint_keeps_the_previous_one(run_model, dataset, tmp_pa
     assert sorted(os.listdir(ckpts)) == ["step-0000002", "step-0000004.tmp"]
     assert (ckpts / "step-0000004.tmp" / "state.json").exists()
     assert (ckpts / "step-0000002" / "adapter" / "adapter_model.safetensors").exists()
-    assert checkpoint.RunFolder(train.TrainConfig(out_dir=str(out))).checkpoints()[-1] == str(ckpts / "step-0000002")
+    assert checkpoint.Checkpoints(config.TrainConfig(out_dir=str(out))).list()[-1] == str(ckpts / "step-0000002")
 
     assert train.cli(args(run_model, dataset, out, "--save-every", "2", "--max-steps", "3", "--resume", "auto",
                           "--resume-anyway")) == 0  # 3 steps, not the first run's 10
@@ -387,8 +393,7 @@ def test_ctrl_c_checkpoints_and_resume_is_exact(run_model, dataset, tmp_path, ca
 
     assert train.cli(args(run_model, dataset, out, *opts, "--resume", "auto")) == 0
     assert train.cli(args(run_model, dataset, tmp_path / "ref", *opts)) == 0
-    drop_timing = lambda rows: [{k: v for k, v in r.items() if k != "tokens_per_s"} for r in rows]  # noqa: E731
-    assert drop_timing(read_metrics(out)) == drop_timing(read_metrics(tmp_path / "ref"))
+    assert untimed(read_metrics(out)) == untimed(read_metrics(tmp_path / "ref"))
 
 
 # ----------------------------------------------------------------------------- one run per folder
@@ -397,7 +402,7 @@ def test_ctrl_c_checkpoints_and_resume_is_exact(run_model, dataset, tmp_path, ca
 def test_keep_checkpoints(run_model, dataset, tmp_path, capsys):
     """0 keeps every checkpoint (the --help says so); 1 keeps the newest, the one just written."""
     with pytest.raises(SystemExit):
-        train.parse_args(["--help"])
+        config.parse_args(["--help"])
     assert "(0: keep all)" in " ".join(capsys.readouterr().out.split())
     out = tmp_path / "out"
     assert train.cli(args(run_model, dataset, out, "--save-every", "1", "--max-steps", "3", "--keep-checkpoints", 0)) == 0
@@ -538,7 +543,7 @@ def test_ctrl_c_while_saving_waits(run_model, dataset, tmp_path, capfd, monkeypa
     """Two Ctrl-C during the final checkpoint (the only one, --save-every 0): "saving, please wait"; the
     checkpoint, the eval and the adapter are all written, and the run is complete (exit 0)."""
     out = tmp_path / "out"
-    send_on_call(monkeypatch, checkpoint, "save_file", 1, signal.SIGINT, times=2)
+    send_on_call(monkeypatch, statefiles, "save_file", 1, signal.SIGINT, times=2)
     assert train.cli(args(run_model, dataset, out, "--eval-fraction", "0.1")) == 0
     captured = capfd.readouterr()
     assert captured.err.count("saving, please wait") == 2, captured.err
@@ -552,7 +557,7 @@ def test_ctrl_c_while_saving_waits(run_model, dataset, tmp_path, capfd, monkeypa
 def test_a_third_ctrl_c_aborts_the_save_and_loses_only_it(run_model, dataset, tmp_path, capfd, monkeypatch,
                                                           signal_guard):
     out = tmp_path / "out"
-    send_on_call(monkeypatch, checkpoint, "save_file", 2, signal.SIGINT, times=3)  # the step-2 (final) checkpoint
+    send_on_call(monkeypatch, statefiles, "save_file", 2, signal.SIGINT, times=3)  # the step-2 (final) checkpoint
     assert train.cli(args(run_model, dataset, out, "--save-every", "1")) == 130
     err = capfd.readouterr().err
     ckpts = out / "checkpoints"
@@ -577,7 +582,7 @@ def test_ctrl_c_before_training_exits_at_once(run_model, dataset, tmp_path, capf
 def test_nan_weights_are_never_saved(run_model, dataset, tmp_path, capsys, monkeypatch, save_every, max_steps):
     """An lr of inf (past what --lr accepts) turns the LoRA weights into NaN in step 1, with a finite loss and
     gradient. No checkpoint and no adapter is written, and none is named as the last good one."""
-    monkeypatch.setattr(train, "lr_at", lambda cfg, step: float("inf"))
+    monkeypatch.setattr(train, "lr_at", lambda cfg, max_steps, step: float("inf"))
     out = tmp_path / "out"
     assert train.cli(args(run_model, dataset, out, "--save-every", save_every, "--max-steps", max_steps)) == 2
     err = capsys.readouterr().err
@@ -587,8 +592,8 @@ def test_nan_weights_are_never_saved(run_model, dataset, tmp_path, capsys, monke
 
 
 def test_nonfinite_optimizer_state_is_found(run_model):
-    model, _ = train.load_model(run_model, lora=train.LoRAConfig(r=2))
-    params = dict(train.lora_parameters(model))
+    model, _ = load_model(run_model, lora=LoRAConfig(r=2))
+    params = dict(lora_parameters(model))
     optimizer = torch.optim.AdamW(params.values())
     for p in params.values():
         p.grad = torch.ones_like(p)
@@ -616,24 +621,31 @@ def test_nan_on_the_first_step_points_at_the_inputs(run_model, dataset, tmp_path
 
 
 @pytest.mark.parametrize("bad", ["loss", "grad norm"])
-def test_nonfinite_step_is_skipped_on_the_device(bad):
-    """The update is issued before the host reads the loss and grad norm: where either is NaN/inf, fused AdamW
-    leaves the weights and its state exactly as they were, and the step does not count as an update."""
+@pytest.mark.parametrize("optimizer_kind", ["fused AdamW", "AdamW", "SGD"])
+def test_nonfinite_step_is_skipped(bad, optimizer_kind):
+    """LossScaler.step skips the update where the loss or grad norm is NaN/inf, for any optimizer: fused AdamW
+    (the update is queued before the host reads them, and skipped on the device) leaves the weights and its
+    state exactly as they were, and so do the others (stepped only after the host has seen them); the step
+    does not count as an update."""
     torch.manual_seed(0)
     w = torch.nn.Parameter(torch.randn(4, 3))
-    optimizer = torch.optim.AdamW([w], lr=0.1, fused=True)
+    optimizer = {"fused AdamW": lambda: torch.optim.AdamW([w], lr=0.1, fused=True),
+                 "AdamW": lambda: torch.optim.AdamW([w], lr=0.1, fused=False, foreach=False),
+                 "SGD": lambda: torch.optim.SGD([w], lr=0.1, momentum=0.9)}[optimizer_kind]()
+    scaler = precision.LossScaler(1.0, 1, enabled=False)
     w.grad = torch.randn(4, 3)
-    train.issue_update(optimizer, torch.tensor(1.0), torch.tensor(2.0), world=1)
-    assert train.updates_applied(optimizer) == 1
+    assert scaler.step(optimizer, torch.tensor(1.0), torch.tensor(2.0))
     before = w.detach().clone(), {k: v.clone() for k, v in optimizer.state[w].items()}
-    w.grad = torch.randn(4, 3)
+    w.grad = torch.full((4, 3), float("nan"))  # what a step would apply if it were not skipped
     loss, norm = (float("nan"), 2.0) if bad == "loss" else (1.0, float("inf"))
-    train.issue_update(optimizer, torch.tensor(loss), torch.tensor(norm), world=1)
+    assert not scaler.step(optimizer, torch.tensor(loss), torch.tensor(norm))
     assert torch.equal(w, before[0])
     assert all(torch.equal(optimizer.state[w][k], v) for k, v in before[1].items())
-    assert train.updates_applied(optimizer) == 1
-    train.issue_update(optimizer, torch.tensor(1.0), torch.tensor(2.0), world=1)
-    assert not torch.equal(w, before[0]) and train.updates_applied(optimizer) == 2
+    w.grad = torch.randn(4, 3)
+    assert scaler.step(optimizer, torch.tensor(1.0), torch.tensor(2.0))
+    assert not torch.equal(w, before[0]) and torch.isfinite(w).all()
+    if optimizer_kind != "SGD":  # Adam counts its updates
+        assert precision.updates_applied(optimizer) == 2
 
 
 # ----------------------------------------------------------------------------- exact resume
@@ -697,12 +709,12 @@ def _flip_tensor_bytes(tensors):
 
 def _rewrite(folder, change):
     """Change a checkpoint's state and write its manifest again, as a different program would."""
-    ck = checkpoint.read_state(folder)
+    ck = statefiles.read_state(folder)
     change(ck)
     for name in ("state.json", "tensors.safetensors", "manifest.json"):
         os.remove(folder / name)
-    checkpoint.write_state(folder, ck)
-    checkpoint.write_manifest(folder)
+    statefiles.write_state(folder, ck)
+    statefiles.write_manifest(folder)
 
 
 def _rewrite_lora(folder, change):
@@ -798,17 +810,17 @@ class FullDisk(io.TextIOWrapper):
 
 def test_disk_full_writing_metrics(run_model, dataset, tmp_path, capsys, monkeypatch):
     """One error line; an emergency checkpoint of the last complete step; the run resumes from it."""
-    real_open = checkpoint.open_append
+    real_open = runlog.open_append
     out = tmp_path / "out"
     FullDisk.room = 2
-    monkeypatch.setattr(checkpoint, "open_append", lambda path: FullDisk(open(path, "ab"), encoding="utf-8"))
+    monkeypatch.setattr(runlog, "open_append", lambda path: FullDisk(open(path, "ab"), encoding="utf-8"))
     assert train.cli(args(run_model, dataset, out, "--max-steps", "4")) == 2
     err = capsys.readouterr().err
     ckpt = out / "checkpoints" / "step-0000003"
     assert err.count("\n") == 1 and err.startswith(f"error: cannot write {out / 'metrics.jsonl'} (No space left on "
                                                    f"device). The last good checkpoint is {ckpt}: free disk space in "
                                                    f"{out} and continue from it with --resume {ckpt}"), err
-    monkeypatch.setattr(checkpoint, "open_append", real_open)
+    monkeypatch.setattr(runlog, "open_append", real_open)
     assert train.cli(args(run_model, dataset, out, "--max-steps", "4", "--resume", "auto")) == 0
     assert [r["step"] for r in read_metrics(out)] == [1, 2, 4]  # step 3's record was the one that did not fit
 
@@ -861,34 +873,33 @@ def test_out_of_memory_saves_the_last_step_and_says_what_to_do(run_model, datase
     monkeypatch.setattr(step.EagerStep, "__call__", real)
     assert train.cli(args(run_model, dataset, out, *opts, "--resume", "auto")) == 0
     assert train.cli(args(run_model, dataset, tmp_path / "ref", *opts)) == 0
-    untimed = lambda rows: [{k: v for k, v in r.items() if k != "tokens_per_s"} for r in rows]  # noqa: E731
     assert untimed(read_metrics(out)) == untimed(read_metrics(tmp_path / "ref"))
 
 
 def test_activation_memory_estimate(run_model, monkeypatch):
     mcfg = read_config(run_model)
-    cfg = train.TrainConfig(model=run_model, max_len=256, batch_size=4, gradient_checkpointing=True)
-    base = train.activation_bytes(cfg, mcfg, torch.bfloat16, use_kernels=False)
-    assert train.activation_bytes(dataclasses.replace(cfg, batch_size=8), mcfg, torch.bfloat16, False) > 1.9 * base
-    assert train.activation_bytes(dataclasses.replace(cfg, gradient_checkpointing=False), mcfg, torch.bfloat16,
-                                  False) > base
+    cfg = config.TrainConfig(model=run_model, max_len=256, batch_size=4, gradient_checkpointing=True)
+    base = memory.activation_bytes(cfg, mcfg, torch.bfloat16, False, checkpointing=True)
+    assert memory.activation_bytes(dataclasses.replace(cfg, batch_size=8), mcfg, torch.bfloat16, False, True) > \
+        1.9 * base
+    assert memory.activation_bytes(cfg, mcfg, torch.bfloat16, False, checkpointing=False) > base
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (base // 2, 80 << 30))
-    warning = train.memory_warning(cfg, mcfg, torch.bfloat16, False, torch.device("cuda"))
+    warning = memory.memory_warning(cfg, mcfg, torch.bfloat16, False, torch.device("cuda"), True)
     assert warning.startswith("warning: a micro-batch of 4 x 256 tokens needs about ") and \
         "expect out-of-memory. To fit: lower --batch-size" in warning and "add --offload-activations" in warning
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (2 * base, 80 << 30))
-    assert train.memory_warning(cfg, mcfg, torch.bfloat16, False, torch.device("cuda")) is None
-    assert train.memory_warning(cfg, mcfg, torch.bfloat16, False, torch.device("cpu")) is None
+    assert memory.memory_warning(cfg, mcfg, torch.bfloat16, False, torch.device("cuda"), True) is None
+    assert memory.memory_warning(cfg, mcfg, torch.bfloat16, False, torch.device("cpu"), True) is None
 
 
 def test_checkpointing_follows_the_free_memory(run_model, monkeypatch):
     """Left unset, gradient checkpointing is off where every layer's activations fit in half of the free GPU
     memory, on where they do not, and on without a CUDA GPU; a value given is kept."""
     mcfg = read_config(run_model)
-    cfg = train.TrainConfig(model=run_model, max_len=256, batch_size=4)
-    need = train.activation_bytes(dataclasses.replace(cfg, gradient_checkpointing=False), mcfg, torch.bfloat16, False)
-    choose = lambda c, device="cuda": train.choose_checkpointing(c, mcfg, torch.bfloat16, False,  # noqa: E731
-                                                                   torch.device(device), world=1)
+    cfg = config.TrainConfig(model=run_model, max_len=256, batch_size=4)
+    need = memory.activation_bytes(cfg, mcfg, torch.bfloat16, False, checkpointing=False)
+    choose = lambda c, device="cuda": memory.choose_checkpointing(c, mcfg, torch.bfloat16, False,  # noqa: E731
+                                                                    torch.device(device), world=1)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (2 * need, 80 << 30))
     on, why = choose(cfg)
     assert not on and why.startswith(f"the activations of every layer (about {need / 2**30:.1f} GiB) fit in half"), why
@@ -924,5 +935,5 @@ def test_real_cuda_out_of_memory(run_model, dataset, tmp_path, capsys, monkeypat
     assert err.count("\n") == 1 and err.startswith("error: out of GPU memory in step 2 "), err
     assert (out / "checkpoints" / "step-0000001" / "state.json").exists()
     mcfg = read_config(run_model)
-    cfg = train.TrainConfig(model=run_model, max_len=256, batch_size=10 ** 6)
-    assert "expect out-of-memory" in train.memory_warning(cfg, mcfg, torch.bfloat16, True, torch.device("cuda"))
+    cfg = config.TrainConfig(model=run_model, max_len=256, batch_size=10 ** 6)
+    assert "expect out-of-memory" in memory.memory_warning(cfg, mcfg, torch.bfloat16, True, torch.device("cuda"), True)

@@ -16,10 +16,18 @@ import pytest
 import torch
 
 import checkpoint
+import statefiles
+import config
 import train
-from tests.test_reliability import ROOT, args, dataset, read_metrics  # noqa: F401  (dataset: a fixture)
+from tests.helpers import builtin_jsonl, untimed
+from tests.test_reliability import ROOT, args, read_metrics
 
 PAYLOAD_MARK = "nanotune-payload-ran"
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory):
+    return builtin_jsonl(str(tmp_path_factory.mktemp("data")), 24)
 
 
 class Payload:
@@ -35,12 +43,12 @@ class Payload:
 def plant_pickle(folder, marker):
     """Replace a checkpoint's state with a state.pt whose unpickling runs code, and rewrite its manifest so
     that the checksums pass: what anyone who can write the folder can do."""
-    for name in (checkpoint.STATE, checkpoint.TENSORS, checkpoint.MANIFEST):
+    for name in (statefiles.STATE, statefiles.TENSORS, statefiles.MANIFEST):
         if os.path.exists(os.path.join(folder, name)):
             os.remove(os.path.join(folder, name))
-    with open(os.path.join(folder, checkpoint.LEGACY_STATE), "wb") as f:
+    with open(os.path.join(folder, statefiles.LEGACY_STATE), "wb") as f:
         pickle.dump({"step": Payload(str(marker))}, f)
-    checkpoint.write_manifest(folder)
+    statefiles.write_manifest(folder)
 
 
 @pytest.mark.parametrize("how", ["auto", "path"])
@@ -70,7 +78,7 @@ def test_checkpoints_hold_no_pickle(run_model, dataset, tmp_path):
     names = sorted(os.path.relpath(os.path.join(d, f), folder) for d, _, fs in os.walk(folder) for f in fs)
     assert names == ["adapter/README.md", "adapter/adapter_config.json", "adapter/adapter_model.safetensors",
                      "adapter/nanotune.json", "manifest.json", "state.json", "tensors.safetensors"], names
-    ck = checkpoint.read_state(folder)
+    ck = statefiles.read_state(folder)
     assert ck["step"] == 2 and ck["optimizer"]["state"] and ck["lora"]
 
 
@@ -84,17 +92,16 @@ def test_a_legacy_state_pt_checkpoint_still_resumes(run_model, dataset, tmp_path
     ckpts = out / "checkpoints"
     checkpoint.remove_tree(ckpts / "step-0000003")
     folder = ckpts / "step-0000002"
-    ck = checkpoint.read_state(folder)
+    ck = statefiles.read_state(folder)
     ck["rng"] = [{**r, "python": (r["python"][0], tuple(r["python"][1]), r["python"][2])} for r in ck["rng"]]
-    for name in (checkpoint.STATE, checkpoint.TENSORS, checkpoint.MANIFEST):
+    for name in (statefiles.STATE, statefiles.TENSORS, statefiles.MANIFEST):
         os.remove(folder / name)
-    torch.save({k: v for k, v in ck.items() if k != "eval_hash"}, folder / checkpoint.LEGACY_STATE)
-    checkpoint.write_manifest(folder)
+    torch.save({k: v for k, v in ck.items() if k != "eval_hash"}, folder / statefiles.LEGACY_STATE)
+    statefiles.write_manifest(folder)
     capsys.readouterr()
     assert train.cli(args(run_model, dataset, out, *opts, "--resume", "auto")) == 0
     assert f"resumed from {folder} at step 2" in capsys.readouterr().out
-    drop_timing = lambda rows: [{k: v for k, v in r.items() if k != "tokens_per_s"} for r in rows]  # noqa: E731
-    assert drop_timing(read_metrics(out)) == drop_timing(uninterrupted)
+    assert untimed(read_metrics(out)) == untimed(uninterrupted)
 
 
 def test_nothing_in_the_project_unpickles():
@@ -192,7 +199,7 @@ def test_a_yaml_alias_bomb_gives_a_short_error_at_once(tmp_path):
                     + "]\n")
     assert len(path.read_bytes()) < 600
     with pytest.raises(train.UserError) as e:
-        train.parse_args(["--config", str(path)])
+        config.parse_args(["--config", str(path)])
     assert len(str(e.value)) < 400 and str(e.value).startswith(f"--config {path}: model must be a string, got [["), \
         str(e.value)[:500]
 

@@ -11,12 +11,12 @@ import pytest
 import torch
 
 import data
+import memory
 import step
 from model import LoRAConfig, load_model
 from model.lora import lora_parameters
 from model.transformer import documents
 from tests.helpers import randomize_lora_b, rel_err
-from tests.tiny_models import save_tiny
 
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -118,10 +118,10 @@ def test_warm_start_only_where_memory_is_plentiful():
                        n_kv_heads=4, head_dim=64)
     small = ModelConfig(**{**mcfg.to_dict(), "n_layers": 1, "layer_types": ["full"]})
     batch = {"input_ids": torch.zeros(4, 2048, dtype=torch.long)}
-    assert step.fits(mcfg, small, batch, torch.bfloat16, True, 78 << 30)
-    assert not step.fits(mcfg, small, batch, torch.bfloat16, True, 8 << 30)
-    assert step.fits(mcfg, small, batch, torch.bfloat16, True, 12 << 30)
-    assert not step.fits(mcfg, small, batch, torch.bfloat16, False, 12 << 30)  # all the logits, without the kernels
+    assert memory.warm_start_fits(mcfg, small, batch, torch.bfloat16, True, 78 << 30)
+    assert not memory.warm_start_fits(mcfg, small, batch, torch.bfloat16, True, 8 << 30)
+    assert memory.warm_start_fits(mcfg, small, batch, torch.bfloat16, True, 12 << 30)
+    assert not memory.warm_start_fits(mcfg, small, batch, torch.bfloat16, False, 12 << 30)  # all the logits, without the kernels
 
 
 def test_padding_in_pieces_keeps_loss_and_gradients(run_model):
@@ -423,6 +423,7 @@ def test_first_capture_after_a_warm_start_in_a_fresh_process(llama_folder, warm_
     import json
     import subprocess
     import sys
+
     from tests.helpers import ROOT
     r = subprocess.run([sys.executable, "-c", FRESH_PROCESS, llama_folder, warm_start, ckpt], cwd=ROOT,
                        capture_output=True, text=True)

@@ -1,5 +1,4 @@
 """The training loop: loss normalization (packed = padded, accumulation), fp16 scaling, resume, CLI."""
-import json
 import os
 import subprocess
 import sys
@@ -8,6 +7,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+import config
 import data
 import step
 import train
@@ -23,7 +23,7 @@ def cfg_for(model_dir, out_dir, **kw):
                 eval_every=0, save_every=0, lr=1e-3, dtype="fp32", device="cpu", kernels=False, log_every=1,
                 sample_every=0)
     base.update(kw)
-    return train.TrainConfig(**base)
+    return config.TrainConfig(**base)
 
 
 def adapter(out_dir):
@@ -128,11 +128,11 @@ def test_a_resumed_run_pads_short_batches_as_the_uninterrupted_run(run_model, tm
     monkeypatch.setattr(step, "SHORT_RUN", 4)
     seen = []
 
-    def make_step(off, cfg, forward, device, params, warmed, shortest, log):
-        seen.append(shortest)
-        return step.EagerStep(forward, device)
+    def shortest_bucket(micro_steps):
+        seen.append(step.shortest_bucket(micro_steps))
+        return seen[-1]
 
-    monkeypatch.setattr(train, "make_step", make_step)
+    monkeypatch.setattr(train, "shortest_bucket", shortest_bucket)
     train.main(cfg_for(run_model, tmp_path / "short", max_steps=4))
     train.main(cfg_for(run_model, tmp_path / "accum", max_steps=2, grad_accum=3))
     train.main(cfg_for(run_model, tmp_path / "full", max_steps=6, save_every=3))
@@ -235,8 +235,8 @@ def test_warm_start_runs_and_keeps_the_random_state(family, tmp_path):
     """WarmStart runs its one-layer step for every dtype (Gemma 3: a layer of each type), on the device given
     whatever the thread's current device, padded to its bucket or not, and draws nothing from the CPU's or the
     GPU's default generators."""
-    from tests.tiny_models import save_tiny
     from model import read_config
+    from tests.tiny_models import save_tiny
     save_tiny(family, str(tmp_path))
     mcfg = read_config(str(tmp_path))
     device = torch.device("cuda", torch.cuda.device_count() - 1)

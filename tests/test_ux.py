@@ -10,17 +10,20 @@ import subprocess
 import sys
 import textwrap
 import time
-import tomllib
 
 import pytest
+import tomllib
 import torch
 
+import config
 import data
+import evaluation
+import runlog
 import train
 from model import LoRAConfig, load_model, load_tokenizer
 from model.adapters import load_with_adapter
 from model.generate import generate, stop_ids
-from tests.helpers import builtin_jsonl, read_metrics, refused
+from tests.helpers import builtin_jsonl, read_metrics, refused, untimed
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -44,8 +47,6 @@ def held_out_rows(cfg, tok):
     return data.load_datasets(tok, **cfg.data_options(), log=lambda line: None, with_rows=True)[2]
 
 
-def untimed(rows):
-    return [{k: v for k, v in r.items() if k != "tokens_per_s"} for r in rows]
 
 
 def run_python(code, *argv):
@@ -59,12 +60,12 @@ def run_python(code, *argv):
 
 
 def test_help_shows_defaults_and_choices():
-    text = " ".join(train.build_parser().format_help().split())  # the help, unwrapped
+    text = " ".join(config.build_parser().format_help().split())  # the help, unwrapped
     assert "--dtype {auto,bf16,fp16,fp32}" in text and "--quantize {nf4}" in text
     assert "--device {auto,cpu,cuda,cuda:N,mps}" in text and "untested here" in text
     assert "(any of: q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj)" in text
     assert "--lr LR peak learning rate" in text and "(default: 0.0002)" in text
-    assert f"(default: {train.GPU_DEFAULTS['max_len']}; {train.CPU_DEFAULTS['max_len']} on CPU and mps)" in text
+    assert f"(default: {config.GPU_DEFAULTS['max_len']}; {config.CPU_DEFAULTS['max_len']} on CPU and mps)" in text
     assert "(default: -1)" in text and "--config FILE" in text
     assert "(default: None)" not in text, "an option without a default says what happens in its own help"
     assert "python train.py --model tinyllama" in text, "the description keeps its examples"
@@ -91,17 +92,17 @@ def test_config_file_then_command_line(tmp_path):
     path = tmp_path / "run.yaml"
     path.write_text("max-len: 64\nlr: 2e-4  # YAML reads this as a string\nlora_targets: q_proj,v_proj\n"
                     "packing: false\nnum_epochs: 2\noverwrite: true\n")
-    cfg = train.parse_args(["--config", str(path), "--max-len", "80"])
+    cfg = config.parse_args(["--config", str(path), "--max-len", "80"])
     assert (cfg.max_len, cfg.lr, cfg.lora_targets, cfg.packing, cfg.num_epochs) == (80, 2e-4, "q_proj,v_proj", False, 2)
     assert cfg.overwrite is False, "what to do with an existing run folder comes from the command line only"
     assert cfg.batch_size is None, "an option in neither place keeps its default"
     # --max-steps on the command line replaces the file's --num-epochs, and the other way round.
-    cfg = train.parse_args(["--config", str(path), "--max-steps", "7"])
+    cfg = config.parse_args(["--config", str(path), "--max-steps", "7"])
     assert (cfg.max_steps, cfg.num_epochs) == (7, None)
     path.write_text(json.dumps({"max_steps": 9}))
     path = path.rename(tmp_path / "run.json")
-    assert (train.parse_args(["--config", str(path), "--num-epochs", "1.5"]).num_epochs,
-            train.parse_args(["--config", str(path)]).max_steps) == (1.5, 9)
+    assert (config.parse_args(["--config", str(path), "--num-epochs", "1.5"]).num_epochs,
+            config.parse_args(["--config", str(path)]).max_steps) == (1.5, 9)
 
 
 @pytest.mark.parametrize("text, match", [
@@ -127,15 +128,15 @@ def test_steps_and_epochs_on_the_command_line(run_model, dataset, tmp_path, caps
 def test_train_config_json_repeats_the_run(run_model, dataset, tmp_path, monkeypatch):
     """A run's train_config.json, passed back to --config with another --out-dir, gives the same metrics
     (samples included); it records the hardware defaults the run took."""
-    monkeypatch.setattr(train, "SAMPLE_TOKENS", 8)  # short answers: a quicker test
+    monkeypatch.setattr(evaluation, "SAMPLE_TOKENS", 8)  # short answers: a quicker test
     first, again = tmp_path / "first", tmp_path / "again"
     argv = ["--model", run_model, "--data", dataset, "--eval-fraction", "0.1", "--out-dir", str(first), "--device",
             "cpu", "--max-steps", "2", "--warmup-steps", "1", "--eval-every", "1", "--lr", "3e-3", "--batch-size", "2"]
     assert train.cli(argv) == 0
     with open(first / "train_config.json") as f:
         recorded = json.load(f)
-    assert (recorded["max_len"], recorded["eval_batches"]) == (train.CPU_DEFAULTS["max_len"],
-                                                              train.CPU_DEFAULTS["eval_batches"])
+    assert (recorded["max_len"], recorded["eval_batches"]) == (config.CPU_DEFAULTS["max_len"],
+                                                              config.CPU_DEFAULTS["eval_batches"])
     assert recorded["gradient_checkpointing"] is True, "the choice left to the run is recorded, not null"
     assert train.cli(["--config", str(first / "train_config.json"), "--out-dir", str(again)]) == 0
     rows = read_metrics(first)
@@ -144,7 +145,7 @@ def test_train_config_json_repeats_the_run(run_model, dataset, tmp_path, monkeyp
 
 
 def test_example_config_is_valid():
-    cfg = train.parse_args(["--config", os.path.join(ROOT, "docs", "example-config.yaml")])
+    cfg = config.parse_args(["--config", os.path.join(ROOT, "docs", "example-config.yaml")])
     assert cfg.model and cfg.lr > 0
 
 
@@ -164,13 +165,15 @@ def test_num_epochs_sets_the_steps(run_model, dataset, tmp_path, capsys):
     assert (recorded["max_steps"], recorded["num_epochs"]) == (steps, None), "repeats the same steps via --config"
 
 
-def test_schedule_warns_when_the_warm_up_is_the_whole_run():
-    cfg = train.TrainConfig(max_steps=4, warmup_steps=4)
-    lines = train.schedule(cfg, batches_per_epoch=8)
-    assert lines[0] == "training 4 steps: 0.5 epochs of 8 batches, 1 micro-batch(es) per step"
+def test_run_length_warns_when_the_warm_up_is_the_whole_run():
+    cfg = config.TrainConfig(max_steps=4, warmup_steps=4)
+    steps, lines = config.run_length(cfg, batches_per_epoch=8)
+    assert steps == 4 and lines[0] == "training 4 steps: 0.5 epochs of 8 batches, 1 micro-batch(es) per step"
     assert lines[1].startswith("warning: --warmup-steps 4 is not below the run's 4 steps")
-    cfg = train.TrainConfig(num_epochs=1.5, warmup_steps=3, grad_accum=4)
-    assert len(train.schedule(cfg, batches_per_epoch=10)) == 1 and cfg.max_steps == 4  # ceil(15 / 4)
+    cfg = config.TrainConfig(num_epochs=1.5, warmup_steps=3, grad_accum=4)
+    steps, lines = config.run_length(cfg, batches_per_epoch=10)
+    assert (steps, len(lines)) == (4, 1)  # ceil(15 / 4)
+    assert cfg.max_steps is None and cfg.num_epochs == 1.5, "the parsed options are never changed"
 
 
 # ----------------------------------------------------------------------------- progress
@@ -179,16 +182,16 @@ def test_schedule_warns_when_the_warm_up_is_the_whole_run():
 @pytest.mark.parametrize("rate, text", [(17.2, "17 tok/s"), (950, "950 tok/s"), (999.7, "1.0k tok/s"),
                                         (1234, "1.2k tok/s"), (35_100, "35.1k tok/s"), (1.23e6, "1.2M tok/s")])
 def test_human_rate(rate, text):
-    assert train.human_rate(rate) == text
+    assert runlog.human_rate(rate) == text
 
 
 def test_human_duration():
-    assert [train.human_duration(s) for s in (45, 720, 9000)] == ["45 s", "12 min", "2.5 h"]
+    assert [runlog.human_duration(s) for s in (45, 720, 9000)] == ["45 s", "12 min", "2.5 h"]
 
 
 def test_plain_lines_without_a_terminal(run_model, dataset, tmp_path, capsys, monkeypatch):
-    """Not a terminal: a line per step with a readable rate and, on CPU, the process's memory; the first
-    step's rate leaves out the step-0 eval; one line estimates the time left after the second step."""
+    """Not a terminal: a line per step with a readable rate, on CPU the process's memory, and the time left;
+    the first step's rate leaves out the step-0 eval; one line estimates the time left after the second step."""
     real, skipped, pause = train.evaluate, [0.0], 1000.0
 
     def slow_evaluate(*a, **k):  # takes `pause` seconds, as every clock train.py may read sees it
@@ -207,7 +210,8 @@ def test_plain_lines_without_a_terminal(run_model, dataset, tmp_path, capsys, mo
     assert len(lines) == 3, stdout
     for line in lines:
         assert re.fullmatch(r"step \d/3 \| loss [\d.]+ \| lr [\d.e+-]+ \| grad norm [\d.]+ \| "
-                            r"\d+(\.\d[kM])? tok/s \| RSS \d+\.\d\d GiB", line), line
+                            r"\d+(\.\d[kM])? tok/s \| RSS \d+\.\d\d GiB( \| ETA [\d.]+ (s|min|h))?", line), line
+    assert ["ETA" in line for line in lines] == [False, True, False], "the time left, once a step after the first is timed"
     first = next(r for r in read_metrics(out) if "loss" in r)
     counted = 2 * 96 / first["tokens_per_s"]  # the seconds that step 1's rate counts (2 packed rows of 96)
     assert counted < pause, f"step 1's rate counts {counted:.2f} s: the {pause} s eval before it is in it"
@@ -234,20 +238,20 @@ def test_progress_bar_on_a_terminal(run_model, dataset, tmp_path, monkeypatch):
 
 
 def test_cpu_defaults_fill_what_is_unset():
-    cfg, line = train.with_hardware_defaults(train.TrainConfig(device="cpu", eval_batches=5), "cpu")
+    cfg, line = config.with_hardware_defaults(config.TrainConfig(device="cpu", eval_batches=5), "cpu")
     assert (cfg.max_len, cfg.batch_size, cfg.eval_batches, cfg.max_steps) == (
-        train.CPU_DEFAULTS["max_len"], train.CPU_DEFAULTS["batch_size"], 5, train.CPU_DEFAULTS["max_steps"])
-    assert line == f"CPU defaults: max-len {train.CPU_DEFAULTS['max_len']}; set them to override"
+        config.CPU_DEFAULTS["max_len"], config.CPU_DEFAULTS["batch_size"], 5, config.CPU_DEFAULTS["max_steps"])
+    assert line == f"CPU defaults: max-len {config.CPU_DEFAULTS['max_len']}; set them to override"
     assert cfg.offload_activations is False, "layer inputs have no slower memory to go to on the CPU"
-    cfg, _ = train.with_hardware_defaults(train.TrainConfig(device="cpu", num_epochs=1.0), "cpu")
+    cfg, _ = config.with_hardware_defaults(config.TrainConfig(device="cpu", num_epochs=1.0), "cpu")
     assert cfg.max_steps is None, "--num-epochs decides the steps once the data is read"
 
 
 def test_gpu_defaults():
-    cfg, line = train.with_hardware_defaults(train.TrainConfig(device="cuda"), "cuda")
-    assert line is None and {k: getattr(cfg, k) for k in train.GPU_DEFAULTS} == train.GPU_DEFAULTS
+    cfg, line = config.with_hardware_defaults(config.TrainConfig(device="cuda"), "cuda")
+    assert line is None and {k: getattr(cfg, k) for k in config.GPU_DEFAULTS} == config.GPU_DEFAULTS
     assert cfg.offload_activations is True, "checkpointed layer inputs wait in pinned CPU memory by default"
-    cfg, _ = train.with_hardware_defaults(train.parse_args(["--no-offload-activations"]), "cuda")
+    cfg, _ = config.with_hardware_defaults(config.parse_args(["--no-offload-activations"]), "cuda")
     assert cfg.offload_activations is False
 
 
@@ -255,7 +259,7 @@ def test_gpu_defaults():
 def test_device_auto(monkeypatch, cuda, mps, picked):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
     monkeypatch.setattr(torch.backends.mps, "is_available", lambda: mps)
-    assert train.pick_device(train.TrainConfig(device="auto")) == picked
+    assert config.pick_device(config.TrainConfig(device="auto")) == picked
 
 
 def test_mps_without_apple_silicon(run_model, dataset, tmp_path, capsys, monkeypatch):
@@ -290,17 +294,17 @@ def test_choose_dtype(monkeypatch, device, dtype, bf16, expected, words):
     """Every branch: the reason names a GPU only on one."""
     if device == "cuda":
         cuda_like(monkeypatch, bf16)
-    got, why = train.choose_dtype(train.TrainConfig(dtype=dtype), torch.device(device))
+    got, why = config.choose_dtype(config.TrainConfig(dtype=dtype), torch.device(device))
     assert got == expected and words in why, why
     assert device == "cuda" or "GPU" not in why, why
 
 
 def test_choose_dtype_refuses(monkeypatch):
     with pytest.raises(train.UserError, match=r"--dtype fp16 needs a CUDA GPU"):
-        train.choose_dtype(train.TrainConfig(dtype="fp16"), torch.device("cpu"))
+        config.choose_dtype(config.TrainConfig(dtype="fp16"), torch.device("cpu"))
     cuda_like(monkeypatch, bf16=False)
     with pytest.raises(train.UserError, match=r"--dtype bf16: this GPU \(Tesla T4\) has no bf16"):
-        train.choose_dtype(train.TrainConfig(dtype="bf16"), torch.device("cuda"))
+        config.choose_dtype(config.TrainConfig(dtype="bf16"), torch.device("cuda"))
 
 
 # ----------------------------------------------------------------------------- NF4, bitsandbytes, the hub
@@ -418,7 +422,7 @@ def test_held_out_prompt(run_model, tmp_path):
 def test_samples_before_during_and_after(run_model, dataset, tmp_path, capsys, monkeypatch):
     """--sample-every 2: answers to the first 3 held-out prompts at steps 0 and 2, and at the end (step 3),
     on the console and in metrics.jsonl; the last ones are the greedy answers of the saved adapter."""
-    monkeypatch.setattr(train, "SAMPLE_TOKENS", 8)  # short answers: a quicker test
+    monkeypatch.setattr(evaluation, "SAMPLE_TOKENS", 8)  # short answers: a quicker test
     out = tmp_path / "out"
     assert train.cli(args(run_model, dataset, out, "--sample-every", "2", "--lr", "3e-3")) == 0
     stdout = capsys.readouterr().out
@@ -430,11 +434,11 @@ def test_samples_before_during_and_after(run_model, dataset, tmp_path, capsys, m
 
     model, mcfg = load_with_adapter(run_model, str(out / "adapter"))
     tok = load_tokenizer(run_model)
-    cfg = train.TrainConfig(data=dataset, eval_fraction=0.1, max_len=96)
-    cases = train.sample_prompts(cfg, tok, mcfg, held_out_rows(cfg, tok))
+    cfg = config.TrainConfig(data=dataset, eval_fraction=0.1, max_len=96)
+    cases = evaluation.sample_prompts(cfg, tok, mcfg, held_out_rows(cfg, tok))
     assert [(s["prompt"], s["expected"]) for s in records[-1]["samples"]] == [(p, e) for p, _, e in cases]
     for sample, (_, ids, _) in zip(records[-1]["samples"], cases, strict=True):
-        answer = tok.decode(generate(model, ids, train.SAMPLE_TOKENS, stop_ids=stop_ids(tok, mcfg))).strip()
+        answer = tok.decode(generate(model, ids, evaluation.SAMPLE_TOKENS, stop_ids=stop_ids(tok, mcfg))).strip()
         assert sample["answer"] == answer
 
 
@@ -445,12 +449,12 @@ def test_sample_prompts_are_the_held_out_rows(run_model, tmp_path):
     path = tmp_path / "mine.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     tok = load_tokenizer(run_model)
-    cfg = train.TrainConfig(data=str(path), eval_fraction=0.1, seed=5)
+    cfg = config.TrainConfig(data=str(path), eval_fraction=0.1, seed=5)
     _, held_out, eval_rows = data.load_datasets(tok, data=str(path), eval_fraction=0.1, seed=5, with_rows=True)
     assert len(eval_rows) == len(held_out) == 6
     assert [data.encode_example(r, tok) for r in eval_rows] == held_out  # the rows of the eval examples, in order
     _, mcfg = load_model(run_model)
-    cases = train.sample_prompts(cfg, tok, mcfg, eval_rows)
+    cases = evaluation.sample_prompts(cfg, tok, mcfg, eval_rows)
     assert len(cases) == 3
     for text, ids, expected in cases:
         assert any(e[:len(ids)] == ids for e, _ in held_out[:3]), text
@@ -460,7 +464,7 @@ def test_sample_prompts_are_the_held_out_rows(run_model, tmp_path):
 def test_samples_off_and_resume(run_model, dataset, tmp_path, capsys, monkeypatch):
     """--sample-every 0 writes no samples; a run resumed from a checkpoint writes the same sample records as
     the uninterrupted run."""
-    monkeypatch.setattr(train, "SAMPLE_TOKENS", 8)  # short answers: a quicker test
+    monkeypatch.setattr(evaluation, "SAMPLE_TOKENS", 8)  # short answers: a quicker test
     assert train.cli(args(run_model, dataset, tmp_path / "off")) == 0
     assert "sample:" not in capsys.readouterr().out
     assert not any("samples" in r for r in read_metrics(tmp_path / "off"))
@@ -487,9 +491,9 @@ def test_sample_prompts_follow_the_data_options(run_model, tmp_path):
                         "{% if add_generation_prompt %}[assistant] {% endif %}")
     tok = load_tokenizer(run_model)
     _, mcfg = load_model(run_model)
-    cfg = train.TrainConfig(data=str(path), eval_data=str(path), columns="instruction=question,output=answer",
+    cfg = config.TrainConfig(data=str(path), eval_data=str(path), columns="instruction=question,output=answer",
                             system_prompt="Be brief.", chat_template=str(template), max_len=96)
-    cases = train.sample_prompts(cfg, tok, mcfg, held_out_rows(cfg, tok))
+    cases = evaluation.sample_prompts(cfg, tok, mcfg, held_out_rows(cfg, tok))
     assert [(q, a) for q, _, a in cases] == [(r["question"], r["answer"]) for r in rows[:3]]
     assert tok.decode(cases[0][1]).endswith("[system] Be brief.\n[user] What is 0 times 10?\n[assistant]")
 
