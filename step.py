@@ -75,7 +75,7 @@ class EagerStep:
         self.forward, self.device, self.loss_fn = forward, device, loss_fn or model_loss
 
     def __call__(self, batch, num_targets, loss_mult):
-        loss = self.loss(batch, torch.tensor(float(num_targets), device=self.device))
+        loss = self.loss(batch, torch.as_tensor(num_targets, dtype=torch.float32, device=self.device))
         (loss * loss_mult).backward()
         return loss.detach()
 
