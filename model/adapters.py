@@ -31,13 +31,16 @@ previous folder, or none, never a half-written one.
 """
 import json
 import os
+import re
 import shutil
 from contextlib import contextmanager
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from model.config import to_hf_config
+from model.files import atomic_dir
 from model.hub import base_model_id, model_card, resolve
 from model.load import load_model, load_tokenizer
 from model.lora import ALL_TARGETS, LoRAConfig, LoRALinear, lora_parameters, merged_weight, quantization
@@ -78,24 +81,12 @@ def check_replaceable(folder, marker=None):
 
 @contextmanager
 def atomic_folder(folder, marker=None):
-    """Yield a temporary folder beside `folder` to write into. When the block succeeds it takes
-    `folder`'s place whole (an older `folder` is removed); when it fails it is deleted. `folder`
-    must pass `check_replaceable(folder, marker)`."""
+    """Yield a new empty folder to write into. When the block succeeds it takes `folder`'s place
+    whole (an older `folder` is removed); when it fails it is deleted (`model.files.atomic_dir`).
+    `folder` must pass `check_replaceable(folder, marker)`."""
     check_replaceable(folder, marker)
-    folder = os.path.abspath(folder)
-    tmp = f"{folder}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)  # left by a process of this id that was killed
-    os.makedirs(tmp)
-    try:
+    with atomic_dir(folder) as tmp:
         yield tmp
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    old = f"{folder}.old-{os.getpid()}"
-    if os.path.lexists(folder):
-        os.replace(folder, old)
-    os.replace(tmp, folder)
-    shutil.rmtree(old, ignore_errors=True)
 
 
 def adapter_key(name):
@@ -161,8 +152,13 @@ def read_adapter_config(folder) -> LoRAConfig:
     if not os.path.isfile(path):
         raise FileNotFoundError(f"no {ADAPTER_CONFIG} in {folder!r}: an adapter folder holds {ADAPTER_CONFIG} "
                                 f"and {ADAPTER_WEIGHTS}, as written by save_adapter or PEFT's save_pretrained")
-    with open(path) as f:
-        cfg = json.load(f)
+    try:
+        with open(path, encoding="utf-8") as f:
+            cfg = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path} is not valid JSON ({e}); the adapter folder is damaged") from None
+    if not isinstance(cfg, dict):
+        raise ValueError(f"{path} should hold a JSON object, not a {type(cfg).__name__}")
     if cfg.get("peft_type") != "LORA":
         raise ValueError(f"{path}: peft_type is {cfg.get('peft_type')!r}; nanotune loads LORA adapters only")
     if cfg.get("bias", "none") != "none":
@@ -174,6 +170,12 @@ def read_adapter_config(folder) -> LoRAConfig:
     if not isinstance(targets, list) or any(t not in ALL_TARGETS for t in targets):
         raise ValueError(f"{path}: target_modules={targets!r}; nanotune expects a list of projection names "
                          f"from {list(ALL_TARGETS)}")
+    for key in ("r", "lora_alpha"):
+        value = cfg.get(key)
+        if key not in cfg or isinstance(value, bool) or not isinstance(value, int | float) or value <= 0 or \
+                (key == "r" and not isinstance(value, int)):
+            what = "a positive whole number" if key == "r" else "a positive number"
+            raise ValueError(f"{path}: {key} is {'missing' if key not in cfg else repr(value)}; it must be {what}")
     return LoRAConfig(r=cfg["r"], alpha=cfg["lora_alpha"], dropout=cfg.get("lora_dropout", 0.0),
                       targets=tuple(t for t in ALL_TARGETS if t in targets), rslora=cfg.get("use_rslora", False))
 
@@ -195,7 +197,12 @@ def load_adapter(model, folder):
                          f"{missing[:3]} ({len(unexpected)} and {len(missing)} in all). Was it trained on "
                          "another base model?")
     for key, p in params.items():
-        if tensors[key].shape != p.shape:
+        rank_dim = 0 if key.endswith("lora_A.weight") else 1  # lora_A is (r, in), lora_B (out, r)
+        got = tensors[key].shape
+        if len(got) == 2 and got[1 - rank_dim] == p.shape[1 - rank_dim] and got[rank_dim] != p.shape[rank_dim]:
+            raise ValueError(f"{path}: {key} has rank {got[rank_dim]}, but {ADAPTER_CONFIG} says r={want.r}; "
+                             "the adapter's config and weights disagree: fix r in its config")
+        if got != p.shape:
             raise ValueError(f"{path}: {key} has shape {tuple(tensors[key].shape)}, the model expects "
                              f"{tuple(p.shape)}. Was it trained on another base model?")
     with torch.no_grad():
@@ -307,5 +314,11 @@ def merge_and_save(model, tokenizer_from, out_folder, max_shard_bytes=2 << 30, d
 
 def _write_shard(tensors, folder, i):
     path = os.path.join(folder, f"model-part{i}.safetensors.tmp")
-    save_file(tensors, path, metadata={"format": "pt"})
+    try:
+        save_file(tensors, path, metadata={"format": "pt"})
+    except SafetensorError as e:  # safetensors reports an I/O error only as text: "... (os error 28)"
+        code = re.search(r"os error (\d+)", str(e))
+        if code is None:
+            raise
+        raise OSError(int(code.group(1)), os.strerror(int(code.group(1))), path) from e
     return path

@@ -49,6 +49,7 @@ from tokenizers import Tokenizer as _HFTokenizer
 from tqdm import tqdm
 
 from model.config import ModelConfig
+from model.files import atomic_path
 from model.lora import LoRAConfig, LoRALinear, merged_weight
 from model.tokenizer import Tokenizer
 from model.transformer import Transformer, rope_inv_freq
@@ -476,14 +477,13 @@ def save_gguf(model, tokenizer: Tokenizer, path, ftype="f16"):
     """Write `model` (any LoRA merged into its weights: W + scale * B @ A) and `tokenizer` as a
     GGUF file that llama.cpp and `load_gguf` read. ftype: f32, f16, bf16 or q8_0 for 2-D weights.
     A model loaded from a GGUF file keeps that file's general.* metadata (name, license, ...).
-    The file is written under a temporary name and renamed when complete."""
+    The file is written whole or not at all (`model.files.atomic_path`)."""
     if ftype not in FILE_TYPES:
         raise ValueError(f"ftype must be one of {sorted(FILE_TYPES)}, got {ftype!r}")
     cfg = model.config
     arch = _gguf_arch(cfg)
     qtype, file_type = FILE_TYPES[ftype]
-    tmp = f"{path}.tmp-{os.getpid()}"
-    w = gguf.GGUFWriter(tmp, arch)
+    w = gguf.GGUFWriter(None, arch)
     for key, (value, vtype, item_type) in getattr(model, "gguf_metadata", {}).items():
         w.add_key_value(key, value, vtype, sub_type=item_type)
     w.add_file_type(file_type)
@@ -507,15 +507,11 @@ def save_gguf(model, tokenizer: Tokenizer, path, ftype="f16"):
     for name, t in tqdm(export_tensors(model), desc="exporting", unit=" tensors", disable=None, leave=False):
         data, raw = _encode(t.cpu(), qtype)
         w.add_tensor(name, data, raw_dtype=raw)
-    try:
-        w.write_header_to_file()
-        w.write_kv_data_to_file()
-        w.write_tensors_to_file()
-        w.close()
-    except BaseException:
-        w.close()
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
-    os.replace(tmp, path)
+    with atomic_path(path) as tmp:
+        try:
+            w.write_header_to_file(path=tmp)
+            w.write_kv_data_to_file()
+            w.write_tensors_to_file()
+        finally:
+            w.close()
     return path

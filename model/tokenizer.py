@@ -161,7 +161,14 @@ def load_tokenizer(path):
         with open(ct) as f:
             template = f.read()
     if isinstance(template, list):  # several named templates: take the default one
-        template = next((t["template"] for t in template if t.get("name") == "default"), template[0]["template"])
+        if not template or not all(isinstance(t, dict) and isinstance(t.get("name"), str)
+                                   and isinstance(t.get("template"), str) for t in template):
+            raise ValueError(f"{os.path.join(path, 'tokenizer_config.json')}: chat_template is a list, but not of "
+                             '{"name": ..., "template": ...} objects; fix or remove it')
+        template = next((t["template"] for t in template if t["name"] == "default"), template[0]["template"])
+    elif template is not None and not isinstance(template, str):
+        raise ValueError(f"{os.path.join(path, 'tokenizer_config.json')}: chat_template is a "
+                         f"{type(template).__name__}; it must be Jinja text or a list of named templates")
     bos = tid("bos_token")
     # Llama/Gemma tokenizers prepend BOS; Qwen's do not (its bos_token is null).
     add_bos = cfg.get("add_bos_token", bos is not None)

@@ -13,6 +13,8 @@ them. The tokenizer (byte-level BPE) and chat template of --model are written wi
 .gguf --model's general.* metadata (name, license, ...). An adapter trained with --quantize
 nf4 is merged into the same dequantized NF4 weights it was trained on, unless
 --base-precision full. Supported: Llama, Qwen2 and Gemma architectures (see model/gguf.py).
+An existing --out is replaced only with --overwrite, and never when it is the --model file
+itself; the file is written whole or not at all.
 """
 import argparse
 import os
@@ -23,6 +25,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 from cli import HelpFormatter, add_push_to_hub, run_tool  # noqa: E402
 from model import load_tokenizer  # noqa: E402
 from model.adapters import BASE_PRECISION_HELP, BASE_PRECISIONS, load_with_adapter  # noqa: E402
+from model.files import check_new_output  # noqa: E402
 from model.gguf import FILE_TYPES, save_gguf  # noqa: E402
 from model.hub import base_model_id, check_push, model_card, push  # noqa: E402
 
@@ -37,7 +40,8 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     p.add_argument("--model", required=True, help="base model: local folder, short name, hub repo id or .gguf file")
     p.add_argument("--adapter", default=None, help="LoRA adapter folder (PEFT format, e.g. out/adapter) to merge in")
-    p.add_argument("--out", required=True, help="the .gguf file to write")
+    p.add_argument("--out", required=True, help="the .gguf file to write (new, unless --overwrite)")
+    p.add_argument("--overwrite", action="store_true", help="replace --out if it exists (never the --model file)")
     p.add_argument("--ftype", default="f16", choices=sorted(FILE_TYPES),
                    help="type of the 2-D weights (default: %(default)s); q8_0 is half the size of f16")
     p.add_argument("--base-precision", default="as-trained", choices=BASE_PRECISIONS, help=BASE_PRECISION_HELP)
@@ -45,6 +49,7 @@ def main(argv=None):
     args = p.parse_args(argv)
     if not args.out.endswith(".gguf"):
         raise ValueError(f"--out {args.out!r}: name the file *.gguf, as llama.cpp and nanotune expect")
+    check_new_output(args.out, args.overwrite, inputs=(args.model,))
     if args.push_to_hub:
         check_push(args.push_to_hub)
     print(f"wrote {export(args.model, args.out, args.adapter, args.ftype, args.base_precision)}")

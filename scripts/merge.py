@@ -9,7 +9,8 @@ nanotune's model with the adapter. Every adapted projection is written as W + (a
 summed in fp32 and then cast to --dtype once. An adapter trained with --quantize nf4 is merged
 into the same dequantized NF4 weights it was trained on, unless --base-precision full. A GGUF
 --model (Llama, Qwen2, Gemma) gets a config.json written from its metadata; to go back to GGUF,
-use scripts/export_gguf.py instead.
+use scripts/export_gguf.py instead. The folder is written whole or not at all; write errors
+(disk full, a read-only folder, a file-size limit) are one line.
 """
 import argparse
 import os
@@ -22,6 +23,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 from cli import HelpFormatter, add_push_to_hub, run_tool  # noqa: E402
 from model.adapters import (BASE_PRECISION_HELP, BASE_PRECISIONS, check_replaceable,  # noqa: E402
                             load_with_adapter, merge_and_save)
+from model.files import check_writable_parent  # noqa: E402
 from model.hub import base_model_id, check_push, model_card, push  # noqa: E402
 from model.lora import quantization  # noqa: E402
 
@@ -63,6 +65,7 @@ def main(argv=None):
     add_push_to_hub(p, "the folder")
     args = p.parse_args(argv)
     check_replaceable(args.out)
+    check_writable_parent(args.out)
     if args.push_to_hub:
         check_push(args.push_to_hub)
     merge(args.model, args.adapter, args.out, args.dtype, args.base_precision)
