@@ -67,6 +67,22 @@ ADAPTER_USAGE = """```python
 from peft import AutoPeftModelForCausalLM
 model = AutoPeftModelForCausalLM.from_pretrained("<this repo or folder>")
 ```"""
+# PEFT cannot load a .gguf base by its path, so the card of an adapter on one says what does.
+GGUF_ADAPTER_USAGE = """The base is a GGUF file, which `AutoPeftModelForCausalLM` cannot load. Merge the adapter with nanotune:
+
+```
+python scripts/merge.py --model {base} --adapter <this folder> --out merged/              # transformers
+python scripts/export_gguf.py --model {base} --adapter <this folder> --out tuned.gguf    # llama.cpp
+```
+
+or, in transformers (which dequantizes the GGUF):
+
+```python
+from peft import PeftModel
+from transformers import AutoModelForCausalLM
+base = AutoModelForCausalLM.from_pretrained("{folder}", gguf_file="{file}")
+model = PeftModel.from_pretrained(base, "<this folder>")
+```"""
 
 
 def check_replaceable(folder, marker=None):
@@ -123,7 +139,7 @@ def save_adapter(model, folder, base_model=None, dataset=None, options=None, met
     card = model_card(base, "adapter", library_name="peft", dataset=dataset,
                       options={"base weights": precision, "LoRA rank": lora.r, "LoRA alpha": lora.alpha,
                                "LoRA targets": ", ".join(sorted(lora.targets)), **(options or {})},
-                      metrics=metrics, usage=ADAPTER_USAGE)
+                      metrics=metrics, usage=_adapter_usage(base))
     with atomic_folder(folder, marker=ADAPTER_CONFIG) as tmp:
         save_file(tensors, os.path.join(tmp, ADAPTER_WEIGHTS), metadata={"format": "pt"})
         with open(os.path.join(tmp, ADAPTER_CONFIG), "w") as f:
@@ -132,6 +148,13 @@ def save_adapter(model, folder, base_model=None, dataset=None, options=None, met
             json.dump({"quantize": quantize}, f, indent=2)
         with open(os.path.join(tmp, "README.md"), "w") as f:
             f.write(card)
+
+
+def _adapter_usage(base):
+    if base is None or not is_gguf(base):
+        return ADAPTER_USAGE
+    folder, file = os.path.split(base)
+    return GGUF_ADAPTER_USAGE.format(base=base, folder=folder, file=file)
 
 
 def adapter_quantization(folder) -> str | None:

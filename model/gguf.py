@@ -105,20 +105,35 @@ FILE_TYPES = {
     "q8_0": (QType.Q8_0, gguf.LlamaFileType.MOSTLY_Q8_0),
 }
 
-# `tokenizer.ggml.pre` -> the regexes llama.cpp splits text with before byte-level BPE, applied in turn
-# (llama-vocab.cpp). GPT-2's is the one the `tokenizers` ByteLevel pre-tokenizer has built in.
+# The regexes llama.cpp splits text with before byte-level BPE, applied in turn (llama-vocab.cpp),
+# by the name of the first `tokenizer.ggml.pre` value that uses them, which export writes. GPT-2's is
+# the one the `tokenizers` ByteLevel pre-tokenizer has built in.
 _GPT2_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
 PRE_TOKENIZER_SPLITS = {
-    "gpt2": [_GPT2_SPLIT],
-    # Files from converters that did not recognize the tokenizer. llama.cpp then uses an odd regex of its
-    # own and warns that quality degrades; GPT-2's is what such (GPT-2 style) vocabularies were built with.
-    "default": [_GPT2_SPLIT],
+    "gpt-2": [_GPT2_SPLIT],
     "smollm": [r"\p{N}", _GPT2_SPLIT],  # digits one by one, then GPT-2
     "llama-bpe": [r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
                   r"|\s*[\r\n]+|\s+(?!\S)|\s+"],
     "qwen2": [r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
               r"|\s*[\r\n]+|\s+(?!\S)|\s+"],
 }
+# Every `tokenizer.ggml.pre` that llama.cpp maps to one of the splits above -> that split's name.
+PRE_TOKENIZER_NAMES = {
+    **dict.fromkeys(["gpt-2", "phi-2", "jina-es", "jina-de", "gigachat", "jina-v1-en", "jina-v2-es", "jina-v2-de",
+                     "jina-v2-code", "roberta-bpe", "a.x-4.0", "mellum", "modern-bert", "mpt", "olmo", "jais",
+                     "trillion", "granite-docling"], "gpt-2"),
+    # Written by earlier nanotune exports; llama.cpp itself knows the name only as "gpt-2".
+    "gpt2": "gpt-2",
+    # Files from converters that did not recognize the tokenizer. llama.cpp then uses an odd regex of its
+    # own and warns that quality degrades; GPT-2's is what such (GPT-2 style) vocabularies were built with.
+    "default": "gpt-2",
+    **dict.fromkeys(["smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva-7b"], "smollm"),
+    **dict.fromkeys(["llama-bpe", "llama3", "llama-v3", "falcon3", "dbrx", "smaug-bpe", "chatglm-bpe"],
+                    "llama-bpe"),
+    **dict.fromkeys(["qwen2", "stablelm2", "deepseek-r1-qwen", "hunyuan", "grok-2"], "qwen2"),
+}
+# llama.cpp's Llama 3 pre-tokenizers take a whole word that is itself a token before trying merges.
+IGNORE_MERGES = ("llama-bpe",)
 # Text that the splits above cut differently; export names a tokenizer's pre-tokenizer by its cuts.
 _PRE_TOKENIZER_PROBE = "Hello world's WE'LL $foo  bar\n\n\t baz 12345 3.14 ¼ naïve 😀\r\n  end  "
 
@@ -333,12 +348,17 @@ def load_gguf(path, dtype=torch.float32, device="cpu", lora: LoRAConfig | None =
     return model, cfg
 
 
-def _byte_level_pre_tokenizer(pre: str):
-    if pre not in PRE_TOKENIZER_SPLITS:
+def _byte_level_pre_tokenizer(split: str, add_prefix_space=False):
+    splits = [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in PRE_TOKENIZER_SPLITS[split]]
+    return pre_tokenizers.Sequence(splits + [pre_tokenizers.ByteLevel(add_prefix_space=add_prefix_space,
+                                                                      use_regex=False)])
+
+
+def _split_of(pre: str) -> str:
+    if pre not in PRE_TOKENIZER_NAMES:
         raise ValueError(f"GGUF tokenizer.ggml.pre {pre!r} is not supported; supported: "
-                         f"{sorted(PRE_TOKENIZER_SPLITS)}. Add its regexes (llama-vocab.cpp) to PRE_TOKENIZER_SPLITS")
-    splits = [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in PRE_TOKENIZER_SPLITS[pre]]
-    return pre_tokenizers.Sequence(splits + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+                         f"{sorted(PRE_TOKENIZER_NAMES)}. Add its regexes (llama-vocab.cpp) to PRE_TOKENIZER_SPLITS")
+    return PRE_TOKENIZER_NAMES[pre]
 
 
 def load_gguf_tokenizer(path) -> Tokenizer:
@@ -352,8 +372,11 @@ def load_gguf_tokenizer(path) -> Tokenizer:
     tokens = _meta(reader, "tokenizer.ggml.tokens")
     types = _meta(reader, "tokenizer.ggml.token_type", [1] * len(tokens))
     merges = [tuple(m.split(" ")) for m in _meta(reader, "tokenizer.ggml.merges")]
-    tok = _HFTokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges))
-    tok.pre_tokenizer = _byte_level_pre_tokenizer(_meta(reader, "tokenizer.ggml.pre", "default"))
+    split = _split_of(_meta(reader, "tokenizer.ggml.pre", "default"))
+    unk = _meta(reader, "tokenizer.ggml.unknown_token_id", None)
+    tok = _HFTokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges,
+                                  unk_token=None if unk is None else tokens[unk], ignore_merges=split in IGNORE_MERGES))
+    tok.pre_tokenizer = _byte_level_pre_tokenizer(split, bool(_meta(reader, "tokenizer.ggml.add_space_prefix", False)))
     tok.decoder = decoders.ByteLevel()
     # Control tokens (<|im_start|>) are matched whole and skipped when decoding; user-defined ones
     # (<think>) are matched whole and kept, as llama.cpp does.
@@ -365,7 +388,8 @@ def load_gguf_tokenizer(path) -> Tokenizer:
                      eos_id=_meta(reader, "tokenizer.ggml.eos_token_id", None),
                      pad_id=_meta(reader, "tokenizer.ggml.padding_token_id", None),
                      chat_template=_meta(reader, "tokenizer.chat_template", None),
-                     add_bos=bool(_meta(reader, "tokenizer.ggml.add_bos_token", False)))
+                     add_bos=bool(_meta(reader, "tokenizer.ggml.add_bos_token", False)),
+                     add_eos=bool(_meta(reader, "tokenizer.ggml.add_eos_token", False)))
 
 
 # ----------------------------------------------------------------------------- writing
@@ -428,17 +452,26 @@ def _encode(t: torch.Tensor, qtype):
     return gguf.quants.quantize(a, qtype), qtype
 
 
-def _pre_tokenizer_name(tok: _HFTokenizer) -> str:
-    """The `tokenizer.ggml.pre` name whose splits cut a probe text exactly as `tok` does."""
+def _byte_level_prefix_space(spec) -> bool:
+    """Whether a byte-level BPE tokenizer.json puts a space before the text (GPT-2's add_prefix_space)."""
+    pres = spec.get("pre_tokenizer") or {}
+    pres = pres.get("pretokenizers", [pres]) if pres.get("type") == "Sequence" else [pres]
+    return any(p.get("type") == "ByteLevel" and p.get("add_prefix_space") for p in pres)
+
+
+def _pre_tokenizer_name(tok: _HFTokenizer, add_prefix_space: bool) -> str:
+    """The `tokenizer.ggml.pre` name, as llama.cpp spells it, whose splits cut a probe text exactly as
+    `tok` does. Decided by the cuts, not by llama.cpp's hash of the vocabulary, so a tokenizer that
+    transformers rebuilt (with another hash) is still named."""
     if tok.pre_tokenizer is None:
         raise ValueError("the tokenizer has no pre-tokenizer; GGUF export needs a byte-level BPE tokenizer")
     want = [w for w, _ in tok.pre_tokenizer.pre_tokenize_str(_PRE_TOKENIZER_PROBE)]
     for name in PRE_TOKENIZER_SPLITS:
-        if name != "default" and [w for w, _ in _byte_level_pre_tokenizer(name).pre_tokenize_str(
-                _PRE_TOKENIZER_PROBE)] == want:
+        got = _byte_level_pre_tokenizer(name, add_prefix_space).pre_tokenize_str(_PRE_TOKENIZER_PROBE)
+        if [w for w, _ in got] == want:
             return name
-    raise ValueError(f"the tokenizer's pre-tokenizer splits text like none of {sorted(PRE_TOKENIZER_SPLITS)}; "
-                     "add its llama.cpp name and regexes to PRE_TOKENIZER_SPLITS")
+    raise ValueError(f"the tokenizer's pre-tokenizer splits text like none of {sorted(PRE_TOKENIZER_SPLITS)}, the "
+                     "splits llama.cpp knows by name; llama.cpp could not tokenize as this model was trained")
 
 
 def _write_tokenizer(w, tokenizer: Tokenizer, vocab_size: int):
@@ -458,16 +491,22 @@ def _write_tokenizer(w, tokenizer: Tokenizer, vocab_size: int):
         tokens.append(f"[PAD{i}]" if text is None else text)
         types.append(gguf.TokenType.UNUSED if text is None else gguf.TokenType.CONTROL if special.get(i)
                      else gguf.TokenType.USER_DEFINED if i in special else gguf.TokenType.NORMAL)
+    prefix_space = _byte_level_prefix_space(spec)
     w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre(_pre_tokenizer_name(tokenizer.tok))
+    w.add_tokenizer_pre(_pre_tokenizer_name(tokenizer.tok, prefix_space))
     w.add_token_list(tokens)
     w.add_token_types(types)
     w.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in spec["model"]["merges"]])
+    unk = spec["model"].get("unk_token")
     for add, i in ((w.add_bos_token_id, tokenizer.bos_id), (w.add_eos_token_id, tokenizer.eos_id),
-                   (w.add_pad_token_id, tokenizer.pad_id)):
+                   (w.add_pad_token_id, tokenizer.pad_id),
+                   (w.add_unk_token_id, None if unk is None else tokenizer.token_to_id(unk))):
         if i is not None:
             add(i)
+    # Always written: llama.cpp guesses when they are absent, and its guess adds BOS for some vocabularies.
     w.add_add_bos_token(tokenizer.add_bos)
+    w.add_add_eos_token(tokenizer.add_eos)
+    w.add_add_space_prefix(prefix_space)
     if tokenizer.chat_template:
         w.add_chat_template(tokenizer.chat_template)
 
