@@ -194,8 +194,13 @@ def load_tokenizer(path):
     bos, eos = tid("bos_token"), tid("eos_token")
     # tokenizer_config.json's add_bos_token / add_eos_token when it has them (transformers' Llama and
     # Gemma tokenizers rebuild their post-processor from them), else what tokenizer.json's
-    # post-processor does: Llama's prepends BOS, SmolLM2's and Qwen's add nothing.
-    before, after = post_processor_specials(tok)
+    # post-processor does: Llama's prepends BOS, SmolLM2's and Qwen's add nothing. A tokenizer.json
+    # without a post-processor leaves it to the tokenizer class, which for SentencePiece models
+    # (the ones converted without one) prepends BOS.
+    if json.loads(tok.to_str()).get("post_processor") is None:
+        before, after = [bos], []
+    else:
+        before, after = post_processor_specials(tok)
     add_bos = cfg.get("add_bos_token", bos is not None and bos in before)
     add_eos = cfg.get("add_eos_token", eos is not None and eos in after)
     return Tokenizer(tok=tok, bos_id=bos, eos_id=eos, pad_id=tid("pad_token"),

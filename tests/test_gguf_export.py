@@ -67,7 +67,9 @@ def test_bos_and_eos_follow_the_post_processor(folder, tmp_path, template, bos, 
     """Without add_bos_token in tokenizer_config.json (SmolLM2), BOS/EOS use is what tokenizer.json's
     post-processor adds, not "a BOS token exists"; the export writes it, and the import reads it back."""
     def post(tok):
-        if template:
+        if template is None:  # SmolLM2's: byte-level offsets only
+            tok.post_processor = processors.ByteLevel(trim_offsets=False)
+        else:
             tok.post_processor = processors.TemplateProcessing(
                 single=template, special_tokens=[("<s>", tok.token_to_id("<s>")), ("</s>", tok.token_to_id("</s>"))])
     src = _copy_folder(folder, str(tmp_path / "src"), lambda c: {k: v for k, v in c.items() if k != "add_bos_token"},
