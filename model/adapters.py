@@ -24,7 +24,7 @@ weights learned to correct those weights, not the full-precision ones.
 The merged folder (config.json, safetensors shards, tokenizer files, chat template) loads
 with `transformers.AutoModelForCausalLM.from_pretrained`. NF4 weights are dequantized
 before merging. A GGUF base has no config.json: one is written from its ModelConfig
-(Llama, Qwen2, Gemma), and its tokenizer from the GGUF metadata.
+(every supported family), and its tokenizer from the GGUF metadata.
 
 Folders are written atomically (`atomic_folder`): a failed or interrupted write leaves the
 previous folder, or none, never a half-written one.

@@ -1,4 +1,4 @@
-"""GGUF, llama.cpp's single-file format: load Llama, Qwen2 and Gemma checkpoints, and write them back.
+"""GGUF, llama.cpp's single-file format: load Llama, Qwen2/3 and Gemma 1/2/3 checkpoints, and write them back.
 
 References: ggml's docs/gguf.md (the format); llama.cpp's convert_hf_to_gguf.py (tensor names,
 the q/k permutation, Gemma's norms, `rope_freqs` for Llama 3 rope scaling) and llama-vocab.cpp
@@ -22,18 +22,27 @@ A GGUF differs from a Hugging Face checkpoint in four ways, all undone on load a
    inverse, w.reshape(n_head, d/2, 2, ...).swapaxes(1, 2). Qwen2 and Gemma use llama.cpp's NEOX
    rope, which rotates halves, so their rows are stored as they are.
 4. Gemma's norms: Hugging Face's GemmaRMSNorm scales by (1 + w); llama.cpp's converter stores
-   1 + w and llama.cpp scales by the stored value. Loading subtracts `cfg.norm_offset`, export
-   adds it back.
+   1 + w and llama.cpp scales by the stored value (Gemma 3's q/k norms too; Qwen3's have no +1).
+   Loading subtracts `cfg.norm_offset`, export adds it back. Gemma 2/3 have four norms a layer,
+   and llama.cpp's `ffn_norm` is then the one before the MLP (`SANDWICH_NAMES`).
+
+Some numbers are in no GGUF key, and llama.cpp hard-codes them (`Family`, `llama_cpp_fixed`): Gemma 2
+slides on every other layer and Gemma 3 on 5 of every 6; Gemma 3's local rope base is 10000; the
+attention scale is head_dim^-1/2 (Gemma 2/3 27B: (hidden / heads)^-1/2). A key llama.cpp has a
+default for (a sliding window, a rope base, Gemma 2's softcaps) takes that default when absent,
+said in one "note:" line. Export refuses a model whose numbers llama.cpp would compute otherwise.
 
 The tokenizer is stored as metadata too: `tokenizer.ggml.tokens` / `merges` / `token_type`, the
 special-token ids, the chat template, and `tokenizer.ggml.pre`, a name for the regex that splits
 text before BPE. Byte-level BPE ("gpt2": Llama 3, Qwen2, SmolLM2, ...) is rebuilt with the
-`tokenizers` library; SentencePiece vocabularies ("llama": Llama 2, Gemma) are not supported yet.
+`tokenizers` library, with the splits of every `tokenizer.ggml.pre` name llama.cpp gives them.
 """
 import json
 import math
 import os
+import sys
 from dataclasses import dataclass, field, replace
+from functools import lru_cache
 
 import numpy as np
 import torch
@@ -62,19 +71,33 @@ class Family:
     permuted_qk: bool  # llama.cpp's "normal" (interleaved) rope: q/k rows are permuted, see point 3
     numerics: dict = field(default_factory=dict)  # ModelConfig fields llama.cpp hard-codes for this arch
     embed_scale_sqrt: bool = False  # embeddings scaled by sqrt(hidden_size) (Gemma)
+    # llama.cpp's set_swa_pattern(n): layer i slides when i % n < n - 1 (Gemma 2: every other layer,
+    # Gemma 3: 5 of every 6); 0: no sliding layers.
+    swa_pattern: int = 0
+    # Block counts of the sizes whose attention scale llama.cpp takes as (hidden / heads)^-1/2, not
+    # head_dim^-1/2 (Gemma 2 and 3 27B, whose query_pre_attn_scalar is hidden / heads).
+    scale_by_hidden_at: tuple = ()
+    # `{arch}.<key>` -> the value llama.cpp uses when the file has no such key.
+    defaults: dict = field(default_factory=dict)
 
 
+_GEMMA = {"norm_offset": 1.0, "norm_cast": "gemma", "act": "gelu_tanh"}
 # GGUF `general.architecture` -> what its metadata does not say. Looked up exactly.
 FAMILIES = {
     "llama": Family("LlamaForCausalLM", permuted_qk=True),
     "qwen2": Family("Qwen2ForCausalLM", permuted_qk=False),
-    "gemma": Family("GemmaForCausalLM", permuted_qk=False, embed_scale_sqrt=True,
-                    numerics=dict(norm_offset=1.0, norm_cast="gemma", act="gelu_tanh")),
+    "qwen3": Family("Qwen3ForCausalLM", permuted_qk=False, numerics={"qk_norm": True}),
+    "gemma": Family("GemmaForCausalLM", permuted_qk=False, embed_scale_sqrt=True, numerics=_GEMMA),
+    "gemma2": Family("Gemma2ForCausalLM", permuted_qk=False, embed_scale_sqrt=True,
+                     numerics={**_GEMMA, "sandwich_norm": True}, swa_pattern=2, scale_by_hidden_at=(46,),
+                     defaults={"rope.freq_base": 10000.0, "attention.sliding_window": 4096,
+                               "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0}),
+    "gemma3": Family("Gemma3ForCausalLM", permuted_qk=False, embed_scale_sqrt=True,
+                     numerics={**_GEMMA, "sandwich_norm": True, "qk_norm": True}, swa_pattern=6,
+                     scale_by_hidden_at=(62,),
+                     defaults={"rope.freq_base": 1000000.0, "rope.freq_base_swa": 10000.0,
+                               "attention.sliding_window": 512}),
 }
-
-# Features of ModelConfig that none of the architectures above has: a config using one cannot be written.
-NOT_IN_FAMILIES = ("qk_norm", "sandwich_norm", "attn_scale", "attn_softcap", "final_softcap", "sliding_window",
-                   "rope_local_theta")
 
 GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -87,10 +110,19 @@ LAYER_NAMES = {  # blk.{i}.<key> -> model.layers.{i}.<value>
     "attn_k.weight": "self_attn.k_proj.weight", "attn_k.bias": "self_attn.k_proj.bias",
     "attn_v.weight": "self_attn.v_proj.weight", "attn_v.bias": "self_attn.v_proj.bias",
     "attn_output.weight": "self_attn.o_proj.weight", "attn_output.bias": "self_attn.o_proj.bias",
+    "attn_q_norm.weight": "self_attn.q_norm.weight", "attn_k_norm.weight": "self_attn.k_norm.weight",
     "ffn_norm.weight": "post_attention_layernorm.weight",
     "ffn_gate.weight": "mlp.gate_proj.weight", "ffn_gate.bias": "mlp.gate_proj.bias",
     "ffn_up.weight": "mlp.up_proj.weight", "ffn_up.bias": "mlp.up_proj.bias",
     "ffn_down.weight": "mlp.down_proj.weight", "ffn_down.bias": "mlp.down_proj.bias",
+}
+# Gemma 2/3's four norms a layer: llama.cpp's ffn_norm is the norm before the MLP, which Hugging Face
+# names pre_feedforward_layernorm there (post_attention_layernorm normalizes the attention output).
+SANDWICH_NAMES = {
+    **LAYER_NAMES,
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+    "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
 }
 ROPE_FREQS = "rope_freqs.weight"  # Llama 3.1+: per-frequency divisors, read into cfg.rope_scaling
 
@@ -174,15 +206,20 @@ def general_metadata(reader) -> dict:
     return out
 
 
-def hf_name(gguf_name: str) -> str:
-    """The nanotune / Hugging Face parameter name of a GGUF tensor name."""
+def layer_names(cfg: ModelConfig) -> dict:
+    """GGUF layer tensor names -> Hugging Face ones for this config (Gemma 2/3 name their norms apart)."""
+    return SANDWICH_NAMES if cfg.sandwich_norm else LAYER_NAMES
+
+
+def hf_name(gguf_name: str, names: dict = LAYER_NAMES) -> str:
+    """The nanotune / Hugging Face parameter name of a GGUF tensor name (`names`: `layer_names(cfg)`)."""
     if gguf_name in GLOBAL_NAMES:
         return GLOBAL_NAMES[gguf_name]
-    parts = gguf_name.split(".", 2)  # blk, layer index, LAYER_NAMES key
-    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in LAYER_NAMES:
-        return f"model.layers.{parts[1]}.{LAYER_NAMES[parts[2]]}"
+    parts = gguf_name.split(".", 2)  # blk, layer index, layer names key
+    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in names:
+        return f"model.layers.{parts[1]}.{names[parts[2]]}"
     raise CheckpointError(f"GGUF tensor {gguf_name!r} has no counterpart in nanotune's model (known: "
-                          f"{sorted(GLOBAL_NAMES)}, blk.N.{{{', '.join(LAYER_NAMES)}}})")
+                          f"{sorted(GLOBAL_NAMES)}, blk.N.{{{', '.join(names)}}})")
 
 
 def read_tensor(t) -> torch.Tensor:
@@ -254,6 +291,12 @@ def scaling_from_rope_freqs(cfg: ModelConfig, factors: torch.Tensor) -> dict | N
     return scaling
 
 
+@lru_cache(maxsize=None)
+def _note(message):
+    """Print `message` as one "note:" line on stderr, once per process (a file's config is read more than once)."""
+    print(f"note: {message}", file=sys.stderr)
+
+
 def read_gguf_config(path) -> ModelConfig:
     """The ModelConfig of a GGUF file."""
     return gguf_config(_open(path))
@@ -280,11 +323,21 @@ def gguf_config(reader) -> ModelConfig:
     vocab = get("vocab_size", n_tokens)
     if vocab is None:
         raise CheckpointError(f"GGUF metadata has neither {arch}.vocab_size nor tokenizer.ggml.tokens")
+    defaulted = []
+
+    def get_or_default(key):  # a key llama.cpp has a default for: that default, said once
+        if f"{arch}.{key}" in reader.fields:
+            return get(key)
+        defaulted.append(f"{key} = {fam.defaults[key]}")
+        return fam.defaults[key]
+
+    n_layers = get("block_count")
     cfg = dict(
         vocab_size=vocab, hidden_size=H, intermediate_size=get("feed_forward_length"),
-        n_layers=get("block_count"), n_heads=nh, n_kv_heads=get("attention.head_count_kv", nh), head_dim=head_dim,
+        n_layers=n_layers, n_heads=nh, n_kv_heads=get("attention.head_count_kv", nh), head_dim=head_dim,
         rms_eps=get("attention.layer_norm_rms_epsilon"), max_position_embeddings=get("context_length", 2048),
-        rope_theta=get("rope.freq_base", 10000.0),
+        rope_theta=get_or_default("rope.freq_base") if "rope.freq_base" in fam.defaults else
+        get("rope.freq_base", 10000.0),
         # Biases are whatever tensors the file has (Qwen2's q/k/v; Llama's attention_bias / mlp_bias).
         qkv_bias="blk.0.attn_q.bias" in names, o_bias="blk.0.attn_output.bias" in names,
         mlp_bias="blk.0.ffn_up.bias" in names, tie_embeddings="output.weight" not in names,
@@ -295,6 +348,23 @@ def gguf_config(reader) -> ModelConfig:
     )
     if fam.embed_scale_sqrt:
         cfg["embed_scale"] = math.sqrt(H)
+    if fam.swa_pattern:
+        pattern = get("attention.sliding_window_pattern", fam.swa_pattern)
+        sliding = ([i % pattern < pattern - 1 for i in range(n_layers)] if isinstance(pattern, int)
+                   else [bool(b) for b in pattern])
+        # No GGUF key holds the attention scale of these architectures: llama.cpp derives it from the size.
+        scalar = H // nh if n_layers in fam.scale_by_hidden_at else head_dim
+        cfg.update(sliding_window=get_or_default("attention.sliding_window"), attn_scale=scalar ** -0.5,
+                   layer_types=["sliding" if b else "full" for b in sliding])
+    for key, field_name in (("attn_logit_softcapping", "attn_softcap"),
+                            ("final_logit_softcapping", "final_softcap")):
+        if key in fam.defaults or f"{arch}.{key}" in reader.fields:
+            cfg[field_name] = get_or_default(key)
+    if "rope.freq_base_swa" in fam.defaults:
+        cfg["rope_local_theta"] = get_or_default("rope.freq_base_swa")
+    if defaulted:
+        _note(f"this {arch} GGUF has no {', '.join(k.split(' =')[0] for k in defaulted)}; using llama.cpp's "
+              f"defaults: {', '.join(defaulted)}")
     scaling = get("rope.scaling.type", "none")
     if scaling == "linear":
         cfg["rope_scaling"] = {"rope_type": "linear", "factor": get("rope.scaling.factor")}
@@ -318,6 +388,7 @@ def load_gguf(path, dtype=torch.float32, device="cpu", lora: LoRAConfig | None =
     reader = _open(path)
     cfg = gguf_config(reader)
     fam = FAMILIES[_meta(reader, "general.architecture")]
+    names = layer_names(cfg)
     with torch.device("meta"):
         model = Transformer(cfg, lora=lora, use_kernels=use_kernels, fused_lora=fused_lora,
                             gradient_checkpointing=gradient_checkpointing, offload_activations=offload_activations)
@@ -326,7 +397,7 @@ def load_gguf(path, dtype=torch.float32, device="cpu", lora: LoRAConfig | None =
     for t in reader.tensors:
         if t.name == ROPE_FREQS:  # already in cfg.rope_scaling
             continue
-        name = hf_name(t.name)
+        name = hf_name(t.name, names)
         if name not in expected:
             raise CheckpointError(f"unexpected tensor {t.name!r} ({name}) in {path!r}: this {cfg.architecture} "
                                   "config has no such parameter")
@@ -395,19 +466,37 @@ def load_gguf_tokenizer(path) -> Tokenizer:
 # ----------------------------------------------------------------------------- writing
 
 
+def llama_cpp_fixed(arch: str, cfg: ModelConfig) -> dict:
+    """The ModelConfig fields that llama.cpp's `arch` computes with no matter what the file says:
+    its hard-coded numerics, sliding-layer pattern, attention scale and features it lacks."""
+    fam = FAMILIES[arch]
+    fixed = {"qk_norm": False, "sandwich_norm": False, "attn_scale": None, "attn_softcap": None,
+             "final_softcap": None, "sliding_window": None, "rope_local_theta": None,
+             "layer_types": ["full"] * cfg.n_layers, "embed_scale": math.sqrt(cfg.hidden_size)
+             if fam.embed_scale_sqrt else 1.0, **fam.numerics}
+    if fam.swa_pattern:
+        n = fam.swa_pattern
+        scalar = cfg.hidden_size // cfg.n_heads if cfg.n_layers in fam.scale_by_hidden_at else cfg.head_dim
+        fixed.update(attn_scale=scalar ** -0.5, sliding_window=cfg.sliding_window,
+                     layer_types=["sliding" if i % n < n - 1 else "full" for i in range(cfg.n_layers)])
+    for key, name in (("attn_logit_softcapping", "attn_softcap"), ("final_logit_softcapping", "final_softcap")):
+        if key in fam.defaults:  # written into the file; llama.cpp applies one always
+            fixed[name] = getattr(cfg, name) if getattr(cfg, name) is not None else fam.defaults[key]
+    if "rope.freq_base_swa" in fam.defaults:
+        fixed["rope_local_theta"] = fam.defaults["rope.freq_base_swa"]
+    return fixed
+
+
 def _gguf_arch(cfg: ModelConfig) -> str:
     """The GGUF architecture that computes what `cfg` computes; raises if there is none."""
     by_hf = {f.hf_architecture: a for a, f in FAMILIES.items()}
     if cfg.architecture not in by_hf:
         raise ValueError(f"cannot write {cfg.architecture} as GGUF: nanotune writes {sorted(by_hf)}")
     arch = by_hf[cfg.architecture]
-    fam = FAMILIES[arch]
-    wrong = {k: getattr(cfg, k) for k, v in fam.numerics.items() if getattr(cfg, k) != v}
-    wrong.update({k: getattr(cfg, k) for k in NOT_IN_FAMILIES if getattr(cfg, k) not in (None, False)})
-    if fam.embed_scale_sqrt != (cfg.embed_scale != 1.0):
-        wrong["embed_scale"] = cfg.embed_scale
+    wrong = {k: getattr(cfg, k) for k, v in llama_cpp_fixed(arch, cfg).items() if getattr(cfg, k) != v}
     if wrong:
-        raise ValueError(f"cannot write this model as GGUF architecture {arch!r}: llama.cpp's {arch} has no {wrong}")
+        raise ValueError(f"cannot write this model as GGUF architecture {arch!r}: llama.cpp's {arch} computes "
+                         f"with other values of {wrong}")
     return arch
 
 
@@ -420,10 +509,13 @@ def export_tensors(model):
         unscaled = rope_inv_freq(replace(cfg, rope_scaling=None), "full", "cpu")
         yield ROPE_FREQS, unscaled / rope_inv_freq(cfg, "full", "cpu")  # divisors, as convert_hf_to_gguf writes
     for i, layer in enumerate(model.model.layers):
-        for key, name in LAYER_NAMES.items():
+        for key, name in layer_names(cfg).items():
             mod_name, _, pname = name.rpartition(".")
-            mod = layer.get_submodule(mod_name)
-            if pname == "bias" and mod.bias is None:
+            try:
+                mod = layer.get_submodule(mod_name)
+            except AttributeError:  # a q/k norm or sandwich norm this family has not
+                continue
+            if getattr(mod, pname) is None:  # a bias it has not
                 continue
             if isinstance(mod, LoRALinear) and pname == "weight":
                 w = merged_weight(mod, torch.float32)  # W + s·B·A (an NF4 W dequantized)
@@ -542,6 +634,14 @@ def save_gguf(model, tokenizer: Tokenizer, path, ftype="f16"):
     if cfg.rope_scaling is not None and cfg.rope_scaling["rope_type"] == "linear":
         w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         w.add_rope_scaling_factor(cfg.rope_scaling["factor"])
+    if cfg.sliding_window is not None:
+        w.add_sliding_window(cfg.sliding_window)
+    if cfg.rope_local_theta is not None:
+        w.add_rope_freq_base_swa(cfg.rope_local_theta)
+    if cfg.attn_softcap is not None:
+        w.add_attn_logit_softcapping(cfg.attn_softcap)
+    if cfg.final_softcap is not None:
+        w.add_final_logit_softcapping(cfg.final_softcap)
     _write_tokenizer(w, tokenizer, cfg.vocab_size)
     for name, t in tqdm(export_tensors(model), desc="exporting", unit=" tensors", disable=None, leave=False):
         data, raw = _encode(t.cpu(), qtype)

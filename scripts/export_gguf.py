@@ -12,7 +12,7 @@ a weight, llama.cpp's near-lossless type). Norms and biases stay f32, as llama.c
 them. The tokenizer (byte-level BPE) and chat template of --model are written with it, and a
 .gguf --model's general.* metadata (name, license, ...). An adapter trained with --quantize
 nf4 is merged into the same dequantized NF4 weights it was trained on, unless
---base-precision full. Supported: Llama, Qwen2 and Gemma architectures (see model/gguf.py).
+--base-precision full. Supported: Llama, Qwen2/3 and Gemma 1/2/3 architectures (see model/gguf.py).
 An existing --out is replaced only with --overwrite, and never when it is the --model file
 itself; the file is written whole or not at all.
 """

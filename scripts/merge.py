@@ -8,7 +8,7 @@ loads with transformers' AutoModelForCausalLM.from_pretrained and gives the same
 nanotune's model with the adapter. Every adapted projection is written as W + (alpha / r) · B @ A,
 summed in fp32 and then cast to --dtype once. An adapter trained with --quantize nf4 is merged
 into the same dequantized NF4 weights it was trained on, unless --base-precision full. A GGUF
---model (Llama, Qwen2, Gemma) gets a config.json written from its metadata; to go back to GGUF,
+--model (Llama, Qwen2/3, Gemma 1/2/3) gets a config.json written from its metadata; to go back to GGUF,
 use scripts/export_gguf.py instead. The folder is written whole or not at all; write errors
 (disk full, a read-only folder, a file-size limit) are one line.
 """
