@@ -53,7 +53,7 @@ except ImportError as e:  # an optional dependency: only GGUF files need it
     raise ImportError("reading or writing GGUF files needs the gguf package: pip install 'gguf>=0.10' "
                       "(or pip install -e '.[gguf]')") from e
 from gguf import GGMLQuantizationType as QType
-from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
+from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as _HFTokenizer
 from tqdm import tqdm
 
@@ -432,16 +432,44 @@ def _split_of(pre: str) -> str:
     return PRE_TOKENIZER_NAMES[pre]
 
 
-def load_gguf_tokenizer(path) -> Tokenizer:
-    """The tokenizer and chat template stored in a GGUF file's metadata."""
-    reader = _open(path)
-    kind = _meta(reader, "tokenizer.ggml.model")
-    if kind != "gpt2":
-        raise ValueError(f"{path!r} has a {kind!r} tokenizer; nanotune rebuilds byte-level BPE ('gpt2': Llama 3, "
-                         "Qwen2, SmolLM2) from GGUF. For a SentencePiece model ('llama': Llama 2, Gemma) load the "
-                         "tokenizer from the original Hugging Face folder")
+def sentencepiece_merges(tokens, scores) -> list[tuple[str, str]]:
+    """BPE merges equivalent to SentencePiece's rule, which llama.cpp's "llama" tokenizer follows:
+    repeatedly join the adjacent pair whose joined text is the token of highest score. Every split
+    of every token into two tokens is a merge, ranked by the joined token's score, then its id
+    (as transformers' converter ranks them, `generate_merges`)."""
+    ids = {t: i for i, t in enumerate(tokens)}
+    merges = []
+    for i, t in enumerate(tokens):
+        for k in range(1, len(t)):
+            if t[:k] in ids and t[k:] in ids:
+                merges.append((-scores[i], i, k, t[:k], t[k:]))
+    merges.sort()
+    return [(left, right) for *_, left, right in merges]
+
+
+def _sentencepiece_tokenizer(reader) -> _HFTokenizer:
+    """SentencePiece BPE ("llama": Llama 2, TinyLlama, Mistral, Gemma) as transformers converts it:
+    spaces as "▁", one prepended to each run of text when add_space_prefix (llama.cpp prepends it
+    after every special token too), and bytes <0xNN> for characters outside the vocabulary."""
     tokens = _meta(reader, "tokenizer.ggml.tokens")
-    types = _meta(reader, "tokenizer.ggml.token_type", [1] * len(tokens))
+    scores = _meta(reader, "tokenizer.ggml.scores", None)
+    if scores is None:
+        raise CheckpointError("this GGUF's SentencePiece vocabulary has no tokenizer.ggml.scores, which decide how "
+                              "text is split; convert the model again with llama.cpp's convert_hf_to_gguf.py")
+    unk = _meta(reader, "tokenizer.ggml.unknown_token_id", None)
+    tok = _HFTokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)},
+                                  merges=sentencepiece_merges(tokens, scores), byte_fallback=True,
+                                  unk_token=None if unk is None else tokens[unk], fuse_unk=True))
+    space = bool(_meta(reader, "tokenizer.ggml.add_space_prefix", True))  # llama.cpp's default for "llama"
+    steps = [normalizers.Prepend("▁")] if space else []
+    tok.normalizer = normalizers.Sequence(steps + [normalizers.Replace(" ", "▁")])
+    strip = [decoders.Strip(" ", 1, 0)] if space else []
+    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), *strip])
+    return tok
+
+
+def _byte_level_tokenizer(reader) -> _HFTokenizer:
+    tokens = _meta(reader, "tokenizer.ggml.tokens")
     merges = [tuple(m.split(" ")) for m in _meta(reader, "tokenizer.ggml.merges")]
     split = _split_of(_meta(reader, "tokenizer.ggml.pre", "default"))
     unk = _meta(reader, "tokenizer.ggml.unknown_token_id", None)
@@ -449,17 +477,35 @@ def load_gguf_tokenizer(path) -> Tokenizer:
                                   unk_token=None if unk is None else tokens[unk], ignore_merges=split in IGNORE_MERGES))
     tok.pre_tokenizer = _byte_level_pre_tokenizer(split, bool(_meta(reader, "tokenizer.ggml.add_space_prefix", False)))
     tok.decoder = decoders.ByteLevel()
-    # Control tokens (<|im_start|>) are matched whole and skipped when decoding; user-defined ones
-    # (<think>) are matched whole and kept, as llama.cpp does.
-    tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
-                            for t, k in zip(tokens, types) if k == gguf.TokenType.CONTROL])
+    return tok
+
+
+# `tokenizer.ggml.model` -> how the tokenizer is rebuilt.
+TOKENIZER_MODELS = {"gpt2": _byte_level_tokenizer, "llama": _sentencepiece_tokenizer}
+
+
+def load_gguf_tokenizer(path) -> Tokenizer:
+    """The tokenizer and chat template stored in a GGUF file's metadata."""
+    reader = _open(path)
+    kind = _meta(reader, "tokenizer.ggml.model")
+    if kind not in TOKENIZER_MODELS:
+        raise ValueError(f"{path!r} has a {kind!r} tokenizer; nanotune rebuilds byte-level BPE ('gpt2': Llama 3, "
+                         "Qwen, SmolLM2) and SentencePiece ('llama': Llama 2, TinyLlama, Gemma) from GGUF. Pass the "
+                         "model's Hugging Face folder as its tokenizer instead")
+    tok = TOKENIZER_MODELS[kind](reader)
+    tokens = _meta(reader, "tokenizer.ggml.tokens")
+    types = _meta(reader, "tokenizer.ggml.token_type", [1] * len(tokens))
+    # Control tokens (<|im_start|>, SentencePiece's <unk>) are matched whole and skipped when decoding;
+    # user-defined ones (<think>) are matched whole and kept, as llama.cpp does.
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t, k in zip(tokens, types)
+                            if k == gguf.TokenType.CONTROL or (kind == "llama" and k == gguf.TokenType.UNKNOWN)])
     tok.add_tokens([AddedToken(t, special=False, normalized=False)
                     for t, k in zip(tokens, types) if k == gguf.TokenType.USER_DEFINED])
     return Tokenizer(tok=tok, bos_id=_meta(reader, "tokenizer.ggml.bos_token_id", None),
                      eos_id=_meta(reader, "tokenizer.ggml.eos_token_id", None),
                      pad_id=_meta(reader, "tokenizer.ggml.padding_token_id", None),
                      chat_template=_meta(reader, "tokenizer.chat_template", None),
-                     add_bos=bool(_meta(reader, "tokenizer.ggml.add_bos_token", False)),
+                     add_bos=bool(_meta(reader, "tokenizer.ggml.add_bos_token", kind == "llama")),
                      add_eos=bool(_meta(reader, "tokenizer.ggml.add_eos_token", False)))
 
 

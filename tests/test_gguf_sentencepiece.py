@@ -1,0 +1,102 @@
+"""SentencePiece tokenizers from GGUF metadata (`tokenizer.ggml.model = "llama"`: Llama 2, TinyLlama,
+Gemma): the ids of the Hugging Face tokenizer transformers converts from the same SentencePiece model,
+on whitespace runs, digits, unicode, bytes outside the vocabulary and special tokens."""
+import json
+
+import pytest
+from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+
+gguf = pytest.importorskip("gguf", reason="the optional gguf package is not installed: pip install -e '.[gguf]'")
+
+from model import load_tokenizer  # noqa: E402
+from model.gguf import sentencepiece_merges  # noqa: E402
+from tests.tiny_tokenizer import _CORPUS  # noqa: E402
+
+TEXTS = [
+    "Hello world, the quick brown fox.",
+    "   leading spaces, trailing   ",
+    "two  spaces\n\nnewlines\tand\ttabs \n ",
+    "In 2024, 1234567 people paid $3.50 at 12:45pm.",
+    "naïve café, Ünïcödé, 日本語のテキスト, Ελληνικά 🤗🚀 👩‍💻",
+    "<s>system</s> text<start_of_turn>user\nhi<end_of_turn>\n<|user|>x",
+    "", " ", "▁ already a meta space", "</s></s>",
+]
+SPECIALS = ["<start_of_turn>", "<end_of_turn>"]  # control tokens of the chat format
+USER_DEFINED = ["<|user|>"]
+
+
+def sentencepiece_model(vocab_size=360):
+    """(pieces, scores, types) laid out as a SentencePiece BPE model is: <unk>, <s>, </s>, the 256 byte
+    pieces, merged pieces by merge order (score -rank), then single characters, then the chat
+    tokens. The merges come from training a BPE on our corpus with words kept apart, as SentencePiece does."""
+    tok = Tokenizer(models.BPE())
+    tok.normalizer = normalizers.Replace(" ", "▁")
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="always", split=True)
+    tok.train_from_iterator([_CORPUS] * 20, trainers.BpeTrainer(vocab_size=vocab_size, show_progress=False))
+    spec = json.loads(tok.to_str())["model"]
+    merges = [m if isinstance(m, str) else " ".join(m) for m in spec["merges"]]
+    merged = list(dict.fromkeys(m.replace(" ", "") for m in merges))
+    chars = [t for t in spec["vocab"] if len(t) == 1]
+    T = gguf.TokenType
+    pieces = [("<unk>", 0.0, T.UNKNOWN), ("<s>", 0.0, T.CONTROL), ("</s>", 0.0, T.CONTROL)]
+    pieces += [(f"<0x{b:02X}>", 0.0, T.BYTE) for b in range(256)]
+    pieces += [(t, -float(k), T.NORMAL) for k, t in enumerate(merged)]
+    pieces += [(t, -float(len(merged) + k), T.NORMAL) for k, t in enumerate(c for c in chars if c not in merged)]
+    pieces += [(t, 0.0, T.CONTROL) for t in SPECIALS] + [(t, 0.0, T.USER_DEFINED) for t in USER_DEFINED]
+    return [p for p, _, _ in pieces], [s for _, s, _ in pieces], [k for _, _, k in pieces]
+
+
+def hf_tokenizer(pieces, types, add_space_prefix):
+    """The tokenizer.json transformers' converter writes for this SentencePiece model (TinyLlama's
+    layout: the "▁" prefix as a normalizer, so each run of text between special tokens gets one)."""
+    from transformers.convert_slow_tokenizer import generate_merges
+    vocab = {p: i for i, p in enumerate(pieces)}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=generate_merges(vocab), unk_token="<unk>", fuse_unk=True,
+                               byte_fallback=True))
+    tok.normalizer = normalizers.Sequence(([normalizers.Prepend("▁")] if add_space_prefix else [])
+                                          + [normalizers.Replace(" ", "▁")])
+    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
+                                    + ([decoders.Strip(" ", 1, 0)] if add_space_prefix else []))
+    T = gguf.TokenType
+    tok.add_special_tokens([AddedToken(p, special=True, normalized=False) for p, k in zip(pieces, types)
+                            if k in (T.CONTROL, T.UNKNOWN)])
+    tok.add_tokens([AddedToken(p, special=False, normalized=False) for p, k in zip(pieces, types)
+                    if k == T.USER_DEFINED])
+    return tok
+
+
+def write_gguf(path, pieces, scores, types, add_space_prefix):
+    """The tokenizer metadata convert_hf_to_gguf writes for a SentencePiece model (_set_vocab_sentencepiece)."""
+    w = gguf.GGUFWriter(path, "llama")
+    w.add_tokenizer_model("llama")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(pieces)
+    w.add_token_scores(scores)
+    w.add_token_types(types)
+    w.add_bos_token_id(1), w.add_eos_token_id(2), w.add_unk_token_id(0)
+    w.add_add_bos_token(True), w.add_add_eos_token(False)
+    w.add_add_space_prefix(add_space_prefix)
+    w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file(), w.close()
+    return path
+
+
+@pytest.mark.parametrize("add_space_prefix", [True, False], ids=["llama", "gemma"])
+def test_sentencepiece_from_gguf_matches_hugging_face(tmp_path, add_space_prefix):
+    pieces, scores, types = sentencepiece_model()
+    ref = hf_tokenizer(pieces, types, add_space_prefix)
+    ours = load_tokenizer(write_gguf(str(tmp_path / "t.gguf"), pieces, scores, types, add_space_prefix))
+    assert ours.vocab_size == len(pieces) and (ours.bos_id, ours.eos_id, ours.add_bos) == (1, 2, True)
+    fell_back = False
+    for text in TEXTS:
+        want = ref.encode(text, add_special_tokens=False).ids
+        assert ours.encode(text) == want, text
+        assert ours.decode(want, skip_special_tokens=False) == ref.decode(want, skip_special_tokens=False), text
+        fell_back |= any(pieces[i].startswith("<0x") for i in want)
+    assert fell_back, "no text needed byte fallback"
+    assert ours.encode("hi", add_special_tokens=True)[0] == 1
+
+
+def test_merges_follow_scores_not_ids():
+    """The merge rank is the joined token's score (ties by id), whatever order the ids are in."""
+    merges = sentencepiece_merges(["a", "b", "c", "ab", "bc", "abc"], [0.0, 0.0, 0.0, -5.0, -1.0, -3.0])
+    assert merges == [("b", "c"), ("a", "bc"), ("ab", "c"), ("a", "b")]
