@@ -22,7 +22,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root, for `model`
 
-from cli import HelpFormatter, add_push_to_hub, run_tool  # noqa: E402
+from cli import HelpFormatter, add_push_to_hub, add_tokenizer, run_tool  # noqa: E402
 from model import load_tokenizer  # noqa: E402
 from model.adapters import BASE_PRECISION_HELP, BASE_PRECISIONS, load_with_adapter  # noqa: E402
 from model.files import check_new_output  # noqa: E402
@@ -30,10 +30,12 @@ from model.gguf import FILE_TYPES, save_gguf  # noqa: E402
 from model.hub import base_model_id, check_push, model_card, push  # noqa: E402
 
 
-def export(model_path, out, adapter=None, ftype="f16", base_precision="as-trained"):
-    """Load `model_path` in fp32 (plus `adapter`), and write it merged to `out` as GGUF. Returns `out`."""
+def export(model_path, out, adapter=None, ftype="f16", base_precision="as-trained", tokenizer=None):
+    """Load `model_path` in fp32 (plus `adapter`), and write it merged to `out` as GGUF, with the tokenizer
+    of `tokenizer` (default: `model_path`'s). Returns `out`."""
+    tok = load_tokenizer(tokenizer or model_path)
     model, _ = load_with_adapter(model_path, adapter, base_precision)  # fp32: the merge is summed in full precision
-    return save_gguf(model, load_tokenizer(model_path), out, ftype=ftype)
+    return save_gguf(model, tok, out, ftype=ftype)
 
 
 def main(argv=None):
@@ -45,6 +47,7 @@ def main(argv=None):
     p.add_argument("--ftype", default="f16", choices=sorted(FILE_TYPES),
                    help="type of the 2-D weights (default: %(default)s); q8_0 is half the size of f16")
     p.add_argument("--base-precision", default="as-trained", choices=BASE_PRECISIONS, help=BASE_PRECISION_HELP)
+    add_tokenizer(p)
     add_push_to_hub(p, "the file")
     args = p.parse_args(argv)
     if not args.out.endswith(".gguf"):
@@ -52,7 +55,7 @@ def main(argv=None):
     check_new_output(args.out, args.overwrite, inputs=(args.model,))
     if args.push_to_hub:
         check_push(args.push_to_hub)
-    print(f"wrote {export(args.model, args.out, args.adapter, args.ftype, args.base_precision)}")
+    print(f"wrote {export(args.model, args.out, args.adapter, args.ftype, args.base_precision, args.tokenizer)}")
     if args.push_to_hub:
         card = model_card(base_model_id(args.model), "quantized", options={"file": os.path.basename(args.out),
                                                                              "type": args.ftype},

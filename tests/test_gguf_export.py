@@ -143,3 +143,22 @@ def test_adapter_card_of_a_gguf_base(folder, tmp_path):
     save_adapter(model, str(tmp_path / "adapter2"), base_model=folder)
     with open(tmp_path / "adapter2" / "README.md") as f:
         assert "AutoPeftModelForCausalLM.from_pretrained" in f.read()
+
+
+def test_tokenizer_option_of_export_and_merge(folder, tmp_path, monkeypatch):
+    """--tokenizer FOLDER: the export and the merged folder carry that folder's tokenizer and template."""
+    import sys
+
+    from tests.helpers import ROOT
+    monkeypatch.setattr(sys, "path", [os.path.join(ROOT, "scripts"), *sys.path])
+    import export_gguf
+    import merge
+    base = _export(folder, tmp_path / "base.gguf")
+    other = _copy_folder(folder, str(tmp_path / "other"), lambda c: {**c, "chat_template": "{{ 'other' }}"})
+    export_gguf.main(["--model", base, "--tokenizer", other, "--out", str(tmp_path / "out.gguf"), "--ftype", "f32"])
+    assert load_tokenizer(str(tmp_path / "out.gguf")).chat_template == "{{ 'other' }}"
+    model, _ = load_model(base, lora=LoRAConfig(r=2))
+    save_adapter(model, str(tmp_path / "adapter"), base_model=base)
+    merge.main(["--model", base, "--adapter", str(tmp_path / "adapter"), "--tokenizer", other,
+                "--out", str(tmp_path / "merged")])
+    assert load_tokenizer(str(tmp_path / "merged")).chat_template == "{{ 'other' }}"
