@@ -612,39 +612,95 @@ def _pre_tokenizer_name(tok: _HFTokenizer, add_prefix_space: bool) -> str:
                      "splits llama.cpp knows by name; llama.cpp could not tokenize as this model was trained")
 
 
-def _write_tokenizer(w, tokenizer: Tokenizer, vocab_size: int):
-    """Byte-level BPE as `tokenizer.ggml.*` metadata. Ids the tokenizer does not use, up to the
-    embedding's row count, become unused "[PAD{i}]" tokens, as convert_hf_to_gguf writes them.
-    A normalizer (Qwen2's NFC) is not stored: llama.cpp has none for byte-level BPE."""
+def _steps(part) -> list:
+    """The steps of a tokenizer.json normalizer / pre-tokenizer / decoder (one, a Sequence, or none)."""
+    if not part:
+        return []
+    return part.get("normalizers") or part.get("pretokenizers") or part.get("decoders") or [part]
+
+
+def _sentencepiece_layout(spec) -> bool | None:
+    """For a tokenizer.json of a SentencePiece BPE model as transformers converts it (byte fallback,
+    spaces as "▁"): whether it prepends "▁" to the text (add_space_prefix). None for any other kind."""
+    model = spec["model"]
+    norms, pres = _steps(spec.get("normalizer")), _steps(spec.get("pre_tokenizer"))
+    meta = [p for p in pres if p["type"] == "Metaspace"]
+    replaces = any(n["type"] == "Replace" and n["pattern"].get("String") == " " and n["content"] == "▁"
+                   for n in norms)
+    if model["type"] != "BPE" or not model.get("byte_fallback") or not (replaces or meta):
+        return None
+    return (any(n["type"] == "Prepend" and n["prepend"] == "▁" for n in norms)
+            or any(p.get("prepend_scheme", "always") != "never" for p in meta))
+
+
+def gguf_vocab(tokenizer: Tokenizer, vocab_size: int | None = None) -> dict:
+    """What `tokenizer.ggml.*` holds for `tokenizer`: byte-level BPE as "gpt2" (Llama 3, Qwen, SmolLM2),
+    SentencePiece BPE as "llama" (Llama 2, TinyLlama, Gemma), with scores that make llama.cpp merge
+    as the tokenizer does. Ids past the tokenizer's, up to the embedding's `vocab_size` rows, become
+    unused "[PAD{i}]" tokens, as convert_hf_to_gguf writes them. Raises ValueError, in one line, for a
+    tokenizer llama.cpp cannot reproduce. A normalizer (Qwen2's NFC) is not stored: llama.cpp has none
+    for byte-level BPE."""
     spec = json.loads(tokenizer.tok.to_str())
-    if spec["model"]["type"] != "BPE" or (spec.get("decoder") or {}).get("type") != "ByteLevel":
-        raise ValueError(f"GGUF export writes byte-level BPE tokenizers (Llama 3, Qwen2, SmolLM2); this one is "
-                         f"{spec['model']['type']} with decoder {(spec.get('decoder') or {}).get('type')}")
+    model = spec["model"]
+    vocab_size = vocab_size or tokenizer.vocab_size
     if tokenizer.vocab_size > vocab_size:
         raise ValueError(f"the tokenizer has {tokenizer.vocab_size} tokens but the model only {vocab_size} rows")
-    special = {a["id"]: a["special"] for a in spec["added_tokens"]}
-    tokens, types = [], []
-    for i in range(vocab_size):
-        text = tokenizer.id_to_token(i)
-        tokens.append(f"[PAD{i}]" if text is None else text)
-        types.append(gguf.TokenType.UNUSED if text is None else gguf.TokenType.CONTROL if special.get(i)
-                     else gguf.TokenType.USER_DEFINED if i in special else gguf.TokenType.NORMAL)
-    prefix_space = _byte_level_prefix_space(spec)
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre(_pre_tokenizer_name(tokenizer.tok, prefix_space))
-    w.add_token_list(tokens)
-    w.add_token_types(types)
-    w.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in spec["model"]["merges"]])
-    unk = spec["model"].get("unk_token")
+    merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in model.get("merges", [])]
+    added = {a["id"]: a["special"] for a in spec["added_tokens"]}
+    unk = model.get("unk_token")
+    unk_id = None if unk is None else tokenizer.token_to_id(unk)
+    tokens = [tokenizer.id_to_token(i) for i in range(vocab_size)]
+    T = gguf.TokenType
+    types = [T.UNUSED if t is None else T.UNKNOWN if i == unk_id else T.CONTROL if added.get(i)
+             else T.USER_DEFINED if i in added else T.NORMAL for i, t in enumerate(tokens)]
+    tokens = [f"[PAD{i}]" if t is None else t for i, t in enumerate(tokens)]
+    decoder = (spec.get("decoder") or {}).get("type")
+    space = _sentencepiece_layout(spec)
+    if model["type"] == "BPE" and decoder == "ByteLevel":
+        prefix_space = _byte_level_prefix_space(spec)
+        return {"model": "gpt2", "pre": _pre_tokenizer_name(tokenizer.tok, prefix_space), "tokens": tokens,
+                "types": types, "merges": [" ".join(m) for m in merges], "unk": unk_id,
+                "add_space_prefix": prefix_space}
+    if space is None:
+        raise ValueError(f"GGUF export writes byte-level BPE (Llama 3, Qwen, SmolLM2) and SentencePiece BPE with "
+                         f"byte fallback (Llama 2, Gemma); this tokenizer is {model['type']} with decoder {decoder}, "
+                         "which llama.cpp cannot reproduce")
+    # SentencePiece: llama.cpp joins the adjacent pair whose joined token scores highest. A token's
+    # score is minus the rank of the first merge that makes it; bytes, control and user tokens score 0.
+    first = {}
+    for rank, (left, right) in enumerate(merges):
+        first.setdefault(left + right, rank)
+    scores = [-float(first[t]) if t in first else -float(len(merges) + i) if k == T.NORMAL else 0.0
+              for i, (t, k) in enumerate(zip(tokens, types))]
+    for i, t in enumerate(tokens):
+        if len(t) == 6 and t.startswith("<0x") and t.endswith(">"):
+            types[i] = T.BYTE
+    if sentencepiece_merges(tokens, scores) != merges:
+        raise ValueError("this SentencePiece tokenizer's merges are not the ones its vocabulary implies (every "
+                         "split of a token, ranked by the token): llama.cpp would split text differently")
+    return {"model": "llama", "pre": "default", "tokens": tokens, "types": types, "scores": scores,
+            "unk": unk_id, "add_space_prefix": space}
+
+
+def _write_tokenizer(w, tokenizer: Tokenizer, vocab_size: int):
+    """`tokenizer` as `tokenizer.ggml.*` metadata (`gguf_vocab`), with its special ids and chat template."""
+    vocab = gguf_vocab(tokenizer, vocab_size)
+    w.add_tokenizer_model(vocab["model"])
+    w.add_tokenizer_pre(vocab["pre"])
+    w.add_token_list(vocab["tokens"])
+    if "scores" in vocab:
+        w.add_token_scores(vocab["scores"])
+    w.add_token_types(vocab["types"])
+    if "merges" in vocab:
+        w.add_token_merges(vocab["merges"])
     for add, i in ((w.add_bos_token_id, tokenizer.bos_id), (w.add_eos_token_id, tokenizer.eos_id),
-                   (w.add_pad_token_id, tokenizer.pad_id),
-                   (w.add_unk_token_id, None if unk is None else tokenizer.token_to_id(unk))):
+                   (w.add_pad_token_id, tokenizer.pad_id), (w.add_unk_token_id, vocab["unk"])):
         if i is not None:
             add(i)
     # Always written: llama.cpp guesses when they are absent, and its guess adds BOS for some vocabularies.
     w.add_add_bos_token(tokenizer.add_bos)
     w.add_add_eos_token(tokenizer.add_eos)
-    w.add_add_space_prefix(prefix_space)
+    w.add_add_space_prefix(vocab["add_space_prefix"])
     if tokenizer.chat_template:
         w.add_chat_template(tokenizer.chat_template)
 

@@ -9,7 +9,8 @@
 is written as W + (alpha / r) · B @ A, in fp32 and then converted to --ftype: f16 and bf16
 round each weight once; q8_0 stores blocks of 32 int8 weights with one fp16 scale (8.5 bits
 a weight, llama.cpp's near-lossless type). Norms and biases stay f32, as llama.cpp keeps
-them. The tokenizer (byte-level BPE) and chat template of --model are written with it, and a
+them. The tokenizer (byte-level BPE, or SentencePiece for Llama 2 / Gemma) and chat template of
+--model (or --tokenizer) are written with it, and a
 .gguf --model's general.* metadata (name, license, ...). An adapter trained with --quantize
 nf4 is merged into the same dequantized NF4 weights it was trained on, unless
 --base-precision full. Supported: Llama, Qwen2/3 and Gemma 1/2/3 architectures (see model/gguf.py).
@@ -26,7 +27,7 @@ from cli import HelpFormatter, add_push_to_hub, add_tokenizer, run_tool  # noqa:
 from model import load_tokenizer  # noqa: E402
 from model.adapters import BASE_PRECISION_HELP, BASE_PRECISIONS, load_with_adapter  # noqa: E402
 from model.files import check_new_output  # noqa: E402
-from model.gguf import FILE_TYPES, save_gguf  # noqa: E402
+from model.gguf import FILE_TYPES, gguf_vocab, save_gguf  # noqa: E402
 from model.hub import base_model_id, check_push, model_card, push  # noqa: E402
 
 
@@ -34,6 +35,7 @@ def export(model_path, out, adapter=None, ftype="f16", base_precision="as-traine
     """Load `model_path` in fp32 (plus `adapter`), and write it merged to `out` as GGUF, with the tokenizer
     of `tokenizer` (default: `model_path`'s). Returns `out`."""
     tok = load_tokenizer(tokenizer or model_path)
+    gguf_vocab(tok)  # a tokenizer llama.cpp cannot reproduce is refused before the model loads
     model, _ = load_with_adapter(model_path, adapter, base_precision)  # fp32: the merge is summed in full precision
     return save_gguf(model, tok, out, ftype=ftype)
 

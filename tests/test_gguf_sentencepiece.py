@@ -100,3 +100,68 @@ def test_merges_follow_scores_not_ids():
     """The merge rank is the joined token's score (ties by id), whatever order the ids are in."""
     merges = sentencepiece_merges(["a", "b", "c", "ab", "bc", "abc"], [0.0, 0.0, 0.0, -5.0, -1.0, -3.0])
     assert merges == [("b", "c"), ("a", "bc"), ("ab", "c"), ("a", "b")]
+
+
+# ----------------------------------------------------------------------------- export
+
+
+def spm_folder(folder, add_space_prefix, family="gemma"):
+    """A Hugging Face folder: a tiny `family` model whose tokenizer is the SentencePiece one above."""
+    import os
+
+    import torch
+    import transformers as tf
+    pieces, scores, types = sentencepiece_model()
+    os.makedirs(folder)
+    hf_tokenizer(pieces, types, add_space_prefix).save(os.path.join(folder, "tokenizer.json"))
+    with open(os.path.join(folder, "tokenizer_config.json"), "w") as f:
+        json.dump({"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>", "add_bos_token": True}, f)
+    cls = {"gemma": tf.GemmaConfig, "llama": tf.LlamaConfig}[family]
+    torch.manual_seed(0)
+    cfg = cls(vocab_size=len(pieces), hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+              num_attention_heads=2, num_key_value_heads=1, head_dim=16, bos_token_id=1, eos_token_id=2)
+    tf.AutoModelForCausalLM.from_config(cfg).save_pretrained(folder)
+    return str(folder), (pieces, scores, types)
+
+
+@pytest.mark.parametrize("family, add_space_prefix", [("gemma", False), ("llama", True)])
+def test_sentencepiece_export_round_trip(tmp_path, family, add_space_prefix):
+    """A SentencePiece tokenizer is exported as llama.cpp's converter writes its SentencePiece model
+    (tokenizer.ggml.model "llama", the same tokens and types, scores that rank merges the same), and
+    the file's tokenizer gives the folder's ids."""
+    from model import load_model
+    from model.gguf import save_gguf
+    folder, (pieces, scores, types) = spm_folder(tmp_path / "hf", add_space_prefix, family)
+    tok = load_tokenizer(folder)
+    path = save_gguf(load_model(folder)[0], tok, str(tmp_path / "m.gguf"), ftype="f32")
+    fields = {k: f.contents() for k, f in gguf.GGUFReader(path).fields.items()}
+    assert fields["tokenizer.ggml.model"] == "llama" and "tokenizer.ggml.merges" not in fields
+    assert fields["tokenizer.ggml.tokens"] == pieces and fields["tokenizer.ggml.token_type"] == types
+    assert sentencepiece_merges(pieces, fields["tokenizer.ggml.scores"]) == sentencepiece_merges(pieces, scores)
+    assert fields["tokenizer.ggml.add_space_prefix"] is add_space_prefix
+    assert (fields["tokenizer.ggml.unknown_token_id"], fields["tokenizer.ggml.add_bos_token"]) == (0, True)
+    back = load_tokenizer(path)
+    for text in TEXTS:
+        assert back.encode(text, add_special_tokens=True) == tok.encode(text, add_special_tokens=True), text
+
+
+def test_tokenizers_llama_cpp_cannot_reproduce_are_refused(tmp_path):
+    """A WordPiece tokenizer, and a SentencePiece-style BPE whose merges are not the ones its vocabulary
+    implies, are refused in one line by the export script, before the model is loaded or a file written."""
+    import os
+
+    from tests.helpers import run_script
+    folder, (pieces, _, types) = spm_folder(tmp_path / "hf", True)
+    path = os.path.join(folder, "tokenizer.json")
+    with open(path) as f:
+        spec = json.load(f)
+    spec["model"]["merges"] = spec["model"]["merges"][::-1]
+    with open(path, "w") as f:
+        json.dump(spec, f)
+    r = run_script("export_gguf.py", "--model", folder, "--out", tmp_path / "m.gguf")
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "llama.cpp would split text differently" in r.stderr
+    wp = Tokenizer(models.WordPiece({p: i for i, p in enumerate(pieces)}, unk_token="<unk>"))
+    wp.save(path)
+    r = run_script("export_gguf.py", "--model", folder, "--out", tmp_path / "m.gguf")
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "WordPiece" in r.stderr, r.stderr
+    assert not os.path.exists(tmp_path / "m.gguf")
