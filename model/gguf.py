@@ -452,10 +452,16 @@ def _sentencepiece_tokenizer(reader) -> _HFTokenizer:
     spaces as "▁", one prepended to each run of text when add_space_prefix (llama.cpp prepends it
     after every special token too), and bytes <0xNN> for characters outside the vocabulary."""
     tokens = _meta(reader, "tokenizer.ggml.tokens")
+    types = _meta(reader, "tokenizer.ggml.token_type", [gguf.TokenType.NORMAL] * len(tokens))
+    # SentencePiece keeps a user-defined piece of spaces ("▁▁") in its "▁" form and finds it in the
+    # normalized text, as transformers' conversion does; llama.cpp's converter writes it with spaces.
+    tokens = [t.replace(" ", "▁") if k == gguf.TokenType.USER_DEFINED else t for t, k in zip(tokens, types)]
     scores = _meta(reader, "tokenizer.ggml.scores", None)
     if scores is None:
         raise CheckpointError("this GGUF's SentencePiece vocabulary has no tokenizer.ggml.scores, which decide how "
                               "text is split; convert the model again with llama.cpp's convert_hf_to_gguf.py")
+    # SentencePiece and llama.cpp match user-defined pieces whole, before merging: their merges come first.
+    scores = [math.inf if k == gguf.TokenType.USER_DEFINED else s for s, k in zip(scores, types)]
     unk = _meta(reader, "tokenizer.ggml.unknown_token_id", None)
     tok = _HFTokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)},
                                   merges=sentencepiece_merges(tokens, scores), byte_fallback=True,
@@ -499,8 +505,8 @@ def load_gguf_tokenizer(path) -> Tokenizer:
     # user-defined ones (<think>) are matched whole and kept, as llama.cpp does.
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t, k in zip(tokens, types)
                             if k == gguf.TokenType.CONTROL or (kind == "llama" and k == gguf.TokenType.UNKNOWN)])
-    tok.add_tokens([AddedToken(t, special=False, normalized=False)
-                    for t, k in zip(tokens, types) if k == gguf.TokenType.USER_DEFINED])
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t, k in zip(tokens, types)
+                    if k == gguf.TokenType.USER_DEFINED and not (kind == "llama" and " " in t)])
     return Tokenizer(tok=tok, bos_id=_meta(reader, "tokenizer.ggml.bos_token_id", None),
                      eos_id=_meta(reader, "tokenizer.ggml.eos_token_id", None),
                      pad_id=_meta(reader, "tokenizer.ggml.padding_token_id", None),

@@ -19,16 +19,15 @@ TEXTS = [
     "In 2024, 1234567 people paid $3.50 at 12:45pm.",
     "naïve café, Ünïcödé, 日本語のテキスト, Ελληνικά 🤗🚀 👩‍💻",
     "<s>system</s> text<start_of_turn>user\nhi<end_of_turn>\n<|user|>x",
-    "", " ", "▁ already a meta space", "</s></s>",
+    "", " ", "▁ already a meta space", "</s></s>", "a  b   c    d",
 ]
 SPECIALS = ["<start_of_turn>", "<end_of_turn>"]  # control tokens of the chat format
-USER_DEFINED = ["<|user|>"]
+USER_DEFINED = ["<|user|>", "▁▁"]  # the second one, as Gemma's runs of spaces
 
 
 def sentencepiece_model(vocab_size=360):
-    """(pieces, scores, types) laid out as a SentencePiece BPE model is: <unk>, <s>, </s>, the 256 byte
-    pieces, merged pieces by merge order (score -rank), then single characters, then the chat
-    tokens. The merges come from training a BPE on our corpus with words kept apart, as SentencePiece does."""
+    """(pieces, scores, types) laid out as a SentencePiece BPE model is: <unk>, <s>, </s>, the chat
+    tokens, the 256 byte pieces, merged pieces by merge order (score -rank), then single characters. The merges come from training a BPE on our corpus with words kept apart, as SentencePiece does."""
     tok = Tokenizer(models.BPE())
     tok.normalizer = normalizers.Replace(" ", "▁")
     tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="always", split=True)
@@ -39,10 +38,11 @@ def sentencepiece_model(vocab_size=360):
     chars = [t for t in spec["vocab"] if len(t) == 1]
     T = gguf.TokenType
     pieces = [("<unk>", 0.0, T.UNKNOWN), ("<s>", 0.0, T.CONTROL), ("</s>", 0.0, T.CONTROL)]
+    # User-defined pieces score -1000, as in Gemma's file: below many merged pieces, matched whole all the same.
+    pieces += [(t, 0.0, T.CONTROL) for t in SPECIALS] + [(t, -1000.0, T.USER_DEFINED) for t in USER_DEFINED]
     pieces += [(f"<0x{b:02X}>", 0.0, T.BYTE) for b in range(256)]
-    pieces += [(t, -float(k), T.NORMAL) for k, t in enumerate(merged)]
+    pieces += [(t, -float(k), T.NORMAL) for k, t in enumerate(m for m in merged if m not in USER_DEFINED)]
     pieces += [(t, -float(len(merged) + k), T.NORMAL) for k, t in enumerate(c for c in chars if c not in merged)]
-    pieces += [(t, 0.0, T.CONTROL) for t in SPECIALS] + [(t, 0.0, T.USER_DEFINED) for t in USER_DEFINED]
     return [p for p, _, _ in pieces], [s for _, s, _ in pieces], [k for _, _, k in pieces]
 
 
@@ -60,17 +60,19 @@ def hf_tokenizer(pieces, types, add_space_prefix):
     T = gguf.TokenType
     tok.add_special_tokens([AddedToken(p, special=True, normalized=False) for p, k in zip(pieces, types)
                             if k in (T.CONTROL, T.UNKNOWN)])
+    # A user-defined piece of "▁"s stays a vocabulary token, formed by merges, as transformers converts it.
     tok.add_tokens([AddedToken(p, special=False, normalized=False) for p, k in zip(pieces, types)
-                    if k == T.USER_DEFINED])
+                    if k == T.USER_DEFINED and "▁" not in p])
     return tok
 
 
 def write_gguf(path, pieces, scores, types, add_space_prefix):
-    """The tokenizer metadata convert_hf_to_gguf writes for a SentencePiece model (_set_vocab_sentencepiece)."""
+    """The tokenizer metadata convert_hf_to_gguf writes for a SentencePiece model (_set_vocab_sentencepiece;
+    user-defined pieces with spaces for "▁", so that llama.cpp finds them in raw text)."""
     w = gguf.GGUFWriter(path, "llama")
     w.add_tokenizer_model("llama")
     w.add_tokenizer_pre("default")
-    w.add_token_list(pieces)
+    w.add_token_list([p.replace("▁", " ") if k == gguf.TokenType.USER_DEFINED else p for p, k in zip(pieces, types)])
     w.add_token_scores(scores)
     w.add_token_types(types)
     w.add_bos_token_id(1), w.add_eos_token_id(2), w.add_unk_token_id(0)
@@ -136,8 +138,12 @@ def test_sentencepiece_export_round_trip(tmp_path, family, add_space_prefix):
     path = save_gguf(load_model(folder)[0], tok, str(tmp_path / "m.gguf"), ftype="f32")
     fields = {k: f.contents() for k, f in gguf.GGUFReader(path).fields.items()}
     assert fields["tokenizer.ggml.model"] == "llama" and "tokenizer.ggml.merges" not in fields
+    # A user-defined piece of "▁"s is an ordinary token of the Hugging Face vocabulary, and is written as one.
+    types = [gguf.TokenType.NORMAL if k == gguf.TokenType.USER_DEFINED and "▁" in p else k
+             for p, k in zip(pieces, types)]
     assert fields["tokenizer.ggml.tokens"] == pieces and fields["tokenizer.ggml.token_type"] == types
-    assert sentencepiece_merges(pieces, fields["tokenizer.ggml.scores"]) == sentencepiece_merges(pieces, scores)
+    hf_merges = [tuple(m) for m in json.loads(tok.tok.to_str())["model"]["merges"]]
+    assert sentencepiece_merges(pieces, fields["tokenizer.ggml.scores"]) == hf_merges  # the scores rank them
     assert fields["tokenizer.ggml.add_space_prefix"] is add_space_prefix
     assert (fields["tokenizer.ggml.unknown_token_id"], fields["tokenizer.ggml.add_bos_token"]) == (0, True)
     back = load_tokenizer(path)
