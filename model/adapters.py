@@ -9,7 +9,8 @@
 The adapter folder is what `peft.PeftModel.save_pretrained` writes for a LoRA adapter on
 a causal LM, so `PeftModel.from_pretrained(hf_model, folder)` loads it (and, since its
 base_model_name_or_path is a hub repo id or an absolute path,
-`AutoPeftModelForCausalLM.from_pretrained(folder)` finds the base by itself), and an
+`AutoPeftModelForCausalLM.from_pretrained(folder)` finds the base by itself; PEFT cannot load a
+.gguf base, and the card of an adapter on one says what can), and an
 adapter PEFT trained loads here. Tensor keys are the nanotune parameter names under PEFT's
 prefix, e.g.
 

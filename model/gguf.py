@@ -35,7 +35,9 @@ said in one "note:" line. Export refuses a model whose numbers llama.cpp would c
 The tokenizer is stored as metadata too: `tokenizer.ggml.tokens` / `merges` / `token_type`, the
 special-token ids, the chat template, and `tokenizer.ggml.pre`, a name for the regex that splits
 text before BPE. Byte-level BPE ("gpt2": Llama 3, Qwen2, SmolLM2, ...) is rebuilt with the
-`tokenizers` library, with the splits of every `tokenizer.ggml.pre` name llama.cpp gives them.
+`tokenizers` library, with the splits of every `tokenizer.ggml.pre` name llama.cpp gives them;
+SentencePiece ("llama": Llama 2, TinyLlama, Gemma) from `tokens` / `scores` / `token_type`, as
+transformers converts a SentencePiece model (`_sentencepiece_tokenizer`).
 """
 import json
 import math
