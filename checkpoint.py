@@ -40,8 +40,9 @@ TRAJECTORY = ("batch_size", "grad_accum", "max_steps", "lr", "min_lr_ratio", "wa
 # The options an adapter's model card lists: those that decide what was trained, and how.
 CARD_OPTIONS = ("max_steps", "batch_size", "grad_accum", "max_len", "packing", "train_on_inputs", "lr",
                 "warmup_steps", "lora_dropout", "rslora", "dtype", "seed")
-# What a failed write raises: OSError (open, write), SafetensorError (the tensors, the adapter).
-WRITE_ERRORS = (OSError, SafetensorError)
+# What a failed write raises: OSError (open, write), SafetensorError (the tensors), ValueError (the adapter's
+# folder: model.files.write_error's one line for a full or read-only disk).
+WRITE_ERRORS = (OSError, SafetensorError, ValueError)
 
 
 def fingerprint(encoded):

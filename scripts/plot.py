@@ -6,6 +6,11 @@
 import argparse
 import json
 import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root, for `model`
+
+from model.files import atomic_path  # noqa: E402
 
 
 def main():
@@ -31,7 +36,8 @@ def main():
     ax.grid(alpha=0.3)
     ax.legend()
     out = args.png or os.path.join(os.path.dirname(path), "loss.png")
-    fig.savefig(out, dpi=120, bbox_inches="tight")
+    with atomic_path(out) as tmp:  # whole or not at all, never through a link planted at `out`
+        fig.savefig(tmp, dpi=120, bbox_inches="tight", format=os.path.splitext(out)[1][1:] or "png")
     print(f"wrote {out}")
 
 

@@ -173,7 +173,9 @@ def test_save_or_merge_without_what_it_needs(llama_adapter, tmp_path):
     save_tiny("gemma2", str(tmp_path / "g2"))
     gemma2, _ = load_model(str(tmp_path / "g2"))
     del gemma2.hf_config  # as if it came from a file without a config.json
-    with pytest.raises(ValueError, match="cannot write a config.json for Gemma2ForCausalLM"):
+    gemma2.config.rope_local_theta = 5.0  # a number no Gemma 2 config.json can hold
+    with pytest.raises(ValueError, match="cannot write this Gemma2ForCausalLM config as config.json: it would "
+                                         "read back with {'rope_local_theta': None}"):
         merge_and_save(gemma2, None, str(tmp_path / "m"))
     assert not (tmp_path / "m").exists()
 

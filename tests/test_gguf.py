@@ -424,5 +424,8 @@ def test_unsupported_is_refused(tmp_path, tiny_lora):
     save_tiny("gemma2", str(tmp_path / "g2"))
     gemma2, _ = load_model(str(tmp_path / "g2"))
     folder, _ = tiny_lora("tinyllama")
-    with pytest.raises(ValueError, match="cannot write Gemma2ForCausalLM as GGUF"):
+    # query_pre_attn_scalar 20 with head_dim 24: llama.cpp's gemma2 scales by head_dim^-1/2.
+    with pytest.raises(ValueError, match=r"GGUF architecture 'gemma2': llama.cpp's gemma2 computes with other "
+                                         r"values of \{'attn_scale'"):
         save_gguf(gemma2, load_tokenizer(folder), str(tmp_path / "g2.gguf"))
+    assert not os.path.exists(tmp_path / "g2.gguf")
