@@ -549,7 +549,7 @@ class Run:
                     f"(--log-every {a.steps}); metrics.jsonl has steps {[r['step'] for r in records]}"}
         r = records[0]
         return {**res, "status": "ok", "tokens_per_s": r["tokens_per_s"], "loss_final": r["loss"],
-                "peak_mem_bytes": r["peak_mem_gib"] * 2**30 or None}
+                "peak_mem_bytes": r.get("peak_mem_gib", 0) * 2**30 or None}  # no GPU: none
 
     def probe(self):
         """Longest sequence (batch 1, checkpointing on) that trains without OOM, per implementation."""
