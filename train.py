@@ -122,7 +122,8 @@ def main(cfg) -> int:
             log(f"base weights quantized to NF4 ({nf4_bytes(model) / 2**30:.2f} GiB)")
         if warning := memory_warning(cfg, mcfg, dtype, use_kernels, device, checkpointing):  # CUDA only
             log(warning)
-        samples = Samples(cfg, tokenizer, mcfg, eval_rows, log) if cfg.sample_every and eval_rows and rank == 0 else None
+        samples = (Samples(cfg, tokenizer, mcfg, eval_rows, log)  # answers to prompts: SFT rows only
+                   if cfg.sample_every and not objective and rank == 0 else None)
 
         # ----------------------------------------------------------------------------- optimizer and scaler
         optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.999),
