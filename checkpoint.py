@@ -22,7 +22,7 @@ import numpy as np
 import torch
 from safetensors import SafetensorError
 
-from config import UserError
+from config import UserError, config_field
 from distributed import gather
 from model.adapters import ADAPTER_CONFIG, save_adapter
 from model.files import remove_tree
@@ -36,9 +36,10 @@ IDENTITY = ("model", "quantize", "lora_r", "lora_alpha", "lora_targets", "rslora
 # Options that, with the tokenized data and the process count, decide the rest of the trajectory: a resume
 # under other values does not reproduce the uninterrupted run, so it needs --resume-anyway.
 TRAJECTORY = ("batch_size", "grad_accum", "max_steps", "lr", "min_lr_ratio", "warmup_steps", "weight_decay",
-              "grad_clip", "seed", "packing", "max_len", "train_on_inputs", "lora_dropout")
+              "grad_clip", "seed", "packing", "max_len", "train_on_inputs", "lora_dropout", "method", "beta",
+              "label_smoothing", "simpo_gamma", "orpo_lambda")
 # The options an adapter's model card lists: those that decide what was trained, and how.
-CARD_OPTIONS = ("max_steps", "batch_size", "grad_accum", "max_len", "packing", "train_on_inputs", "lr",
+CARD_OPTIONS = ("method", "max_steps", "batch_size", "grad_accum", "max_len", "packing", "train_on_inputs", "lr",
                 "warmup_steps", "lora_dropout", "rslora", "dtype", "seed")
 # What a failed write raises: OSError (open, write), SafetensorError (the tensors), ValueError (the adapter's
 # folder: model.files.write_error's one line for a full or read-only disk).
@@ -195,6 +196,7 @@ class Checkpoints:
             raise UserError(f"--resume {ck['path']}: the checkpoint was written by {ck['world_size']} process(es), this "
                             f"run has {self.world}. Resume with the same number (torchrun --nproc_per_node="
                             f"{ck['world_size']}): each process continues its own share of the data")
+        old = {**{k: config_field(k).default for k in TRAJECTORY}, **old}  # an option newer than the checkpoint
         changed = [f"{k} {old[k]!r} -> {getattr(self.cfg, k)!r}" for k in TRAJECTORY if old[k] != getattr(self.cfg, k)]
         if ck["data_hash"] != self.data_hash:
             changed.append("the tokenized training data (--data, --eval-fraction, the tokenizer or --max-len)")

@@ -25,6 +25,7 @@ from cli import HelpFormatter, auto_device
 from model import LoRAConfig, check_quantize
 from model.hub import check_push
 from model.lora import ALL_TARGETS
+from preference import METHODS, Objective
 
 
 USAGE = """nanotune: LoRA / QLoRA fine-tuning of Llama, Qwen and Gemma.
@@ -89,6 +90,17 @@ class TrainConfig:
     weight_decay: float = field(default=0.0, metadata={"help": "AdamW weight decay on the LoRA weights"})
     grad_clip: float = field(default=1.0, metadata={"help": "clip the global grad norm to this (0: off)"})
     seed: int = field(default=1337, metadata={"help": "seed for LoRA init, data order and dropout"})
+    # --- the objective (preference.py, docs/preference.md) ---
+    method: str = field(default="sft", metadata={"help": "sft: supervised fine-tuning on answers; dpo, ipo, simpo, "
+                        "orpo: preference tuning on prompt/chosen/rejected pairs (docs/preference.md)",
+                        "choices": ("sft",) + METHODS})
+    beta: float | None = field(default=None, metadata={"help": "dpo, ipo, simpo: the beta of the loss (how far the "
+                               "policy may move; default 0.1 for dpo and ipo, 2.0 for simpo)"})
+    label_smoothing: float = field(default=0.0, metadata={"help": "dpo, simpo: the share of pairs assumed to be "
+                                   "mislabeled (conservative DPO), from 0 to below 0.5"})
+    simpo_gamma: float = field(default=0.5, metadata={"help": "simpo: the target reward margin gamma"})
+    orpo_lambda: float = field(default=0.1, metadata={"help": "orpo: the weight of the odds-ratio term beside the "
+                               "NLL of the chosen answer (TRL's beta)"})
     # --- precision and memory ---
     dtype: str = field(default="auto", metadata={"help": "auto: bf16 where the GPU has it, else fp16 on GPU; fp32 on CPU and mps",
                                                  "choices": ("auto", "bf16", "fp16", "fp32")})
@@ -171,13 +183,21 @@ class TrainConfig:
             (not (self.resume and self.overwrite), "--overwrite replaces the run that --resume continues: pass one"),
             (self.max_steps is None or self.num_epochs is None, f"--max-steps {self.max_steps} and --num-epochs "
              f"{self.num_epochs} both set the run's length: pass one"),
+            (self.beta is None or self.beta > 0, f"--beta must be > 0, got {self.beta}"),
+            (0 <= self.label_smoothing < 0.5, f"--label-smoothing must be at least 0 and below 0.5 (the share of "
+                                              f"pairs assumed mislabeled), got {self.label_smoothing}"),
+            (self.orpo_lambda >= 0, f"--orpo-lambda must be >= 0, got {self.orpo_lambda}"),
+            (self.method == "sft" or not self.train_on_inputs, f"--train-on-inputs trains prompts, and --method "
+             f"{self.method} compares the answers of a pair after the same prompt: drop --train-on-inputs"),
+            (self.method == "sft" or self.cuda_graphs != "on", f"--cuda-graphs on: preference steps (--method "
+             f"{self.method}) run eagerly; use --cuda-graphs auto or off"),
             (self.sample_every >= -1, f"--sample-every must be a number of steps, -1 (only before training and at "
                                       f"the end) or 0 (never), got {self.sample_every}"),
         ]
         for holds, error in checks:
             if not holds:
                 raise UserError(error)
-        for name in ("quantize", "dtype", "cuda_graphs"):
+        for name in ("quantize", "dtype", "cuda_graphs", "method"):
             value = getattr(self, name)
             if value is not None and value not in choices_of(name):
                 optional = " (or left out)" if value_kinds(name)[1] else ""
@@ -215,6 +235,13 @@ class TrainConfig:
         names = ("data", "eval_data", "eval_fraction", "max_examples", "columns", "chat_template", "system_prompt",
                  "train_on_inputs", "max_len", "seed", "num_proc")
         return {n: getattr(self, n) for n in names}
+
+    def objective(self):
+        """The preference loss of --method (a preference.Objective), or None for sft (train.py's loss_fn)."""
+        if self.method == "sft":
+            return None
+        return Objective(self.method, beta=self.beta, label_smoothing=self.label_smoothing, gamma=self.simpo_gamma,
+                         lam=self.orpo_lambda)
 
     def lora(self) -> LoRAConfig:
         return LoRAConfig(r=self.lora_r, alpha=self.lora_alpha, dropout=self.lora_dropout,
@@ -262,8 +289,9 @@ OPTION_GROUPS = {
     "data": ("data", "eval_data", "eval_fraction", "max_examples", "columns", "chat_template", "system_prompt",
              "max_len", "packing", "train_on_inputs", "num_proc"),
     "LoRA": ("lora_r", "lora_alpha", "lora_dropout", "lora_targets", "rslora"),
-    "training": ("max_steps", "num_epochs", "batch_size", "grad_accum", "lr", "min_lr_ratio", "warmup_steps",
-                 "weight_decay", "grad_clip", "seed", "device"),
+    "training": ("method", "max_steps", "num_epochs", "batch_size", "grad_accum", "lr", "min_lr_ratio",
+                 "warmup_steps", "weight_decay", "grad_clip", "seed", "device", "beta", "label_smoothing",
+                 "simpo_gamma", "orpo_lambda"),
     "precision and memory": ("dtype", "gradient_checkpointing", "offload_activations", "loss_scale",
                              "scale_growth_interval", "max_skipped_steps"),
     "run folder": ("out_dir", "save_every", "keep_checkpoints", "resume", "resume_anyway", "overwrite",

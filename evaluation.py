@@ -42,8 +42,12 @@ def evaluate(model, eval_sets, device):
 def log_eval(step, result, run, log):
     if result is None:  # no eval set
         return
-    log(f"eval step {step}: loss {result['eval_loss']:.4f}, answer accuracy {result['eval_accuracy']:.1%}, "
-        f"token accuracy {result['eval_token_accuracy']:.1%}")
+    if "eval_rewards/margins" in result:  # preference pairs (preference.py)
+        log(f"eval step {step}: loss {result['eval_loss']:.4f}, reward accuracy "
+            f"{result['eval_rewards/accuracies']:.1%}, reward margin {result['eval_rewards/margins']:.4f}")
+    else:
+        log(f"eval step {step}: loss {result['eval_loss']:.4f}, answer accuracy {result['eval_accuracy']:.1%}, "
+            f"token accuracy {result['eval_token_accuracy']:.1%}")
     run.log({"step": step, **result})
 
 

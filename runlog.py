@@ -310,6 +310,8 @@ class Progress:
 def log_step(run, progress, rec, max_steps, fp16):
     """The step's progress (a line, or the bar's postfix on a terminal) and its record in metrics.jsonl."""
     scale = f" | scale {rec['loss_scale']:g}" if fp16 else ""
+    if "rewards/margins" in rec:  # a preference step (preference.py)
+        scale += f" | margin {rec['rewards/margins']:.3f} | reward acc {rec['rewards/accuracies']:.0%}"
     mem = f"peak mem {rec['peak_mem_gib']:.2f} GiB" if "peak_mem_gib" in rec else f"RSS {rec['peak_rss_gib']:.2f} GiB"
     progress.show(rec, f"step {rec['step']}/{max_steps} | loss {rec['loss']:.4f} | lr {rec['lr']:.2e} | grad norm "
                        f"{rec['grad_norm']:.3f} | {human_rate(rec['tokens_per_s'])}{scale} | {mem}"

@@ -13,7 +13,12 @@ runlog.py (the run folder's log and the console), lifecycle.py (signals, failure
 Loss normalization: the loss of an optimizer step is Σ token losses over all its micro-batches (and all
 ranks) / Σ target tokens over all of them. The count is taken before the micro-steps and passed into the
 loss, so a micro-batch weighs by its tokens, whatever the padding or packing.
+
+--method dpo, ipo, simpo or orpo trains on preference pairs instead (docs/preference.md): the same loop,
+with the pairs' batches (data/preference.py) and their loss (preference.py) in place of loss_fn; the count
+is then the step's pairs, and the step's loss the mean over them.
 """
+import copy
 import dataclasses
 import math
 import random
@@ -36,6 +41,7 @@ from model import load_model, load_tokenizer, read_config, resolve
 from model.hub import push
 from model.lora import lora_parameters
 from precision import LossScaler, nonfinite_step
+from preference import num_pairs
 from runlog import Progress, RunLog, log_step, peak_memory
 from step import EagerStep, GraphStep, WarmStart, graphs_off_reason, shortest_bucket
 
@@ -63,16 +69,23 @@ def main(cfg) -> int:
         path = resolve(cfg.model)  # a hub model is downloaded once, here
         tokenizer, mcfg = load_tokenizer(path), read_config(path)
         check_model_fit(cfg, mcfg, tokenizer)
+        objective = cfg.objective()  # --method dpo, ipo, simpo, orpo: a preference loss; sft: None (loss_fn)
+        step_loss, count = (objective, num_pairs) if objective else (loss_fn, data.num_targets)
         try:
-            train_enc, eval_enc, eval_rows = data.load_datasets(tokenizer, **cfg.data_options(), log=log,
-                                                                with_rows=True)
+            if objective:  # pairs, each two examples in a row: chosen, rejected
+                (train_enc, eval_enc), eval_rows = data.load_pairs(tokenizer, **cfg.data_options(), log=log), []
+            else:
+                train_enc, eval_enc, eval_rows = data.load_datasets(tokenizer, **cfg.data_options(), log=log,
+                                                                    with_rows=True)
         except (ValueError, FileNotFoundError) as e:
             raise UserError(str(e)) from e
         pad_id = tokenizer.pad_id if tokenizer.pad_id is not None else tokenizer.eos_id
-        batches = data.Batches(train_enc, batch_size=cfg.batch_size, max_len=cfg.max_len, pad_id=pad_id,
-                               packing=cfg.packing, seed=cfg.seed, rank=rank, world_size=world)
-        eval_sets = data.eval_batches(eval_enc, batch_size=cfg.batch_size, max_len=cfg.max_len, pad_id=pad_id,
-                                      packing=cfg.packing)[:cfg.eval_batches]
+        batches = (data.PairBatches if objective else data.Batches)(
+            train_enc, batch_size=cfg.batch_size, max_len=cfg.max_len, pad_id=pad_id, packing=cfg.packing,
+            seed=cfg.seed, rank=rank, world_size=world)
+        eval_sets = (data.pair_eval_batches if objective else data.eval_batches)(
+            eval_enc, batch_size=cfg.batch_size, max_len=cfg.max_len, pad_id=pad_id,
+            packing=cfg.packing)[:cfg.eval_batches]
         max_steps, lines = run_length(cfg, len(batches))  # --max-steps, or --num-epochs over these batches
         for line in lines:
             log(line)
@@ -81,13 +94,15 @@ def main(cfg) -> int:
         ck = ckpts.find(fingerprint(train_enc), fingerprint(eval_enc or []))  # verified before the slow work
 
         # ----------------------------------------------------------------------------- model
-        graphs_off = graphs_off_reason(cfg.cuda_graphs, device, world)
+        graphs_off = graphs_off_reason(cfg.cuda_graphs, device, world) or (
+            f"--method {cfg.method} steps run eagerly" if objective else None)
         shortest = shortest_bucket(max_steps * cfg.grad_accum)  # how short batches are padded for the graphs
         # The first step's one-time costs, paid while the model loads. Not where --gradient-checkpointing asks
         # for less memory: the warm-up's copy of the model would raise the process's peak during the loading.
         warm = None if cfg.gradient_checkpointing else WarmStart.start(
             mcfg, batches.peek(), device, dtype, lora=cfg.lora(), quantize=cfg.quantize, use_kernels=use_kernels,
-            max_len=None if graphs_off else cfg.max_len, shortest=shortest, log=log, loss_fn=loss_fn)
+            max_len=None if graphs_off else cfg.max_len, shortest=shortest, log=log,
+            loss_fn=copy.copy(step_loss))  # a copy: the warm-up's preference metrics are not the run's
         torch.manual_seed(cfg.seed + rank)  # dropout, different on each rank (the LoRA init has its own generator)
         random.seed(cfg.seed + rank)
         model, mcfg = load_model(path, dtype=dtype, device=device, lora=cfg.lora(), quantize=cfg.quantize,
@@ -107,7 +122,8 @@ def main(cfg) -> int:
             log(f"base weights quantized to NF4 ({nf4_bytes(model) / 2**30:.2f} GiB)")
         if warning := memory_warning(cfg, mcfg, dtype, use_kernels, device, checkpointing):  # CUDA only
             log(warning)
-        samples = Samples(cfg, tokenizer, mcfg, eval_rows, log) if cfg.sample_every and rank == 0 else None
+        samples = (Samples(cfg, tokenizer, mcfg, eval_rows, log)  # answers to prompts: SFT rows only
+                   if cfg.sample_every and not objective and rank == 0 else None)
 
         # ----------------------------------------------------------------------------- optimizer and scaler
         optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.999),
@@ -131,8 +147,9 @@ def main(cfg) -> int:
         progress = Progress(step, max_steps, log, bar=rank == 0 and sys.stdout.isatty())
         warmed = warm is not None and warm.join()  # in the timed window: what the loading did not hide
         log("CUDA graphs on" if graphs_off is None else f"CUDA graphs off: {graphs_off}")
-        train_step = (EagerStep(forward, device, loss_fn) if graphs_off else
-                      GraphStep(forward, device, params, cfg.max_len, log, warmed, shortest, loss_fn))
+        train_step = (EagerStep(forward, device, step_loss) if graphs_off else
+                      GraphStep(forward, device, params, cfg.max_len, log, warmed, shortest, step_loss))
+        score = objective.evaluate if objective else evaluate
         tokens, start = 0, None
         signals.step, signals.stage = step, "training"  # a signal now stops the run after its step
         try:
@@ -148,13 +165,13 @@ def main(cfg) -> int:
                 if cfg.save_every and step % cfg.save_every == 0 and step > ckpts.saved_step:
                     ckpts.save(step, model, optimizer, scaler, batches)
                 if cfg.eval_every and step % cfg.eval_every == 0 and eval_sets:
-                    log_eval(step, evaluate(model, eval_sets, device), run, log)
+                    log_eval(step, score(model, eval_sets, device), run, log)
                 if samples and samples.due(step):
                     samples.log(step, model, run, log)
                 progress.resume()
 
                 micro = [next(batches) for _ in range(cfg.grad_accum)]
-                num_targets = sum_over_ranks(sum(data.num_targets(b) for b in micro), world, device)
+                num_targets = sum_over_ranks(sum(count(b) for b in micro), world, device)  # tokens, or pairs
                 if num_targets == 0:  # the same on every rank
                     log(f"warning: step {step + 1} has no target tokens (every label masked); skipping it")
                     step += 1
@@ -173,6 +190,7 @@ def main(cfg) -> int:
                 applied = scaler.step(optimizer, loss_sum, grad_norm)  # skipped if NaN/inf
                 train_step.zero_grad(optimizer)
                 loss, norm = loss_sum.item(), grad_norm.item()
+                pref = objective.take(num_targets, lambda t: sum_over_ranks(t, world, device)) if objective else {}
                 if not applied:  # fp16 backs the loss scale off; bf16 and fp32 stop here
                     log(nonfinite_step(scaler, optimizer, loss, norm, step + 1, cfg.max_skipped_steps,
                                        ckpts.next_steps))
@@ -183,7 +201,8 @@ def main(cfg) -> int:
                     log_step(run, progress, {
                         "step": step, "loss": loss, "lr": lr, "grad_norm": norm,
                         "tokens_per_s": progress.tokens_per_s(tokens), **peak_memory(device),
-                        "loss_scale": scaler.scale, "target_tokens": num_targets, "skipped": not applied},
+                        "loss_scale": scaler.scale, "pairs" if objective else "target_tokens": num_targets,
+                        "skipped": not applied, **pref},
                         max_steps, scaler.enabled)
                     tokens = 0
 
@@ -196,7 +215,7 @@ def main(cfg) -> int:
                 log(f"interrupted after step {step}: saved {ckpts.last}. To continue, run the same command with "
                     "--resume auto")
                 return signals.exit_status()
-            final = evaluate(model, eval_sets, device) if eval_sets else None
+            final = score(model, eval_sets, device) if eval_sets else None
             log_eval(step, final, run, log)
             if samples:
                 samples.log(step, model, run, log, final=True)

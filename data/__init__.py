@@ -1,6 +1,7 @@
 """Data: read datasets, tokenize them with a loss mask, and batch them (packed or padded).
 
     load_datasets(tokenizer, data=..., ...) -> (train, eval)   read, split, tokenize (cached, parallel), check
+    load_pairs(tokenizer, data=..., ...) -> (train, eval)      the same for preference pairs (--method dpo, ...)
     load_examples(spec) -> [dict]                    the rows of a file, a folder, a hub dataset or "builtin"
     encode_example(ex, tokenizer) -> (ids, mask)     mask[i]: token i is a training target
     Batches(encoded, ...)                            endless, shuffled, resumable, sharded micro-batches
@@ -15,6 +16,7 @@ module of its own:
     data/cache.py      the tokenized-data cache and the tokenizing pool
     data/batches.py    the batch layout, packing and padding, `Batches`, `eval_batches`, `answer_accuracy`
     data/builtin.py    the embedded dataset ("builtin")
+    data/preference.py preference pairs: their formats, fitting them to max_len, `PairBatches`
 The names that the rest of nanotune uses are importable from `data` itself (`data.Batches`).
 """
 import math
@@ -26,13 +28,18 @@ from data.builtin import _TASKS, _builtin_examples, builtin_dataset
 from data.cache import CHUNK, _cpu_count, _encode_cached, default_cache_dir
 from data.formats import (SlowTemplate, _layout, alpaca_messages, encode_example, held_out_prompt, template_roles,
                           use_chat_template)
+from data.preference import FIELDS as PAIR_FIELDS
+from data.preference import KNOWN_FORMATS as PAIR_FORMATS
+from data.preference import PairBatches, encode_pairs, pair_eval_batches
+from data.preference import sides as pair_sides
 from data.sources import _is_builtin, _records, load_examples, parse_columns
 
 # What other code reads as data.<name>: the API, and the helpers that tests and benchmarks reach into.
 __all__ = ["CHUNK", "EVAL_FEW", "IGNORE_INDEX", "PAD_PIECE", "Batches", "_TASKS", "_builtin_examples", "_records",
            "_row", "_split", "_stack", "alpaca_messages", "answer_accuracy", "builtin_dataset", "default_cache_dir",
-           "encode_example", "eval_batches", "held_out_prompt", "load_datasets", "load_examples", "num_targets",
-           "pack", "pad_batch", "template_roles", "use_chat_template"]
+           "encode_example", "eval_batches", "held_out_prompt", "load_datasets", "load_examples", "load_pairs",
+           "num_targets", "pack", "pad_batch", "PairBatches", "pair_eval_batches", "template_roles",
+           "use_chat_template"]
 
 
 EVAL_FEW = 20  # an eval set smaller than this is warned about: one example moves its accuracy by over 5%
@@ -105,6 +112,31 @@ def load_datasets(tokenizer, *, data="builtin", eval_data=None, eval_fraction=0.
         split = eval_data is None and not _is_builtin(data)
         held_out, eval_records = _eval_fits(held_out, eval_records, max_len, split, log)
     return (fits, held_out, [row for _, row in eval_records]) if with_rows else (fits, held_out)
+
+
+def load_pairs(tokenizer, *, data, eval_data=None, eval_fraction=0.02, max_examples=None, columns=None,
+               chat_template=None, system_prompt=None, max_len=2048, seed=1337, log=print, **_):
+    """(train, eval): the encoded pairs, each a flat list [chosen 0, rejected 0, chosen 1, ...] of (ids, mask),
+    for `PairBatches`. The eval set is `eval_data`, else `eval_fraction` of the rows (as data.load_datasets
+    holds them out). Options as data.load_datasets takes them (train_on_inputs and num_proc do not apply)."""
+    if _is_builtin(data):
+        raise ValueError("preference tuning (--method) trains on pairs of answers, and the builtin dataset has "
+                         f"none; pass --data FILE with {PAIR_FORMATS}")
+    mapping = parse_columns(columns, PAIR_FIELDS)
+    tokenizer = use_chat_template(tokenizer, chat_template)
+    records = _records(data, mapping, max_examples, check=pair_sides)
+    eval_records = _records(eval_data, mapping, None, check=pair_sides) if eval_data is not None else None
+    if eval_records is None:
+        train_rows, eval_rows = _split(len(records), eval_fraction, seed)
+        records, eval_records = [records[i] for i in train_rows], [records[i] for i in eval_rows]
+        if not eval_rows:
+            log(_no_eval_split(len(records), eval_fraction))
+    train = encode_pairs(records, tokenizer, system_prompt, max_len, "", log)
+    held_out = encode_pairs(eval_records, tokenizer, system_prompt, max_len, "eval ", log) if eval_records else []
+    if not train:
+        raise ValueError(f"no training pair is left (see the lines above): every pair has an empty side or prompts "
+                         f"longer than --max-len {max_len} allows; raise --max-len or check the data")
+    return train, held_out
 
 
 def _eval_fits(held_out, records, max_len, split, log):

@@ -121,18 +121,27 @@ class Batches:
     def __init__(self, encoded, *, batch_size, max_len, pad_id, packing=True, seed=0, rank=0, world_size=1):
         self.batch_size, self.pad_id, self.packing, self.seed = batch_size, pad_id, packing, seed
         self.rank, self.world_size = rank, world_size
-        if packing:
-            self.rows, self.truncated = pack(encoded, max_len, pad_id=pad_id)
-            n_rows = len(self.rows["input_ids"])
-        else:
-            self.examples, self.truncated = truncate(encoded, max_len)
-            n_rows = len(self.examples)
+        n_rows = self._lay_out(encoded, max_len)
         if n_rows < world_size:
             raise ValueError(f"the dataset makes {n_rows} rows, fewer than world_size={world_size}, so some "
                              "ranks would get nothing; use more examples or fewer processes")
         self.n_rows, self.rows_per_rank = n_rows, n_rows // world_size
         self.epoch, self.index = 0, 0  # the next batch is batch `index` of epoch `epoch`
         self._cached_order = (None, None)  # (epoch, this rank's rows in that epoch's order)
+
+    def _lay_out(self, encoded, max_len):
+        """Make the rows that the batches are drawn from (packed rows, or the examples); returns their count."""
+        if self.packing:
+            self.rows, self.truncated = pack(encoded, max_len, pad_id=self.pad_id)
+            return len(self.rows["input_ids"])
+        self.examples, self.truncated = truncate(encoded, max_len)
+        return len(self.examples)
+
+    def _batch(self, rows):
+        """The micro-batch of rows `rows` (indices into the rows that `_lay_out` made)."""
+        if self.packing:
+            return {k: v[rows] for k, v in self.rows.items()}  # (B, max_len) each
+        return pad_batch([self.examples[i] for i in rows], pad_id=self.pad_id)
 
     def __len__(self):
         """Batches per epoch (the same on every rank)."""
@@ -155,9 +164,7 @@ class Batches:
             self.epoch, self.index = self.epoch + 1, 0
         rows = self._order(self.epoch)[self.index * self.batch_size:(self.index + 1) * self.batch_size]
         self.index += 1
-        if self.packing:
-            return {k: v[rows] for k, v in self.rows.items()}  # (B, max_len) each
-        return pad_batch([self.examples[i] for i in rows], pad_id=self.pad_id)
+        return self._batch(rows)
 
     def peek(self):
         """The next batch, without moving past it."""

@@ -42,15 +42,16 @@ def load_examples(spec, *, columns=None, max_examples=None):
     return [row for _, row in _records(spec, parse_columns(columns), max_examples)]
 
 
-def _records(spec, mapping, limit):
-    """[(where, row)]: `where` names the row in messages ('data.jsonl: line 3', 'user/repo:train: row 7')."""
+def _records(spec, mapping, limit, check=_format):
+    """[(where, row)]: `where` names the row in messages ('data.jsonl: line 3', 'user/repo:train: row 7').
+    check(row, where) raises a ValueError for a row in no known format (SFT's by default)."""
     records = _read_spec(spec, limit)[:limit]
     if not records:
         raise ValueError(f"{spec} holds no examples")
     if mapping:
         records = [(where, _map_columns(row, mapping, where)) for where, row in records]
     for where, row in records:
-        _format(row, where)
+        check(row, where)
     return records
 
 
@@ -363,17 +364,17 @@ def _read_parquet(path, name):
 _READERS = {".jsonl": _read_jsonl, ".json": _read_json, ".csv": _read_csv, ".txt": _read_txt, ".parquet": _read_parquet}
 
 
-def parse_columns(spec):
+def parse_columns(spec, fields=FIELDS):
     """{field: column} from "field=column,..." (e.g. "instruction=question,output=answer", "messages=dialog"):
-    the dataset's column `column` is read as nanotune's field `field`. None or "" maps nothing."""
+    the dataset's column `column` is read as nanotune's field `field`, one of `fields`. None or "" maps nothing."""
     mapping = {}
     for pair in (spec or "").split(",") if spec else []:
         field, eq, column = (s.strip() for s in pair.partition("="))
         if not (eq and field and column):
             raise ValueError(f"--columns: {pair!r} is not field=column; write e.g. "
                              "--columns instruction=question,output=answer")
-        if field not in FIELDS:
-            raise ValueError(f"--columns: unknown field {field!r}; the fields are {', '.join(FIELDS)}")
+        if field not in fields:
+            raise ValueError(f"--columns: unknown field {field!r}; the fields are {', '.join(fields)}")
         if field in mapping:
             raise ValueError(f"--columns: the field {field!r} is given twice")
         mapping[field] = column

@@ -82,6 +82,7 @@ backward, where autocast no longer applies, is the classic "expected BFloat16 bu
 Float" failure; tests/test_lora.py reproduces it. Every tensor entering and leaving the
 Functions has its dtype asserted.
 """
+import contextlib
 import itertools
 import math
 from dataclasses import dataclass
@@ -175,6 +176,22 @@ class LoRALinear(nn.Module):
     def extra_repr(self):
         quant = ", nf4" if self.nf4 is not None else ""
         return f"in={self.in_features}, out={self.out_features}, r={self.r}, scale={self.scale:g}{quant}"
+
+
+@contextlib.contextmanager
+def adapters_disabled(model):
+    """Inside the block, `model` computes with its base weights alone, as PEFT's `disable_adapter()` does: every
+    adapter's rank reads 0, so the projections (plain and fused) skip their adapters and draw no dropout. The
+    weights stay where they are (no copy); the ranks are put back on leaving. The reference model of DPO and IPO
+    (preference.py) is the model inside this block, under torch.no_grad()."""
+    adapted = [(m, m.r) for m in model.modules() if isinstance(m, LoRALinear) and m.r]
+    for m, _ in adapted:
+        m.r = 0
+    try:
+        yield model
+    finally:
+        for m, r in adapted:
+            m.r = r
 
 
 def make_linear(in_features, out_features, bias, name, lora: LoRAConfig | None):

@@ -1,0 +1,309 @@
+"""Preference tuning (preference.py, data/preference.py, --method): each loss against a float64 reference with
+its gradients, packed == padded, a batch without completion tokens, the reference model (adapters off), TRL's
+DPOTrainer, CPOTrainer (SimPO) and ORPOTrainer on the same model and adapter weights, the data formats and what
+is dropped, and an end-to-end run whose resume is exact."""
+import json
+import shutil
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import data
+import preference
+import train
+from data.preference import pack_pairs, pad_pairs, with_sequences
+from model import LoRAConfig, load_model
+from model.lora import adapters_disabled, lora_parameters
+from tests.helpers import randomize_lora_b, read_metrics, rel_err, untimed
+
+OPTIONS = {"dpo": {"beta": 0.1, "label_smoothing": 0.1}, "ipo": {"beta": 0.1}, "simpo": {"beta": 2.0, "gamma": 0.5,
+           "label_smoothing": 0.1}, "orpo": {"lam": 0.1}}
+
+
+def reference_losses(method, logps, lengths, ref, beta=0.1, label_smoothing=0.0, gamma=0.5, lam=0.1):
+    """The pair losses written out from the papers, in float64, one pair at a time."""
+    out = []
+    for p in range(len(logps) // 2):
+        c, r, nc, nr = logps[2 * p], logps[2 * p + 1], lengths[2 * p], lengths[2 * p + 1]
+        if method == "dpo":
+            h = beta * ((c - ref[2 * p]) - (r - ref[2 * p + 1]))
+            out.append(-(1 - label_smoothing) * torch.log(torch.sigmoid(h))
+                       - label_smoothing * torch.log(torch.sigmoid(-h)))
+        elif method == "ipo":
+            out.append(((c - ref[2 * p]) / nc - (r - ref[2 * p + 1]) / nr - 1 / (2 * beta)) ** 2)
+        elif method == "simpo":
+            h = beta * (c / nc - r / nr) - gamma
+            out.append(-(1 - label_smoothing) * torch.log(torch.sigmoid(h))
+                       - label_smoothing * torch.log(torch.sigmoid(-h)))
+        else:
+            pc, pr = torch.exp(c / nc), torch.exp(r / nr)
+            out.append(-c / nc - lam * torch.log(torch.sigmoid(torch.log(pc / (1 - pc)) - torch.log(pr / (1 - pr)))))
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("method", preference.METHODS)
+def test_losses_match_a_float64_reference(method):
+    """pair_losses in fp32 equals the papers' formulas in float64, and so do the gradients of the log-probs."""
+    g = torch.Generator().manual_seed(0)
+    lengths = torch.randint(1, 40, (16,), generator=g).double()
+    logps64 = (-lengths * torch.rand(16, generator=g, dtype=torch.float64) * 2).requires_grad_()
+    ref64 = logps64.detach() + torch.randn(16, generator=g, dtype=torch.float64)
+    expected = reference_losses(method, logps64, lengths, ref64, **OPTIONS[method])
+    expected.sum().backward()
+    logps = logps64.detach().float().requires_grad_()
+    losses, _, _ = preference.pair_losses(method, logps, lengths.float(), ref64.float(), **OPTIONS[method])
+    losses.sum().backward()
+    assert rel_err(losses, expected) < 1e-5
+    assert rel_err(logps.grad, logps64.grad) < 1e-5
+
+
+@pytest.fixture(scope="module")
+def policy(run_model):
+    """The tiny run model with random adapters (B != 0, so the policy differs from the reference)."""
+    model, _ = load_model(run_model, lora=LoRAConfig(r=4, alpha=8.0))
+    randomize_lora_b(model, std=0.2)
+    return model
+
+
+def sides(n, seed=0, prompt=5, vocab=300):
+    """n random pairs, flat: each side a prompt shared by the pair and a completion of its own length."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        p = torch.randint(3, vocab, (prompt,), generator=g).tolist()
+        for _ in range(2):
+            c = torch.randint(3, vocab, (int(torch.randint(2, 9, (1,), generator=g)),), generator=g).tolist()
+            out.append((p + c, [False] * prompt + [True] * len(c)))
+    return out
+
+
+def loss_and_grads(model, method, batch):
+    model.zero_grad()
+    objective = preference.Objective(method, **OPTIONS[method])
+    loss = objective(model, batch, torch.tensor(float(preference.num_pairs(batch))))
+    loss.backward()
+    return loss.detach(), [p.grad.clone() for _, p in lora_parameters(model)], objective.take(1)
+
+
+@pytest.mark.parametrize("method", preference.METHODS)
+def test_packed_equals_padded(policy, method):
+    """Pairs packed into rows (per-document positions) give the loss, the gradients and the metrics of the same
+    pairs padded one side per row."""
+    encoded = sides(5)
+    rows, pairs = pack_pairs(encoded, 48, pad_id=0)
+    assert len(pairs) > 1 and int(pairs.max()) > 1  # several rows, several pairs in a row
+    packed = with_sequences(rows, 2 * pairs)
+    loss_p, grads_p, metrics_p = loss_and_grads(policy, method, packed)
+    loss_q, grads_q, metrics_q = loss_and_grads(policy, method, pad_pairs(encoded, pad_id=0))
+    assert rel_err(loss_p, loss_q) < 1e-5
+    for a, b in zip(grads_p, grads_q):
+        assert rel_err(a, b) < 1e-4
+    assert metrics_p.keys() == set(preference.METRICS)
+    for k in metrics_p:
+        assert metrics_p[k] == pytest.approx(metrics_q[k], rel=1e-4, abs=1e-5)
+
+
+@pytest.mark.parametrize("method", preference.METHODS)
+def test_no_completion_token_gives_zero_loss_and_gradients(policy, method):
+    """A batch whose sides have no target: loss 0 and gradients 0, finite (no 0/0, no log 0)."""
+    encoded = [(ids, [False] * len(ids)) for ids, _ in sides(2)]
+    batch = pad_pairs(encoded, pad_id=0)
+    assert preference.num_pairs(batch) == 0
+    loss, grads, _ = loss_and_grads(policy, method, batch)
+    assert loss.item() == 0.0
+    assert all(torch.isfinite(g).all() and not g.any() for g in grads)
+
+
+def test_adapters_disabled_is_the_base_model(run_model, policy):
+    """Inside adapters_disabled the model computes as the base without adapters; after it, as before."""
+    base, _ = load_model(run_model)
+    ids = torch.randint(0, 300, (2, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        adapted = policy(ids)
+        with adapters_disabled(policy):
+            off = policy(ids)
+        assert torch.equal(policy(ids), adapted)
+        assert rel_err(off, base(ids)) < 1e-6
+        assert rel_err(adapted, base(ids)) > 1e-3  # the adapters do change the output
+
+
+# ----------------------------------------------------------------------------- TRL as the oracle
+
+@pytest.fixture(scope="module")
+def trl_setup(run_model, policy, tmp_path_factory):
+    """(TRL's DPO collator batch of two pairs, the PEFT model with the policy's adapter weights, our batch of the
+    same tokens, padded)."""
+    pytest.importorskip("trl")
+    import transformers as tf
+    from datasets import Dataset
+    from peft import LoraConfig
+    from trl import DPOConfig, DPOTrainer
+    hf = tf.AutoModelForCausalLM.from_pretrained(run_model, attn_implementation="eager", dtype=torch.float32)
+    rows = [{"prompt": "Q: 12+30=", "chosen": " 42", "rejected": " 41, I think"},
+            {"prompt": "Name a color:", "chosen": " blue", "rejected": " the number seven"}]
+    args = DPOConfig(output_dir=str(tmp_path_factory.mktemp("trl")), report_to=[], per_device_train_batch_size=2,
+                     use_cpu=True, bf16=False)
+    trainer = DPOTrainer(model=hf, args=args, train_dataset=Dataset.from_list(rows),
+                         processing_class=tf.AutoTokenizer.from_pretrained(run_model),
+                         peft_config=LoraConfig(r=4, lora_alpha=8.0, target_modules="all-linear", lora_dropout=0.0))
+    peft = trainer.model
+    assert "ref" not in peft.peft_config  # the reference is the base with the adapter off, as ours
+    params = dict(peft.named_parameters())
+    with torch.no_grad():
+        for n, p in lora_parameters(policy):
+            params[f"base_model.model.{n}.default.weight"].copy_(p)
+    batch = trainer.data_collator([trainer.train_dataset[i] for i in range(2)])
+    n = len(batch["input_ids"]) // 2  # TRL's rows: the chosen sides, then the rejected ones
+    encoded = []
+    for p in range(n):
+        for row in (p, p + n):
+            length = int(batch["attention_mask"][row].sum())
+            encoded.append((batch["input_ids"][row, :length].tolist(),
+                            batch["completion_mask"][row, :length].bool().tolist()))
+    return trainer, batch, peft, pad_pairs(encoded, pad_id=0)
+
+
+def ours(policy, method, batch, **options):
+    objective = preference.Objective(method, **options)
+    with torch.no_grad():
+        losses, _ = objective.losses(policy, batch)
+        loss = objective(policy, batch, torch.tensor(float(preference.num_pairs(batch))))
+    return loss, losses, objective.take(preference.num_pairs(batch))
+
+
+@pytest.mark.parametrize("loss_type", ["sigmoid", "ipo"])
+def test_dpo_and_ipo_match_trl(trl_setup, policy, loss_type):
+    """On the same batch and weights, the loss and the metrics equal TRL DPOTrainer's (beta 0.1)."""
+    trainer, batch, peft, our_batch = trl_setup
+    trainer.loss_types, trainer._metrics["train"] = [loss_type], type(trainer._metrics["train"])(list)
+    with torch.no_grad():
+        expected = trainer._compute_loss(peft, batch, False)
+    loss, _, metrics = ours(policy, "dpo" if loss_type == "sigmoid" else "ipo", our_batch, beta=0.1)
+    assert loss.item() == pytest.approx(expected.item(), rel=1e-4)
+    assert abs(metrics["rewards/margins"]) > 1e-3  # the adapters make the policy differ from the reference
+    for k in preference.METRICS:
+        assert metrics[k] == pytest.approx(trainer._metrics["train"][k][-1], rel=1e-4, abs=1e-6), k
+
+
+def trl_logps(peft, our_batch, trl_batch):
+    """(chosen, rejected) per-token mean log-probs of the completions, by TRL's get_batch_logps over the PEFT
+    model's logits (labels: the completion tokens only)."""
+    from trl.experimental.cpo import CPOTrainer
+    labels = trl_batch["input_ids"].masked_fill(trl_batch["completion_mask"] == 0, -100)
+    with torch.no_grad():
+        logits = peft(input_ids=trl_batch["input_ids"], attention_mask=trl_batch["attention_mask"]).logits
+    logps = CPOTrainer.get_batch_logps(logits, labels, average_log_prob=True)
+    return logps.chunk(2)
+
+
+def test_simpo_matches_trl_cpo(trl_setup, policy):
+    """SimPO equals trl.experimental.cpo.CPOTrainer(loss_type="simpo", cpo_alpha=0): loss and rewards."""
+    from trl.experimental.cpo import CPOTrainer
+    _, batch, peft, our_batch = trl_setup
+    chosen, rejected = trl_logps(peft, our_batch, batch)
+    fake = SimpleNamespace(alpha=0.0, loss_type="simpo", beta=2.0, simpo_gamma=0.5, label_smoothing=0.0,
+                           accelerator=SimpleNamespace(device=torch.device("cpu")))
+    losses, chosen_rewards, rejected_rewards = CPOTrainer.cpo_loss(fake, chosen, rejected)
+    loss, _, metrics = ours(policy, "simpo", our_batch, beta=2.0, gamma=0.5)
+    assert loss.item() == pytest.approx(losses.mean().item(), rel=1e-4)
+    assert metrics["rewards/chosen"] == pytest.approx(chosen_rewards.mean().item(), rel=1e-4)
+    assert metrics["rewards/margins"] == pytest.approx((chosen_rewards - rejected_rewards).mean().item(), rel=1e-4)
+
+
+def test_orpo_terms_match_trl(trl_setup, policy):
+    """ORPO's odds-ratio term equals trl.experimental.orpo.ORPOTrainer's (its beta is our lambda); the NLL term is
+    over the chosen completion (TRL's is over prompt + chosen), so it is compared with the completion's mean
+    log-prob from TRL's get_batch_logps."""
+    from trl.experimental.orpo import ORPOTrainer
+    _, batch, peft, our_batch = trl_setup
+    chosen, rejected = trl_logps(peft, our_batch, batch)
+    fake = SimpleNamespace(beta=0.1, accelerator=SimpleNamespace(device=torch.device("cpu")))
+    losses, chosen_rewards, rejected_rewards, _, _ = ORPOTrainer.odds_ratio_loss(fake, chosen, rejected)
+    _, with_odds, metrics = ours(policy, "orpo", our_batch, lam=0.1)
+    _, nll, _ = ours(policy, "orpo", our_batch, lam=0.0)
+    assert (with_odds - nll).tolist() == pytest.approx((-losses).tolist(), rel=1e-4)
+    assert nll.tolist() == pytest.approx((-chosen).tolist(), rel=1e-4)
+    assert metrics["rewards/chosen"] == pytest.approx(chosen_rewards.mean().item(), rel=1e-4)
+    assert metrics["rewards/rejected"] == pytest.approx(rejected_rewards.mean().item(), rel=1e-4)
+
+
+# ----------------------------------------------------------------------------- data
+
+
+def test_pair_formats(run_model):
+    """Text, chat and implicit-prompt rows become (prompt, completion) sides; the loss is on the completions."""
+    assert data.pair_sides({"prompt": "Q:", "chosen": " a", "rejected": " b"})[0] == {"prompt": "Q:",
+                                                                                    "completion": " a"}
+    assert data.pair_sides({"chosen": "Q: 1+1= 2", "rejected": "Q: 1+1= 3"}) == (
+        {"prompt": "Q: 1+1=", "completion": " 2"}, {"prompt": "Q: 1+1=", "completion": " 3"})
+    user = {"role": "user", "content": "hi"}
+    chosen, rejected = data.pair_sides({"chosen": [user, {"role": "assistant", "content": "hello"}],
+                                        "rejected": [user, {"role": "assistant", "content": "go away"}]})
+    assert chosen["prompt"] == [user] and rejected["completion"] == [{"role": "assistant", "content": "go away"}]
+
+
+def write_pairs(path, rows):
+    with open(path, "w") as f:
+        f.write("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+def test_malformed_row_is_named_and_drops_are_counted(run_model, tmp_path):
+    """A row in no pair format is named with its line; empty sides and over-long prompts are dropped and counted."""
+    from model import load_tokenizer
+    tok = load_tokenizer(run_model)
+    bad = write_pairs(tmp_path / "bad.jsonl", [{"prompt": "a", "chosen": "b", "rejected": "c"}, {"text": "x"}])
+    with pytest.raises(ValueError, match=r"bad.jsonl: line 2: expected a preference pair"):
+        data.load_pairs(tok, data=bad, log=lambda *a: None)
+    rows = [{"prompt": "Q:", "chosen": " yes", "rejected": " no"}] * 3 + [
+        {"prompt": "Q:", "chosen": " ", "rejected": " no"}, {"prompt": "long " * 40, "chosen": " a", "rejected": " b"}]
+    lines = []
+    train_enc, _ = data.load_pairs(tok, data=write_pairs(tmp_path / "p.jsonl", rows), max_len=64, log=lines.append)
+    assert len(train_enc) == 6
+    assert any("3 pairs of 5; dropped 1 with an empty side, 1 whose prompts leave no room" in s for s in lines), lines
+
+
+def test_a_long_pair_is_cut_to_fit():
+    """Both sides together fit max_len: the longer completion is cut first, the prompt kept."""
+    pair = [([1] * 4 + [5] * 20, [False] * 4 + [True] * 20), ([1] * 4 + [6] * 3, [False] * 4 + [True] * 3)]
+    (c, mc), (r, _) = data.preference.fit_pair(pair, 20)
+    assert len(c) + len(r) == 20 and r == pair[1][0] and c[:4] == [1] * 4 and mc.count(True) == 9
+    assert data.preference.fit_pair(pair, 9) is None
+
+
+# ----------------------------------------------------------------------------- end to end
+
+
+def test_dpo_run_writes_trl_metrics_and_resumes_exactly(run_model, tmp_path):
+    """train.py --method dpo trains, logs TRL's metric names (train and eval_), and a resume from its middle
+    checkpoint reproduces the uninterrupted run's records exactly."""
+    rows = [{"prompt": f"Q: {a}+{b}=", "chosen": f" {a + b}", "rejected": f" {a * b + 1} or so"}
+            for a in range(6) for b in range(4)]
+    pairs = write_pairs(tmp_path / "pairs.jsonl", rows)
+    held_out = write_pairs(tmp_path / "eval.jsonl", rows[:4])
+    out = tmp_path / "out"
+    argv = ["--model", run_model, "--data", pairs, "--eval-data", held_out, "--out-dir", str(out), "--device", "cpu", "--dtype", "fp32",
+            "--no-kernels", "--max-len", "64", "--batch-size", "2", "--max-steps", "4", "--warmup-steps", "1",
+            "--eval-every", "2", "--save-every", "2", "--keep-checkpoints", "0", "--eval-batches", "1",
+            "--lr", "3e-3", "--method", "dpo", "--lora-dropout", "0.1"]
+    assert train.cli(argv) == 0
+    full = read_metrics(out)
+    steps = [r for r in full if "loss" in r and "step" in r and "eval_loss" not in r]
+    evals = [r for r in full if "eval_loss" in r]
+    assert len(steps) == 4 and len(evals) == 3
+    assert all(k in steps[-1] for k in preference.METRICS) and steps[-1]["pairs"] > 0
+    assert all(f"eval_{k}" in evals[-1] for k in preference.METRICS)
+    assert steps[0]["loss"] == pytest.approx(0.6931, abs=1e-3)  # B = 0 at the start: the policy is the reference
+    shutil.rmtree(out / "adapter")
+    assert train.cli(argv + ["--resume", str(out / "checkpoints" / "step-0000002")]) == 0
+    assert untimed(read_metrics(out)) == untimed(full)
+
+
+def test_method_options_are_checked():
+    from config import UserError, parse_args
+    with pytest.raises(UserError, match="--train-on-inputs trains prompts"):
+        parse_args(["--method", "dpo", "--train-on-inputs"])
+    with pytest.raises(UserError, match="--beta must be > 0"):
+        parse_args(["--method", "dpo", "--beta", "0"])
+    assert parse_args(["--method", "simpo"]).objective().options["beta"] == 2.0
