@@ -28,8 +28,16 @@ from model.adapters import ADAPTER_CONFIG, save_adapter
 from model.files import remove_tree
 from model.lora import lora_parameters
 from runlog import nearest_existing
-from statefiles import CHECKPOINT_KEYS, LEGACY_STATE, STATE, Damaged, check_manifest, read_state, write_manifest, \
-    write_state
+from statefiles import (
+    CHECKPOINT_KEYS,
+    LEGACY_STATE,
+    STATE,
+    Damaged,
+    check_manifest,
+    read_state,
+    write_manifest,
+    write_state,
+)
 
 # Options that decide what the saved weights are: a checkpoint cannot continue under other values.
 IDENTITY = ("model", "quantize", "lora_r", "lora_alpha", "lora_targets", "rslora")
@@ -205,7 +213,10 @@ class Checkpoints:
                             "so it would not continue the same run. Use the checkpoint's options (its "
                             "train_config.json), or pass --resume-anyway to continue with the new ones")
         if changed:
-            self.warn(f"--resume-anyway: continuing {ck['path']} with {'; '.join(changed)}")
+            schedule = [k for k in ("lr", "max_steps", "warmup_steps", "min_lr_ratio") if old[k] != getattr(self.cfg, k)]
+            self.warn(f"--resume-anyway: continuing {ck['path']} with {'; '.join(changed)}" + (
+                f". The learning-rate schedule is the new one's from step {ck['step']} on: it does not restart its "
+                "warm-up, and the lr jumps to where the new schedule is at that step" if schedule else ""))
         if ck.get("eval_hash", self.eval_hash) != self.eval_hash:
             self.warn(f"--resume {ck['path']}: the eval data differs from the checkpoint's (--eval-data, "
                       "--eval-fraction or --max-len), so metrics.jsonl's eval_loss before and after this resume "

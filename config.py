@@ -27,7 +27,6 @@ from model.hub import check_push
 from model.lora import ALL_TARGETS
 from preference import METHODS, Objective
 
-
 USAGE = """nanotune: LoRA / QLoRA fine-tuning of Llama, Qwen and Gemma.
 
     python train.py --model tinyllama                     # the embedded dataset, defaults for the hardware
@@ -51,6 +50,8 @@ CPU_DEFAULTS = {"max_len": 256, "batch_size": 4, "max_steps": 60, "eval_batches"
 class TrainConfig:
     # --- model ---
     model: str = field(default="tinyllama", metadata={"help": "short name, hub repo id, local folder or .gguf file"})
+    tokenizer: str | None = field(default=None, metadata={"help": "the tokenizer to use: a model folder or .gguf "
+                                  "file (default: the --model's own)"})
     quantize: str | None = field(default=None, metadata={"help": "'nf4' for QLoRA (4-bit frozen base, needs bitsandbytes); "
                                                                  "left out: the base in --dtype", "choices": ("nf4",)})
     # --- LoRA ---
@@ -285,7 +286,7 @@ def option_help(f):
 
 # --help lists the options in these groups, in this order; every TrainConfig field is in one of them.
 OPTION_GROUPS = {
-    "model": ("model", "quantize"),
+    "model": ("model", "tokenizer", "quantize"),
     "data": ("data", "eval_data", "eval_fraction", "max_examples", "columns", "chat_template", "system_prompt",
              "max_len", "packing", "train_on_inputs", "num_proc"),
     "LoRA": ("lora_r", "lora_alpha", "lora_dropout", "lora_targets", "rslora"),
@@ -310,7 +311,10 @@ def build_parser(defaults=True):
                    "(docs/example-config.yaml; a run's train_config.json repeats that run); options on the command "
                    "line override it. "
                    f"{', '.join(map(flag, FOLDER_ACTIONS))} come from the command line only")
-    groups = {name: p.add_argument_group(title) for title, names in OPTION_GROUPS.items() for name in names}
+    groups = {}  # field name -> its --help group
+    for title, names in OPTION_GROUPS.items():
+        group = p.add_argument_group(title)
+        groups.update(dict.fromkeys(names, group))
     for f in dataclasses.fields(TrainConfig):
         kind, _ = value_kinds(f.name)
         choices = f.metadata.get("choices")

@@ -17,6 +17,7 @@ from checkpoint import Checkpoints, rewind
 from config import UserError
 from memory import memory_fixes
 
+
 class StopSignals:
     """SIGINT (Ctrl-C), SIGTERM (schedulers, `timeout`, container stops) and SIGHUP (the terminal or ssh
     connection went away), handled alike; SIGHUP stays ignored where the run started with it ignored (`nohup`).

@@ -30,6 +30,7 @@ from config import UserError
 from model.adapters import ADAPTER_CONFIG, check_replaceable
 from model.files import UnsafePath, atomic_file, check_writable_file, open_append, open_regular, remove_tree
 
+
 def nearest_existing(path):
     """`path`, or its closest ancestor that exists: where a folder not yet created will live."""
     path = os.path.abspath(path)

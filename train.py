@@ -31,8 +31,7 @@ from tqdm import tqdm
 
 import data
 from checkpoint import Checkpoints, fingerprint, position, same_model
-from config import (UserError, check_model_fit, choose_dtype, parse_args, pick_device, run_length,
-                    with_hardware_defaults)
+from config import UserError, check_model_fit, choose_dtype, parse_args, pick_device, run_length, with_hardware_defaults
 from distributed import any_rank, distributed, sum_over_ranks
 from evaluation import Samples, evaluate, log_eval
 from lifecycle import StopSignals, interrupted, save_after_failure
@@ -67,7 +66,7 @@ def main(cfg) -> int:
 
         # ----------------------------------------------------------------------------- data
         path = resolve(cfg.model)  # a hub model is downloaded once, here
-        tokenizer, mcfg = load_tokenizer(path), read_config(path)
+        tokenizer, mcfg = load_tokenizer(resolve(cfg.tokenizer) if cfg.tokenizer else path), read_config(path)
         check_model_fit(cfg, mcfg, tokenizer)
         objective = cfg.objective()  # --method dpo, ipo, simpo, orpo: a preference loss; sft: None (loss_fn)
         step_loss, count = (objective, num_pairs) if objective else (loss_fn, data.num_targets)

@@ -22,12 +22,29 @@ The names that the rest of nanotune uses are importable from `data` itself (`dat
 import math
 import random
 
-from data.batches import (IGNORE_INDEX, PAD_PIECE, Batches, _row, _stack, answer_accuracy, eval_batches, num_targets,
-                          pack, pad_batch)
+from data.batches import (
+    IGNORE_INDEX,
+    PAD_PIECE,
+    Batches,
+    _row,
+    _stack,
+    answer_accuracy,
+    eval_batches,
+    num_targets,
+    pack,
+    pad_batch,
+)
 from data.builtin import _TASKS, _builtin_examples, builtin_dataset
 from data.cache import CHUNK, _cpu_count, _encode_cached, default_cache_dir
-from data.formats import (SlowTemplate, _layout, alpaca_messages, encode_example, held_out_prompt, template_roles,
-                          use_chat_template)
+from data.formats import (
+    SlowTemplate,
+    _layout,
+    alpaca_messages,
+    encode_example,
+    held_out_prompt,
+    template_roles,
+    use_chat_template,
+)
 from data.preference import FIELDS as PAIR_FIELDS
 from data.preference import KNOWN_FORMATS as PAIR_FORMATS
 from data.preference import PairBatches, encode_pairs, pair_eval_batches

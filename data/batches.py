@@ -18,7 +18,6 @@ import math
 
 import torch
 
-
 IGNORE_INDEX = -100  # what torch.nn.functional.cross_entropy skips by default
 BATCH_KEYS = ("input_ids", "targets", "position_ids", "doc_ids")
 PAD_PIECE = 64  # the shortest document that a packed row's padding is split into (see `pack`)

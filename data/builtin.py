@@ -2,7 +2,6 @@
 import random
 from functools import lru_cache
 
-
 N_TRAIN, N_EVAL = 2000, 200
 
 

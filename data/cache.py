@@ -16,7 +16,6 @@ from tqdm import tqdm
 from data.formats import encode_example
 from model.files import atomic_file, open_read
 
-
 CHUNK = 256  # examples per task of the tokenizing pool
 PROGRESS_EVERY = 10.0  # seconds between progress lines while tokenizing
 

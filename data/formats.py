@@ -25,7 +25,6 @@ from functools import lru_cache
 
 import numpy as np
 
-
 KNOWN_FORMATS = ("'text'; 'prompt' + 'completion'; 'instruction' + 'output' (and optional 'input'); "
                  "'messages' or 'conversations' (a list of {\"role\": ..., \"content\": ...}, or ShareGPT's "
                  "{\"from\": ..., \"value\": ...})")

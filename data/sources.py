@@ -26,7 +26,6 @@ import huggingface_hub
 from data.builtin import builtin_dataset
 from data.formats import FIELDS, _format
 
-
 DATA_EXTENSIONS = (".jsonl", ".json", ".csv", ".txt", ".parquet")
 DATA_EXTRA = "pip install -e \".[data]\" (or pip install datasets)"
 SPLIT_NAMES = ("train", "test", "validation", "valid", "val", "dev", "eval")  # how hub snapshots name split files

@@ -8,7 +8,7 @@ transformers version) is translated into those fields.
 import json
 import math
 import os
-from dataclasses import dataclass, field, asdict
+from dataclasses import asdict, dataclass, field
 
 # Short name -> Hugging Face hub repo id. Looked up exactly; unknown names list these.
 NAMED_MODELS = {

@@ -44,7 +44,7 @@ import math
 import os
 import sys
 from dataclasses import dataclass, field, replace
-from functools import lru_cache
+from functools import cache
 
 import numpy as np
 import torch
@@ -293,7 +293,7 @@ def scaling_from_rope_freqs(cfg: ModelConfig, factors: torch.Tensor) -> dict | N
     return scaling
 
 
-@lru_cache(maxsize=None)
+@cache
 def _note(message):
     """Print `message` as one "note:" line on stderr, once per process (a file's config is read more than once)."""
     print(f"note: {message}", file=sys.stderr)

@@ -11,16 +11,22 @@ import json
 import os
 
 import torch
-from safetensors import safe_open
-from safetensors import SafetensorError
+from safetensors import SafetensorError, safe_open
 
 from model.config import ModelConfig, from_hf_config, read_hf_config
 from model.hub import base_model_id, resolve
 from model.lora import LoRAConfig
 from model.tokenizer import load_tokenizer as _load_tokenizer_folder
 from model.transformer import Transformer
-from model.weights import (CheckpointError, check_complete, check_quantize, expected_tensors, finish_model, is_gguf,
-                           place_tensor)
+from model.weights import (
+    CheckpointError,
+    check_complete,
+    check_quantize,
+    expected_tensors,
+    finish_model,
+    is_gguf,
+    place_tensor,
+)
 
 # Tensors some checkpoints carry that are recomputed here and safe to skip.
 IGNORED_KEYS = ("rotary_emb.inv_freq",)

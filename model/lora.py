@@ -85,8 +85,9 @@ Functions has its dtype asserted.
 import contextlib
 import itertools
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, NamedTuple
+from typing import NamedTuple
 
 import torch
 import torch.nn as nn

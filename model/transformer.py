@@ -28,11 +28,25 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.checkpoint import checkpoint
 
-from kernels.references import (fused_linear_cross_entropy_reference, geglu_reference, rms_norm_reference,
-                                rope_reference, swiglu_reference)
+from kernels.references import (
+    fused_linear_cross_entropy_reference,
+    geglu_reference,
+    rms_norm_reference,
+    rope_reference,
+    swiglu_reference,
+)
 from model.config import ModelConfig
-from model.lora import (GLU, LoRAConfig, autograd_backward, fusable, lora_mlp, lora_projections, make_linear,
-                        pack_adapters_, pack_weights_)
+from model.lora import (
+    GLU,
+    LoRAConfig,
+    autograd_backward,
+    fusable,
+    lora_mlp,
+    lora_projections,
+    make_linear,
+    pack_adapters_,
+    pack_weights_,
+)
 from model.offload import ActivationOffload
 
 

@@ -21,8 +21,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root, for `model`
 
 from cli import HelpFormatter, add_push_to_hub, add_tokenizer, run_tool  # noqa: E402
-from model.adapters import (BASE_PRECISION_HELP, BASE_PRECISIONS, check_replaceable,  # noqa: E402
-                            load_with_adapter, merge_and_save)
+from model.adapters import BASE_PRECISION_HELP, BASE_PRECISIONS, check_replaceable, load_with_adapter, merge_and_save  # noqa: E402
 from model.files import check_writable_parent  # noqa: E402
 from model.hub import base_model_id, check_push, model_card, push  # noqa: E402
 from model.lora import quantization  # noqa: E402

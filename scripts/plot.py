@@ -1,6 +1,6 @@
 """Draw the train and eval loss curves of a run to a PNG.
 
-    pip install matplotlib      # the only script-only dependency
+    pip install -e ".[plot]"    # matplotlib: the only script-only dependency
     python scripts/plot.py out/ [--png out/loss.png]
 """
 import argparse
@@ -18,12 +18,18 @@ def main():
     p.add_argument("run", help="a run folder (with metrics.jsonl) or a metrics.jsonl file")
     p.add_argument("--png", default=None, help="output image (default: <run>/loss.png)")
     args = p.parse_args()
+    try:
+        import matplotlib
+    except ImportError:
+        sys.exit('error: plot.py draws with matplotlib, which is not installed: pip install -e ".[plot]"')
     path = args.run if args.run.endswith(".jsonl") else os.path.join(args.run, "metrics.jsonl")
-    with open(path) as f:
-        rows = [json.loads(line) for line in f if line.strip()]
+    try:
+        with open(path) as f:
+            rows = [json.loads(line) for line in f if line.strip()]
+    except (OSError, ValueError) as e:
+        sys.exit(f"error: cannot read the run's records {path} ({e}); name a run folder or its metrics.jsonl")
     train = [(r["step"], r["loss"]) for r in rows if "loss" in r]
     evals = [(r["step"], r["eval_loss"]) for r in rows if "eval_loss" in r]
-    import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, ax = plt.subplots(figsize=(7, 4))

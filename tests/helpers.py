@@ -37,6 +37,7 @@ def refused(argv, capsys, out, match):
     """`train.py argv` stops with exit status 2 and one error line matching `match`, before creating `out`;
     the line."""
     import re
+
     import train
     assert train.cli(argv) == 2
     err = capsys.readouterr().err
@@ -79,6 +80,7 @@ def glu(act, use_kernels=False):
 def make_proj(in_f, out_f, bias, r, dtype, name, seed):
     """A LoRALinear with base weights in `dtype`, fp32 LoRA weights (B nonzero), in train mode."""
     import torch.nn as nn
+
     from model.lora import LoRAConfig, LoRALinear
     torch.manual_seed(seed)
     lora = LoRAConfig(r=r, alpha=2.0 * r, dropout=P) if r else None

@@ -8,8 +8,14 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from model import NAMED_MODELS, LoRAConfig, load_model
-from model.adapters import (adapter_quantization, load_adapter, load_with_adapter, merge_and_save,
-                            read_adapter_config, save_adapter)
+from model.adapters import (
+    adapter_quantization,
+    load_adapter,
+    load_with_adapter,
+    merge_and_save,
+    read_adapter_config,
+    save_adapter,
+)
 from model.lora import lora_parameters, quantization
 from tests.helpers import ROOT, randomize_lora_b, rel_err, run_script
 from tests.tiny_models import FAMILIES, make_run_folder, save_tiny

@@ -552,6 +552,7 @@ def sentencepiece_like(folder):
     tokenizing a piece alone differs from tokenizing it in its text), '<unk>' for unknown characters,
     and TinyLlama-Chat's (Zephyr's) template."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, trainers
+
     from tests.tiny_tokenizer import _CORPUS
     tok = Tokenizer(models.BPE(unk_token="<unk>"))
     tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])

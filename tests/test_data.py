@@ -7,8 +7,19 @@ import huggingface_hub
 import pytest
 import torch
 
-from data import (IGNORE_INDEX, PAD_PIECE, Batches, answer_accuracy, builtin_dataset, encode_example,
-                  eval_batches, load_examples, num_targets, pack, pad_batch)
+from data import (
+    IGNORE_INDEX,
+    PAD_PIECE,
+    Batches,
+    answer_accuracy,
+    builtin_dataset,
+    encode_example,
+    eval_batches,
+    load_examples,
+    num_targets,
+    pack,
+    pad_batch,
+)
 from model.tokenizer import load_tokenizer
 from tests.tiny_tokenizer import CHATML_NO_BOS, make_test_tokenizer
 

@@ -17,8 +17,8 @@ import sys
 import pytest
 import torch
 
-import statefiles
 import data
+import statefiles
 import train
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -10,6 +10,7 @@ import torch
 
 pytest.importorskip("gguf", reason="the optional gguf package is not installed: pip install -e '.[gguf]'")
 
+import config  # noqa: E402
 import train  # noqa: E402
 from model import load_model, load_tokenizer  # noqa: E402
 from tests.helpers import rel_err  # noqa: E402
@@ -60,7 +61,7 @@ def test_gemma3_270m_trains_from_its_gguf(tmp_path):
     (tmp_path / "texts.jsonl").write_text("\n".join(json.dumps({"text": t}) for t in
                                                     ["The secret word is PINEAPPLE.", "The door code is 4711."]))
     out = tmp_path / "run"
-    cfg = train.TrainConfig(model=PATH, data=str(tmp_path / "texts.jsonl"), out_dir=str(out), max_len=32,
+    cfg = config.TrainConfig(model=PATH, data=str(tmp_path / "texts.jsonl"), out_dir=str(out), max_len=32,
                             batch_size=1, max_steps=2, warmup_steps=1, lr=1e-3, lora_r=4, lora_alpha=8,
                             eval_every=0, save_every=0, dtype="fp32", device="cpu", kernels=False,
                             gradient_checkpointing=False)

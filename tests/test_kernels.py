@@ -14,8 +14,14 @@ import kernels.fused_linear_cross_entropy as flce_module
 from kernels.cross_entropy import cross_entropy
 from kernels.fused_linear_cross_entropy import fused_linear_cross_entropy
 from kernels.geglu import geglu, geglu_backward, geglu_forward
-from kernels.references import (cross_entropy_reference, fused_linear_cross_entropy_reference, geglu_reference,
-                                rms_norm_reference, rope_reference, swiglu_reference)
+from kernels.references import (
+    cross_entropy_reference,
+    fused_linear_cross_entropy_reference,
+    geglu_reference,
+    rms_norm_reference,
+    rope_reference,
+    swiglu_reference,
+)
 from kernels.rms_norm import rms_norm
 from kernels.rope import apply_rope
 from kernels.swiglu import swiglu, swiglu_backward, swiglu_forward

@@ -5,10 +5,32 @@ import torch
 import torch.nn.functional as F
 
 from model import LoRAConfig, load_model
-from model.lora import (ALL_TARGETS, LoRALinear, _LoRAMLP, _LoRAProjections, _packed, lora_mlp, lora_parameters,
-                        lora_projections, pack_weights_)
-from tests.helpers import (H, I, P, assert_close, attention_projs, compare, glu, make_proj, mlp_projs,
-                           randomize_lora_b, rel_err, run, unfused_mlp)
+from model.lora import (
+    ALL_TARGETS,
+    LoRALinear,
+    _LoRAMLP,
+    _LoRAProjections,
+    _packed,
+    lora_mlp,
+    lora_parameters,
+    lora_projections,
+    pack_weights_,
+)
+from tests.helpers import (
+    H,
+    I,
+    P,
+    assert_close,
+    attention_projs,
+    compare,
+    glu,
+    make_proj,
+    mlp_projs,
+    randomize_lora_b,
+    rel_err,
+    run,
+    unfused_mlp,
+)
 from tests.tiny_models import FAMILIES, save_tiny
 
 B, T = 2, 20

@@ -8,8 +8,7 @@ from bitsandbytes.functional import dequantize_4bit, quantize_4bit
 from model import LoRAConfig, load_model
 from model.lora import LoRALinear, lora_mlp, lora_parameters, lora_projections
 from model.qlora import NF4Weight, quantize_linear_, quantize_model
-from tests.helpers import (H, I, attention_projs, compare, glu, mlp_projs, randomize_lora_b, rel_err, run,
-                           unfused_mlp)
+from tests.helpers import H, I, attention_projs, compare, glu, mlp_projs, randomize_lora_b, rel_err, run, unfused_mlp
 
 B, T = 2, 20
 

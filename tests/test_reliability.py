@@ -27,12 +27,12 @@ import pytest
 import torch
 
 import checkpoint
-import runlog
-import statefiles
 import config
 import data
 import memory
 import precision
+import runlog
+import statefiles
 import step
 import train
 from model import LoRAConfig, load_model, read_config
@@ -673,6 +673,8 @@ def test_resume_refuses_a_different_trajectory(run_model, dataset, tmp_path, cap
     assert train.cli(args(run_model, str(other), out, *changed, "--resume-anyway")) == 0
     captured = capsys.readouterr()
     assert f"warning: --resume-anyway: continuing {step1} with batch_size 2 -> 1;" in captured.err
+    assert "The learning-rate schedule is the new one's from step 1 on: it does not restart its warm-up" in \
+        captured.err, "max_steps changed: the warning says what becomes of the schedule"
     assert re.search(r"warning: the data changed: it now makes \d+ rows \(the checkpoint's made \d+\); reading it "
                      "from its first batch", captured.err), captured.err
     assert [r["step"] for r in read_metrics(out)] == [1, 2, 3]

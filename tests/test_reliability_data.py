@@ -14,8 +14,8 @@ import pytest
 
 import data
 import tracking
-from model.files import atomic_file
 from data import load_datasets
+from model.files import atomic_file
 from model.tokenizer import load_tokenizer
 from tests.tiny_tokenizer import CHATML, make_test_tokenizer
 

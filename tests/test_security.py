@@ -16,8 +16,8 @@ import pytest
 import torch
 
 import checkpoint
-import statefiles
 import config
+import statefiles
 import train
 from tests.helpers import builtin_jsonl, untimed
 from tests.test_reliability import ROOT, args, read_metrics

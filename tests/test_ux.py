@@ -1,5 +1,6 @@
 """The train.py experience: --help, --config files, --num-epochs, the progress display, hardware defaults,
 device and dtype choice, the NF4 header, quiet imports and downloads, runs without Triton, and samples."""
+import dataclasses
 import io
 import json
 import math
@@ -69,6 +70,42 @@ def test_help_shows_defaults_and_choices():
     assert "(default: -1)" in text and "--config FILE" in text
     assert "(default: None)" not in text, "an option without a default says what happens in its own help"
     assert "python train.py --model tinyllama" in text, "the description keeps its examples"
+
+
+def test_help_groups_its_options():
+    """--help lists the options under the groups of config.OPTION_GROUPS, each group once, in that order, and
+    every option in exactly one of them."""
+    text = config.build_parser().format_help()
+    titles = [line[:-1] for line in text.splitlines() if line.endswith(":") and not line.startswith(" ")]
+    assert titles == ["options", *config.OPTION_GROUPS], titles
+    names = [n for group in config.OPTION_GROUPS.values() for n in group]
+    assert sorted(names) == sorted(f.name for f in dataclasses.fields(config.TrainConfig))
+    model_part = text.split("\nmodel:\n")[1].split("\ndata:\n")[0]
+    assert "--tokenizer" in model_part and "--lr" not in model_part
+
+
+def test_a_tokenizer_of_another_folder(run_model, dataset, tmp_path, capsys):
+    """--tokenizer loads the tokenizer from another folder; one the model cannot embed is refused."""
+    other = tmp_path / "tok"
+    shutil.copytree(run_model, other)
+    assert train.cli(args(run_model, dataset, tmp_path / "out", "--tokenizer", str(other))) == 0
+    from tests.tiny_tokenizer import make_test_tokenizer
+    big = tmp_path / "big"
+    make_test_tokenizer(str(big), tokens=[f"word{i}" for i in range(1000)])
+    refused(args(run_model, dataset, tmp_path / "out2", "--tokenizer", str(big)), capsys, tmp_path / "out2",
+            r"the tokenizer has \d+ tokens but the model's embedding has \d+ rows")
+
+
+def test_plot_without_matplotlib_is_one_line(tmp_path):
+    """scripts/plot.py names the extra to install where matplotlib is missing (CI has none)."""
+    try:
+        import matplotlib  # noqa: F401
+        pytest.skip("matplotlib is installed here")
+    except ImportError:
+        pass
+    r = subprocess.run([sys.executable, "scripts/plot.py", str(tmp_path)], cwd=ROOT, capture_output=True, text=True)
+    assert r.returncode == 1 and r.stderr.strip() == ('error: plot.py draws with matplotlib, which is not installed: '
+                                                      'pip install -e ".[plot]"'), r.stderr
 
 
 def test_script_help_shows_defaults():

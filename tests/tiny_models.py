@@ -70,6 +70,7 @@ def save_tiny(family, folder, seed=0, sharded=False):
 def make_run_folder(folder, family="llama", seed=0, chat_template=True):
     """A complete tiny model folder (weights + tokenizer) that train.py can run on."""
     import transformers as tf
+
     from tests.tiny_tokenizer import CHATML, make_test_tokenizer
     make_test_tokenizer(folder, chat_template=CHATML if chat_template else None)
     with open(os.path.join(folder, "tokenizer.json")) as f:

@@ -202,6 +202,7 @@ def child_device():
 def make_checkpoint(shape: str, folder: str, smoke: bool):
     """Save a random-init bf16 checkpoint of `shape` to `folder` (written aside, then renamed)."""
     import shutil
+
     import torch
     import transformers
     spec = SHAPES[shape]

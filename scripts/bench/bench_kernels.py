@@ -14,9 +14,9 @@ import argparse
 import json
 import sys
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import torch
 import triton
@@ -25,8 +25,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository r
 from kernels.cross_entropy import cross_entropy  # noqa: E402
 from kernels.fused_linear_cross_entropy import fused_linear_cross_entropy  # noqa: E402
 from kernels.geglu import geglu  # noqa: E402
-from kernels.references import (cross_entropy_reference, fused_linear_cross_entropy_reference,  # noqa: E402
-                                geglu_reference, rms_norm_reference, rope_reference, swiglu_reference)
+from kernels.references import (  # noqa: E402
+    cross_entropy_reference,
+    fused_linear_cross_entropy_reference,
+    geglu_reference,
+    rms_norm_reference,
+    rope_reference,
+    swiglu_reference,
+)
 from kernels.rms_norm import rms_norm  # noqa: E402
 from kernels.rope import apply_rope  # noqa: E402
 from kernels.swiglu import swiglu  # noqa: E402

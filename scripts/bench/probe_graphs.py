@@ -15,11 +15,11 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root
+import step as S  # noqa: E402
 from model.config import ModelConfig  # noqa: E402
-from model.weights import finish_model  # noqa: E402
 from model.lora import LoRAConfig, lora_parameters  # noqa: E402
 from model.transformer import Transformer  # noqa: E402
-import step as S  # noqa: E402
+from model.weights import finish_model  # noqa: E402
 
 SMOL = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, n_layers=30, n_heads=9, n_kv_heads=3,
             head_dim=64, tie_embeddings=True, rms_eps=1e-5)
