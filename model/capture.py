@@ -44,7 +44,11 @@ def end_failed_capture(stream, pool):
       the allocator never frees cached memory to satisfy an allocation, and defers freeing any memory that two
       streams used, so the process runs out of memory. The routing ends here, and the pool is released.
     Where the capture's end ran (the error came from before the capture began, or from fn without spoiling the
-    capture), `stream` is current again and nothing is left behind."""
+    capture), `stream` is current again and nothing is left behind.
+    The two private calls (torch._C._cuda_endAllocateToPool, _cuda_releasePool) are what torch.cuda.graph's
+    own end calls; they can go when a failed `with torch.cuda.graph(...)` cleans up after itself: then
+    tests/test_step.py's test_graph_step_goes_on_eagerly_when_the_capture_fails passes with this function
+    reduced to its first line."""
     if torch.cuda.current_stream() == stream:
         return
     empty = torch.cuda.CUDAGraph()

@@ -181,7 +181,10 @@ class _VarlenAttention(torch.autograd.Function):
     attention kernels for variable-length sequences (aten._flash_attention_forward / _backward with
     cu_seqlens, Dao 2023 "FlashAttention-2"). q (N, Hq, D); k, v (N, Hk, D), Hk dividing Hq (grouped
     kv heads are native); fp16 or bf16. The kernels' logsumexp is saved, and backward recomputes
-    the scores from q and k: no (T, T) tensor ever exists."""
+    the scores from q and k: no (T, T) tensor ever exists.
+    The two aten ops are private. torch.nn.attention.varlen.varlen_attn (torch 2.13) is their public
+    form, with a causal window and the logsumexp; this class can go once the project's torch floor has it
+    and the GPU tests of packed attention (tests/test_gpu_model.py) pass through it."""
 
     @staticmethod
     def forward(ctx, q, k, v, documents, scale, window):

@@ -46,8 +46,7 @@ def set_tensor(model, name, tensor):
     """Replace parameter `name` of `model` by `tensor`, keeping its requires_grad."""
     mod_name, _, pname = name.rpartition(".")
     mod = model.get_submodule(mod_name)
-    old = mod._parameters[pname]
-    mod._parameters[pname] = nn.Parameter(tensor, requires_grad=old.requires_grad)
+    setattr(mod, pname, nn.Parameter(tensor, requires_grad=getattr(mod, pname).requires_grad))
 
 
 def place_tensor(model, name, t, device, dtype, nf4_keys):
