@@ -165,3 +165,20 @@ def untimed(rows):
     """metrics.jsonl records without what is measured rather than computed (the rate, the process's memory):
     what two runs of the same computation agree on."""
     return [{k: v for k, v in r.items() if k not in ("tokens_per_s", "peak_rss_gib")} for r in rows]
+
+
+def signal_after_line(argv, prefix, signum, **popen):
+    """Run `python -u train.py *argv` from the repository root, send it `signum` once a stdout line starts with
+    `prefix`, and let it finish: (exit status, stdout, stderr)."""
+    import os
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    p = subprocess.Popen([sys.executable, "-u", "train.py", *argv], cwd=root, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True, **popen)
+    for line in p.stdout:
+        if line.startswith(prefix):
+            p.send_signal(signum)
+            break
+    stdout, stderr = p.communicate(timeout=120)
+    return p.returncode, stdout, stderr

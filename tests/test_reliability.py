@@ -37,7 +37,7 @@ import step
 import train
 from model import LoRAConfig, load_model, read_config
 from model.lora import lora_parameters
-from tests.helpers import builtin_jsonl, read_metrics, refused, untimed
+from tests.helpers import builtin_jsonl, read_metrics, refused, signal_after_line, untimed
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -376,14 +376,8 @@ def test_ctrl_c_checkpoints_and_resume_is_exact(run_model, dataset, tmp_path, ca
     resuming reproduces the uninterrupted run's metrics exactly (lora dropout on: the RNG state counts)."""
     opts = ["--max-steps", "12", "--eval-every", "3", "--lora-dropout", "0.1", "--lr", "3e-3"]
     out = tmp_path / "out"
-    p = subprocess.Popen([sys.executable, "-u", "train.py", *args(run_model, dataset, out, *opts)], cwd=ROOT,
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    for line in p.stdout:
-        if line.startswith("step 1/12"):
-            p.send_signal(signal.SIGINT)
-            break
-    stdout, stderr = p.communicate(timeout=120)
-    assert p.returncode == 130, stderr[-3000:]
+    code, stdout, stderr = signal_after_line(args(run_model, dataset, out, *opts), "step 1/12", signal.SIGINT)
+    assert code == 130, stderr[-3000:]
     step = int(stdout.split("interrupted after step ")[1].split(":")[0])
     ckpt = out / "checkpoints" / f"step-{step:07d}"
     assert f"interrupted after step {step}: saved {ckpt}. To continue, run the same command with --resume auto" \

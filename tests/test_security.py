@@ -8,7 +8,6 @@ import pty
 import re
 import select
 import signal
-import subprocess
 import sys
 import time
 
@@ -19,7 +18,7 @@ import checkpoint
 import config
 import statefiles
 import train
-from tests.helpers import builtin_jsonl, untimed
+from tests.helpers import builtin_jsonl, signal_after_line, untimed
 from tests.test_reliability import ROOT, args, read_metrics
 
 PAYLOAD_MARK = "nanotune-payload-ran"
@@ -265,13 +264,7 @@ def test_a_hangup_saves_a_checkpoint_and_exits(run_model, dataset, tmp_path):
 
 def test_a_hangup_under_nohup_is_ignored(run_model, dataset, tmp_path):
     out = tmp_path / "out"
-    p = subprocess.Popen([sys.executable, "-u", "train.py", *args(run_model, dataset, out, "--max-steps", "6")],
-                         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                         preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN))
-    for line in p.stdout:
-        if line.startswith("step 1/6"):
-            p.send_signal(signal.SIGHUP)
-            break
-    stdout, _ = p.communicate(timeout=120)
-    assert p.returncode == 0, stdout[-2000:]
+    code, _, stderr = signal_after_line(args(run_model, dataset, out, "--max-steps", "6"), "step 1/6", signal.SIGHUP,
+                                        preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN))
+    assert code == 0, stderr[-2000:]
     assert [r["step"] for r in read_metrics(out) if "loss" in r] == [1, 2, 3, 4, 5, 6]
