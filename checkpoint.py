@@ -201,8 +201,8 @@ class Checkpoints:
                 raise UserError(f"--resume {ck['path']}: the checkpoint was trained with {key}={old[key]!r}, this run "
                                 f"has {new!r}. Resume with the same model and LoRA settings, or start a new --out-dir")
         if ck["world_size"] != self.world:
-            raise UserError(f"--resume {ck['path']}: the checkpoint was written by {ck['world_size']} process(es), this "
-                            f"run has {self.world}. Resume with the same number (torchrun --nproc_per_node="
+            raise UserError(f"--resume {ck['path']}: the checkpoint was written by {ck['world_size']} process(es), "
+                            f"this run has {self.world}. Resume with the same number (torchrun --nproc_per_node="
                             f"{ck['world_size']}): each process continues its own share of the data")
         old = {**{k: config_field(k).default for k in TRAJECTORY}, **old}  # an option newer than the checkpoint
         changed = [f"{k} {old[k]!r} -> {getattr(self.cfg, k)!r}" for k in TRAJECTORY if old[k] != getattr(self.cfg, k)]
@@ -213,7 +213,8 @@ class Checkpoints:
                             "so it would not continue the same run. Use the checkpoint's options (its "
                             "train_config.json), or pass --resume-anyway to continue with the new ones")
         if changed:
-            schedule = [k for k in ("lr", "max_steps", "warmup_steps", "min_lr_ratio") if old[k] != getattr(self.cfg, k)]
+            schedule = [k for k in ("lr", "max_steps", "warmup_steps", "min_lr_ratio")
+                        if old[k] != getattr(self.cfg, k)]
             self.warn(f"--resume-anyway: continuing {ck['path']} with {'; '.join(changed)}" + (
                 f". The learning-rate schedule is the new one's from step {ck['step']} on: it does not restart its "
                 "warm-up, and the lr jumps to where the new schedule is at that step" if schedule else ""))

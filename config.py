@@ -52,14 +52,16 @@ class TrainConfig:
     model: str = field(default="tinyllama", metadata={"help": "short name, hub repo id, local folder or .gguf file"})
     tokenizer: str | None = field(default=None, metadata={"help": "the tokenizer to use: a model folder or .gguf "
                                   "file (default: the --model's own)"})
-    quantize: str | None = field(default=None, metadata={"help": "'nf4' for QLoRA (4-bit frozen base, needs bitsandbytes); "
-                                                                 "left out: the base in --dtype", "choices": ("nf4",)})
+    quantize: str | None = field(default=None, metadata={"help": "'nf4' for QLoRA (4-bit frozen base, needs "
+                                 "bitsandbytes); left out: the base in --dtype", "choices": ("nf4",)})
     # --- LoRA ---
     lora_r: int = field(default=16, metadata={"help": "LoRA rank; 16 is a common quality/size balance"})
-    lora_alpha: float = field(default=16.0, metadata={"help": "LoRA scale numerator: the update is scaled by alpha / r"})
-    lora_dropout: float = field(default=0.0, metadata={"help": "dropout on the LoRA input (0 keeps the fused path fastest)"})
-    lora_targets: str = field(default=",".join(ALL_TARGETS), metadata={"help": "comma-separated projections that get adapters",
-                                                                     "choices": ALL_TARGETS, "separator": ","})
+    lora_alpha: float = field(default=16.0, metadata={"help": "LoRA scale numerator: the update is scaled by "
+                              "alpha / r"})
+    lora_dropout: float = field(default=0.0, metadata={"help": "dropout on the LoRA input (0 keeps the fused path "
+                                "fastest)"})
+    lora_targets: str = field(default=",".join(ALL_TARGETS), metadata={"help": "comma-separated projections that "
+                              "get adapters", "choices": ALL_TARGETS, "separator": ","})
     rslora: bool = field(default=False, metadata={"help": "rank-stabilized LoRA: scale alpha / sqrt(r)"})
     # --- data ---
     data: str = field(default="builtin", metadata={"help": "'builtin', a .jsonl/.json/.csv/.txt/.parquet file or a "
@@ -67,19 +69,23 @@ class TrainConfig:
                       "user/repo[@revision][:config]:split (or user/repo:path/file.jsonl); see docs/data.md"})
     eval_data: str | None = field(default=None, metadata={"help": "a separate eval set, in any form --data takes; "
                                                                   "--eval-fraction then does not apply"})
-    max_examples: int | None = field(default=None, metadata={"help": "use only the first N rows of --data (quick runs)"})
+    max_examples: int | None = field(default=None, metadata={"help": "use only the first N rows of --data (quick "
+                                     "runs)"})
     columns: str | None = field(default=None, metadata={"help": "read the dataset's columns as nanotune's fields: "
                                 "field=column,... (e.g. instruction=question,output=answer or messages=dialog)"})
     chat_template: str | None = field(default=None, metadata={"help": "a Jinja chat template file (or a "
                                       "tokenizer_config.json) that replaces the model's"})
-    system_prompt: str | None = field(default=None, metadata={"help": "add this system turn to every chat that has none"})
+    system_prompt: str | None = field(default=None, metadata={"help": "add this system turn to every chat that has "
+                                      "none"})
     num_proc: int | None = field(default=None, metadata={"help": "processes that tokenize the data (default: every "
                                  "CPU); the tokenized data is cached in $NANOTUNE_CACHE/datasets "
                                  "(default ~/.cache/nanotune/datasets)"})
     max_len: int | None = field(default=None, metadata={"help": "tokens per row (packed) or longest example (padded)"})
-    packing: bool = field(default=True, metadata={"help": "pack examples into full rows (per-document attention and positions)"})
+    packing: bool = field(default=True, metadata={"help": "pack examples into full rows (per-document attention and "
+                          "positions)"})
     train_on_inputs: bool = field(default=False, metadata={"help": "also train on prompt tokens, not only answers"})
-    eval_fraction: float = field(default=0.02, metadata={"help": "share of a user dataset held out for eval (builtin has its own split)"})
+    eval_fraction: float = field(default=0.02, metadata={"help": "share of a user dataset held out for eval (builtin "
+                                 "has its own split)"})
     # --- optimization ---
     batch_size: int | None = field(default=None, metadata={"help": "rows per micro-batch (per GPU)"})
     grad_accum: int = field(default=1, metadata={"help": "micro-batches per optimizer step"})
@@ -103,8 +109,8 @@ class TrainConfig:
     orpo_lambda: float = field(default=0.1, metadata={"help": "orpo: the weight of the odds-ratio term beside the "
                                "NLL of the chosen answer (TRL's beta)"})
     # --- precision and memory ---
-    dtype: str = field(default="auto", metadata={"help": "auto: bf16 where the GPU has it, else fp16 on GPU; fp32 on CPU and mps",
-                                                 "choices": ("auto", "bf16", "fp16", "fp32")})
+    dtype: str = field(default="auto", metadata={"help": "auto: bf16 where the GPU has it, else fp16 on GPU; fp32 on "
+                       "CPU and mps", "choices": ("auto", "bf16", "fp16", "fp32")})
     gradient_checkpointing: bool | None = field(default=None, metadata={"help": "recompute each decoder layer in "
                                                 "backward: keeps only the layers' inputs for backward, at the cost of "
                                                 "a second forward. Default: off on a CUDA GPU where every layer's "
@@ -113,23 +119,26 @@ class TrainConfig:
     offload_activations: bool | None = field(default=None, metadata={"help": "with checkpointing: keep the "
                                              "layer inputs in pinned CPU memory, copied out and back on a side stream "
                                              "beside the compute, at no measured cost in speed (model/offload.py)"})
-    kernels: bool | None = field(default=None, metadata={"help": "Triton kernels (default: on with CUDA); --no-kernels runs the torch references"})
-    cuda_graphs: str = field(default="auto", metadata={"choices": ("auto", "on", "off"), "help": "replay each micro-step from a CUDA "
-                             "graph (step.py), which removes the per-step CPU cost of issuing its kernels. auto: on "
-                             "with one CUDA GPU (QLoRA and LoRA dropout included). Padded batches are "
-                             "padded further to a multiple of 64 tokens, and the count of documents up to a power of two (one "
-                             "graph per such bucket): at most 63 extra padding tokens per row, which nothing attends "
-                             "to or predicts. In a run of at most 100 micro-steps, rows "
+    kernels: bool | None = field(default=None, metadata={"help": "Triton kernels (default: on with CUDA); "
+                                 "--no-kernels runs the torch references"})
+    cuda_graphs: str = field(default="auto", metadata={"choices": ("auto", "on", "off"), "help": "replay each "
+                             "micro-step from a CUDA graph (step.py), which removes the per-step CPU cost of issuing "
+                             "its kernels. auto: on with one CUDA GPU (QLoRA and LoRA dropout included). Padded "
+                             "batches are padded further to a multiple of 64 tokens, and the count of documents up to "
+                             "a power of two (one graph per such bucket): at most 63 extra padding tokens per row, "
+                             "which nothing attends to or predicts. In a run of at most 100 micro-steps, rows "
                              "of at most 64 tokens are padded to 128: one graph fewer"})
     loss_scale: float = field(default=2.0 ** 16, metadata={"help": "fp16: initial dynamic loss scale"})
-    scale_growth_interval: int = field(default=200, metadata={"help": "fp16: double the scale after this many good steps"})
+    scale_growth_interval: int = field(default=200, metadata={"help": "fp16: double the scale after this many good "
+                                       "steps"})
     max_skipped_steps: int = field(default=20, metadata={"help": "fp16: stop after this many inf/NaN steps in a row"})
     # --- eval, logging, checkpoints ---
     out_dir: str = field(default="out", metadata={"help": "run folder: metrics.jsonl, checkpoints/, adapter/"})
     eval_every: int = field(default=20, metadata={"help": "evaluate every N steps (0: only at the end)"})
     eval_batches: int | None = field(default=None, metadata={"help": "at most this many eval batches"})
     save_every: int = field(default=50, metadata={"help": "checkpoint every N steps (0: only at the end)"})
-    keep_checkpoints: int = field(default=2, metadata={"help": "how many checkpoints to keep, the newest (0: keep all)"})
+    keep_checkpoints: int = field(default=2, metadata={"help": "how many checkpoints to keep, the newest (0: keep "
+                                  "all)"})
     log_every: int = field(default=1, metadata={"help": "print a progress line every N steps (on a terminal: the "
                                                           "progress bar's loss and tok/s)"})
     resume: str | None = field(default=None, metadata={"help": "a checkpoint folder, or 'auto': the newest in out_dir "
@@ -139,8 +148,8 @@ class TrainConfig:
                                 "max len, dropout, the data) differ from the checkpoint's; the run then differs from "
                                 "an uninterrupted one"})
     overwrite: bool = field(default=False, metadata={"help": "reuse an out_dir that holds a previous run"})
-    device: str = field(default="auto", metadata={"help": "auto: cuda, then mps, then cpu. mps (Apple silicon) runs the "
-                                                  "torch references and is untested here",
+    device: str = field(default="auto", metadata={"help": "auto: cuda, then mps, then cpu. mps (Apple silicon) runs "
+                                                  "the torch references and is untested here",
                                                   "choices": ("auto", "cpu", "cuda", "cuda:N", "mps")})
     report_to: str = field(default="none", metadata={"help": "none, or trackers that also get metrics.jsonl's records, "
                            "comma-separated: tensorboard, wandb, trackio (optional extras: pip install -e "
@@ -149,10 +158,11 @@ class TrainConfig:
                                     "card) to this hub model repo, user/name; needs `hf auth login` or HF_TOKEN"})
     # --- experience ---
     num_epochs: float | None = field(default=None, metadata={"help": "train this many passes over the data (1.5 is "
-                                     "fine) instead of --max-steps: steps = ceil(epochs x batches per epoch / grad accum)"})
+                                     "fine) instead of --max-steps: steps = ceil(epochs x batches per epoch / grad "
+                                     "accum)"})
     sample_every: int = field(default=-1, metadata={"help": "generate answers to 3 held-out prompts (greedy) every N "
-                              "steps and at the end, logged with metrics.jsonl; -1: only before training and at the end; "
-                              "0: never"})
+                              "steps and at the end, logged with metrics.jsonl; -1: only before training and at the "
+                              "end; 0: never"})
 
     def __post_init__(self):
         """Every option is checked here, once, before anything loads or is written: one line that says the fix."""
@@ -172,7 +182,8 @@ class TrainConfig:
             (self.lr > 0, f"--lr must be > 0, got {self.lr}"),
             (self.lr <= 1, f"--lr must be at most 1 (AdamW moves each weight by about lr per step; LoRA uses "
                            f"1e-5 to 1e-3), got {self.lr:g}"),
-            (self.lora_alpha > 0, f"--lora-alpha must be > 0 (the update is scaled by alpha / r), got {self.lora_alpha}"),
+            (self.lora_alpha > 0, f"--lora-alpha must be > 0 (the update is scaled by alpha / r), "
+                                  f"got {self.lora_alpha}"),
             (0 <= self.eval_fraction < 1, f"--eval-fraction must be at least 0 and below 1 (the share of a user "
                                           f"dataset held out for eval), got {self.eval_fraction}"),
             (0 <= self.min_lr_ratio <= 1, f"--min-lr-ratio must be between 0 and 1 (the cosine decays to lr times "
@@ -202,7 +213,8 @@ class TrainConfig:
             value = getattr(self, name)
             if value is not None and value not in choices_of(name):
                 optional = " (or left out)" if value_kinds(name)[1] else ""
-                raise UserError(f"{flag(name)} must be one of {', '.join(choices_of(name))}{optional}, got {short(value)}")
+                raise UserError(f"{flag(name)} must be one of {', '.join(choices_of(name))}{optional}, "
+                                f"got {short(value)}")
         targets = [t for t in self.lora_targets.split(",") if t]
         unknown = [t for t in targets if t not in ALL_TARGETS]
         if unknown or not targets:
@@ -415,7 +427,8 @@ def short(value):
     """repr(value), cut to a line: a config file's value may be huge (YAML aliases nest a few bytes into
     billions of items), and an error line repeats only its start. Cheap however large `value` is."""
     r = reprlib.Repr()
-    r.maxlevel, r.maxdict, r.maxlist, r.maxtuple, r.maxset, r.maxstring, r.maxother, r.maxlong = 2, 4, 4, 4, 4, 60, 60, 40
+    r.maxlevel, r.maxdict, r.maxlist, r.maxtuple, r.maxset = 2, 4, 4, 4, 4
+    r.maxstring, r.maxother, r.maxlong = 60, 60, 40
     return r.repr(value)
 
 

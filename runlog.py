@@ -68,7 +68,8 @@ class RunLog:
         """Refuse a folder that another run holds, one that holds a run without --resume/--overwrite, and one
         that cannot be written. Writes nothing."""
         has_run = os.path.isdir(self.cfg.out_dir) and any(
-            os.path.exists(os.path.join(self.cfg.out_dir, f)) for f in ("metrics.jsonl", "checkpoints", "train_config.json"))
+            os.path.exists(os.path.join(self.cfg.out_dir, f))
+            for f in ("metrics.jsonl", "checkpoints", "train_config.json"))
         if has_run and not (self.cfg.overwrite or self.cfg.resume):
             raise UserError(f"{self.cfg.out_dir!r} already holds a run. Pass --resume auto to continue it, --overwrite "
                             "to replace it, or choose another --out-dir")
@@ -179,7 +180,8 @@ class RunLog:
 
 
     def log(self, record):
-        """Append one record to metrics.jsonl (rank 0), flushed, so that a crash loses at most the line being written."""
+        """Append one record to metrics.jsonl (rank 0), flushed, so that a crash loses at most the line being
+        written."""
         if self._metrics is None:
             return
         try:
@@ -253,7 +255,8 @@ class Progress:
 
     def __init__(self, step, max_steps, log, bar):
         self.log, self.max_steps, self.first_step = log, max_steps, step
-        self.bar = tqdm(total=max_steps, initial=step, unit="step", dynamic_ncols=True, file=sys.stdout) if bar else None
+        self.bar = (tqdm(total=max_steps, initial=step, unit="step", dynamic_ncols=True, file=sys.stdout)
+                    if bar else None)
         self.window_start = time.perf_counter()  # since the last line
         self.paused_at, self.paused = None, 0.0  # seconds of the window spent paused
         self.step_start, self.step_paused = self.window_start, 0.0  # the same, for the step under way

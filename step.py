@@ -262,7 +262,8 @@ def pad_to_bucket(batch, max_len, shortest=SHORTEST):
     return {
         "input_ids": torch.cat([batch["input_ids"], batch["input_ids"][:, -1:].expand(B, extra)], 1),
         "targets": torch.cat([batch["targets"], batch["targets"].new_full((B, extra), data.IGNORE_INDEX)], 1),
-        "position_ids": torch.cat([batch["position_ids"], last_pos + torch.arange(1, extra + 1, device=last_pos.device)], 1),
+        "position_ids": torch.cat([batch["position_ids"],
+                                   last_pos + torch.arange(1, extra + 1, device=last_pos.device)], 1),
         "doc_ids": torch.cat([batch["doc_ids"], batch["doc_ids"][:, -1:].expand(B, extra)], 1),
     }
 
@@ -295,8 +296,8 @@ class WarmStart:
     def start(cls, mcfg, batch, device, dtype, *, lora, quantize=None, use_kernels=True, max_len=None,
               shortest=SHORTEST, log=print, loss_fn=None):
         """The running warm start, or None where it does not apply: not CUDA, or memory that is not plentiful
-        (`memory.warm_start_fits`). max_len: pad the batch to its CUDA-graph bucket first, as GraphStep does (`pad_to_bucket`
-        with `shortest`); None for eager steps. loss_fn: the run's (see EagerStep)."""
+        (`memory.warm_start_fits`). max_len: pad the batch to its CUDA-graph bucket first, as GraphStep does
+        (`pad_to_bucket` with `shortest`); None for eager steps. loss_fn: the run's (see EagerStep)."""
         if device.type != "cuda":
             return None
         types = list(dict.fromkeys(mcfg.layer_types))  # one layer of each type, in order of appearance

@@ -4,7 +4,8 @@ both sides of a pair in one micro-batch (`PairBatches`).
 Row formats, as TRL's preference trainers read them (`--columns prompt=question,chosen=good,...` maps others):
     {"prompt": str, "chosen": str, "rejected": str}              text: the completions follow the prompt verbatim
     {"prompt": [messages], "chosen": [messages], "rejected": [messages]}   a chat: the prompt's turns, then each
-                                                                  side's assistant turn(s), rendered by the chat template
+                                                                  side's assistant turn(s), rendered by the chat
+                                                                  template
     {"chosen": ..., "rejected": ...}                             the implicit prompt: two texts, or two chats, that
                                                                   share their beginning, which is the prompt
 Each side becomes an SFT row, {"prompt", "completion"} (data/formats.py): the same chat template, BOS and EOS as
@@ -72,7 +73,8 @@ def encode_pairs(records, tokenizer, system_prompt, max_len, what, log):
         if empty(chosen["completion"]) or empty(rejected["completion"]):
             no_side += 1
             continue
-        pair = [encode_example(side, tokenizer, system_prompt=system_prompt, where=where) for side in (chosen, rejected)]
+        pair = [encode_example(side, tokenizer, system_prompt=system_prompt, where=where)
+                for side in (chosen, rejected)]
         if not all(any(mask[1:]) for _, mask in pair):  # a side with no target token
             no_side += 1
             continue

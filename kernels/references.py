@@ -162,7 +162,8 @@ def cross_entropy_reference(logits, targets, *, ignore_index=-100, softcap=None,
 def check_linear_loss_args(hidden, weight, bias, targets, opts: LossOptions):
     check_loss_args(hidden, targets, opts, "hidden")
     if weight.dim() != 2 or weight.shape[1] != hidden.shape[1]:
-        raise ValueError(f"weight must be [V, H] with H = hidden.shape[1] = {hidden.shape[1]}; got {tuple(weight.shape)}")
+        raise ValueError(f"weight must be [V, H] with H = hidden.shape[1] = {hidden.shape[1]}; "
+                         f"got {tuple(weight.shape)}")
     assert weight.dtype == hidden.dtype, f"weight must have hidden's dtype {hidden.dtype}, got {weight.dtype}"
     if bias is not None:
         assert bias.shape == (weight.shape[0],), f"bias must be [V], got {tuple(bias.shape)}"

@@ -70,7 +70,8 @@ def _rope_kernel(
 
 def launch_config(Hq: int, Hk: int, D: int) -> tuple[int, int, int, int]:
     """(BLOCK_HQ, BLOCK_HK, BLOCK_HALF, num_warps): every head of a token in one program."""
-    block_hq, block_hk, block_half = triton.next_power_of_2(Hq), triton.next_power_of_2(Hk), triton.next_power_of_2(D // 2)
+    block_hq, block_hk = triton.next_power_of_2(Hq), triton.next_power_of_2(Hk)
+    block_half = triton.next_power_of_2(D // 2)
     # 512 elements of q per warp: 2 warps at TinyLlama's and Gemma 2's shapes (the warp sweep is in
     # docs/perf-notes.md)
     num_warps = max(1, min(8, block_hq * block_half // 512))

@@ -69,7 +69,8 @@ from peft import AutoPeftModelForCausalLM
 model = AutoPeftModelForCausalLM.from_pretrained("<this repo or folder>")
 ```"""
 # PEFT cannot load a .gguf base by its path, so the card of an adapter on one says what does.
-GGUF_ADAPTER_USAGE = """The base is a GGUF file, which `AutoPeftModelForCausalLM` cannot load. Merge the adapter with nanotune:
+GGUF_ADAPTER_USAGE = """The base is a GGUF file, which `AutoPeftModelForCausalLM` cannot load. \
+Merge the adapter with nanotune:
 
 ```
 python scripts/merge.py --model {base} --adapter <this folder> --out merged/              # transformers

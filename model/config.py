@@ -63,7 +63,8 @@ class ModelConfig:
     mlp_bias: bool = False  # Llama `mlp_bias`
     qk_norm: bool = False  # Qwen3 / Gemma 3: RMSNorm over head_dim on q and k
     sandwich_norm: bool = False  # Gemma 2/3: extra norms after attention and after the MLP
-    attn_scale: float | None = None  # softmax scale; None -> head_dim ** -0.5 (Gemma 2/3: query_pre_attn_scalar ** -0.5)
+    # softmax scale; None -> head_dim ** -0.5 (Gemma 2/3: query_pre_attn_scalar ** -0.5)
+    attn_scale: float | None = None
     attn_softcap: float | None = None  # Gemma 2: scores <- c * tanh(scores / c)
     final_softcap: float | None = None  # Gemma 2: logits <- c * tanh(logits / c)
     sliding_window: int | None = None  # keys at distance >= window are masked on sliding layers

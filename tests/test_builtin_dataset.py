@@ -74,7 +74,10 @@ def test_splits_have_the_sizes_and_are_disjoint():
     train, held_out = load_examples("builtin"), load_examples("builtin:eval")
     assert (len(train), len(held_out)) == (2000, 200)
     assert train == builtin_dataset("train") and held_out == builtin_dataset("eval")
-    questions = lambda split: {(e["instruction"], e["input"]) for e in builtin_dataset(split)}
+
+    def questions(split):
+        return {(e["instruction"], e["input"]) for e in builtin_dataset(split)}
+
     assert len(questions("train")) == 2000 and len(questions("eval")) == 200  # no repeats within a split
     assert not questions("train") & questions("eval")
     with pytest.raises(ValueError, match="'train' and 'eval'"):

@@ -104,7 +104,7 @@ QWEN3 = r"""{%- if tools %}
         {{- '<think>\n\n</think>\n\n' }}
     {%- endif %}
 {%- endif %}
-"""
+"""  # noqa: E501 the template verbatim, as the model's tokenizer_config.json ships it
 
 # Qwen/Qwen2.5-0.5B-Instruct: ChatML with a default system message and tool calls.
 QWEN25 = r"""{%- if tools %}
@@ -161,7 +161,7 @@ QWEN25 = r"""{%- if tools %}
 {%- if add_generation_prompt %}
     {{- '<|im_start|>assistant\n' }}
 {%- endif %}
-"""
+"""  # noqa: E501 the template verbatim, as the model's tokenizer_config.json ships it
 
 # meta-llama/Llama-3.1-8B-Instruct: the system turn carries a date header; tools as 'ipython'.
 LLAMA31 = r"""{{- bos_token }}
@@ -273,7 +273,7 @@ LLAMA31 = r"""{{- bos_token }}
 {%- if add_generation_prompt %}
     {{- '<|start_header_id|>assistant<|end_header_id|>\n\n' }}
 {%- endif %}
-"""
+"""  # noqa: E501 the template verbatim, as the model's tokenizer_config.json ships it
 
 # google/gemma-2-2b-it: no system role; the assistant is 'model'; contents are trimmed.
 GEMMA = ("{{ bos_token }}{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not supported') }}"
@@ -285,7 +285,8 @@ GEMMA = ("{{ bos_token }}{% if messages[0]['role'] == 'system' %}{{ raise_except
 
 # HuggingFaceTB/SmolLM2-135M-Instruct: ChatML with a default system message.
 SMOLLM2 = ("{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
-           "{{ '<|im_start|>system\\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\\n' }}"
+           "{{ '<|im_start|>system\\nYou are a helpful AI assistant named SmolLM, "
+           "trained by Hugging Face<|im_end|>\\n' }}"
            "{% endif %}{{'<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n'}}"
            "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
 
@@ -541,8 +542,9 @@ def test_chat_template_file_replaces_the_models(tmp_path):
 
 # ----------------------------------------------------------------------------- SentencePiece-style tokenizers
 
-ZEPHYR = ("{% for message in messages %}\n{% if message['role'] == 'user' %}\n{{ '<|user|>\\n' + message['content'] + "
-          "eos_token }}\n{% elif message['role'] == 'system' %}\n{{ '<|system|>\\n' + message['content'] + eos_token }}\n"
+ZEPHYR = ("{% for message in messages %}\n{% if message['role'] == 'user' %}\n"
+          "{{ '<|user|>\\n' + message['content'] + eos_token }}\n{% elif message['role'] == 'system' %}\n"
+          "{{ '<|system|>\\n' + message['content'] + eos_token }}\n"
           "{% elif message['role'] == 'assistant' %}\n{{ '<|assistant|>\\n'  + message['content'] + eos_token }}\n"
           "{% endif %}\n{% if loop.last and add_generation_prompt %}\n{{ '<|assistant|>' }}\n{% endif %}\n{% endfor %}")
 

@@ -444,7 +444,8 @@ def test_answer_accuracy(packing):
      r"tokenizer\.json cannot be read \(.*\); it is cut short or damaged.*download it again"),
     (lambda d: (d / "tokenizer_config.json").write_text('{"bos_token": "<s>",'),
      r"tokenizer_config\.json is not valid JSON .*download the model's tokenizer files again"),
-    (lambda d: (d / "tokenizer_config.json").write_text('["<s>"]'), r"tokenizer_config\.json should hold a JSON object"),
+    (lambda d: (d / "tokenizer_config.json").write_text('["<s>"]'),
+     r"tokenizer_config\.json should hold a JSON object"),
     (lambda d: (d / "special_tokens_map.json").write_bytes(b'{"bos_token": "\xff"}'),
      r"special_tokens_map\.json is not valid JSON"),
 ])

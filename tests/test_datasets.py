@@ -108,8 +108,9 @@ def as_saved(d, rows, monkeypatch):
 
 def as_saved_split(d, rows, monkeypatch):
     datasets = hf_datasets()
-    datasets.DatasetDict({"train": datasets.Dataset.from_list(rows),
-                          "test": datasets.Dataset.from_list([{"text": "not this split"}])}).save_to_disk(str(d / "saved"))
+    splits = {"train": datasets.Dataset.from_list(rows),
+              "test": datasets.Dataset.from_list([{"text": "not this split"}])}
+    datasets.DatasetDict(splits).save_to_disk(str(d / "saved"))
     return str(d / "saved") + ":train"
 
 
@@ -205,8 +206,8 @@ def test_csv_rows(tmp_path):
                                                        ("bad.txt", b"ok\n\ncaf\xe9\n", 3, 4)])
 def test_non_utf8_data_names_the_file_and_line(tmp_path, name, content, line, byte):
     (tmp_path / name).write_bytes(content)
-    with pytest.raises(ValueError, match=rf"{re.escape(name)}: line {line} is not UTF-8 text \(byte 0xe9 at byte {byte} "
-                                         r"of the line\); save the file as UTF-8"):
+    with pytest.raises(ValueError, match=rf"{re.escape(name)}: line {line} is not UTF-8 text \(byte 0xe9 at byte "
+                                         rf"{byte} of the line\); save the file as UTF-8"):
         load_examples(str(tmp_path / name))
 
 
@@ -251,9 +252,10 @@ def test_hub_dataset_errors(monkeypatch):
     def unknown_split(*args, **kwargs):
         raise ValueError('Unknown split "train". Should be one of [\'train_sft\', \'test_sft\'].\nmore lines')
     monkeypatch.setattr(datasets, "load_dataset", unknown_split)
-    with pytest.raises(FileNotFoundError, match=r"^could not load the hub dataset 'a/b' \(config None, split 'train'\): "
-                                                r"ValueError: Unknown split \"train\"\. Should be one of \['train_sft', "
-                                                r"'test_sft'\]\. Check the name at https://huggingface\.co/datasets/a/b"):
+    with pytest.raises(FileNotFoundError, match=r"^could not load the hub dataset 'a/b' \(config None, split "
+                                                r"'train'\): ValueError: Unknown split \"train\"\. Should be one of "
+                                                r"\['train_sft', 'test_sft'\]\. Check the name at "
+                                                r"https://huggingface\.co/datasets/a/b"):
         load_examples("a/b")
     with pytest.raises(ValueError, match="at most two ':' parts"):
         load_examples("a/b:x:y:z")
@@ -327,15 +329,15 @@ def test_every_row_is_checked_before_any_is_tokenized(tok, tmp_path, monkeypatch
     def no_tokenizing(*args, **kwargs):
         raise AssertionError("tokenized before every row was checked")
     monkeypatch.setattr(Tokenizer, "encode_offsets", no_tokenizing)
-    with pytest.raises(ValueError, match=r"d\.jsonl: line 31: a message has the role 'bot'.*its roles are system, user, "
-                                         "assistant"):
+    with pytest.raises(ValueError, match=r"d\.jsonl: line 31: a message has the role 'bot'.*its roles are system, "
+                                         "user, assistant"):
         load_datasets(tok, data=path, cache_dir=str(tmp_path / "c"), log=quiet)
 
 
 def test_system_prompt_needs_chat_rows(tok, tmp_path):
     path = write_jsonl(tmp_path / "d.jsonl", [{"text": "hello"}])
-    with pytest.raises(ValueError, match=r"line 1: --system-prompt adds a system turn to chats, and this row is not one "
-                                         r"\('text'\); drop --system-prompt"):
+    with pytest.raises(ValueError, match=r"line 1: --system-prompt adds a system turn to chats, and this row is not "
+                                         r"one \('text'\); drop --system-prompt"):
         load_datasets(tok, data=path, system_prompt="Be brief.", cache_dir=str(tmp_path / "c"), log=quiet)
 
 # ----------------------------------------------------------------------------- splits and filtering
@@ -410,7 +412,8 @@ def test_long_examples_are_dropped_and_said(tok, tmp_path):
 
 def test_no_target_at_all_is_refused(tok, tmp_path, monkeypatch):
     encode = data.encode_example
-    monkeypatch.setattr(data.cache, "encode_example", lambda *a, **k: (encode(*a, **k)[0], [False] * len(encode(*a, **k)[0])))
+    monkeypatch.setattr(data.cache, "encode_example",
+                        lambda *a, **k: (encode(*a, **k)[0], [False] * len(encode(*a, **k)[0])))
     with pytest.raises(ValueError, match=r"no example has any target token \(every label is masked\)"
                                          r".*--train-on-inputs"):
         load_datasets(tok, data=write_jsonl(tmp_path / "d.jsonl", [{"text": "hi"}]), cache_dir=str(tmp_path / "c"),
@@ -523,8 +526,9 @@ def test_pool_workers_end_quietly_under_train_py_signal_handlers(tok, tmp_path, 
 
 def test_a_row_error_in_a_pool_process_reaches_the_caller(tmp_path, monkeypatch):
     gemma_like = load_tokenizer(make_test_tokenizer(
-        tmp_path / "tok", chat_template="{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not "
-                                        "supported') }}{% endif %}{% for m in messages %}{{ m['content'] }}{% endfor %}"))
+        tmp_path / "tok", chat_template="{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role "
+                                        "not supported') }}{% endif %}{% for m in messages %}{{ m['content'] }}"
+                                        "{% endfor %}"))
     rows = [{"messages": [USER, ASSISTANT]}] * data.CHUNK + [{"messages": [{"role": "system", "content": "s"},
                                                                           USER, ASSISTANT]}]
     with pytest.raises(ValueError, match=rf"d\.jsonl: line {data.CHUNK + 1}: the chat template failed on it "
@@ -573,7 +577,8 @@ def test_train_on_a_save_to_disk_folder_with_columns(run_model, tmp_path):
 def test_train_on_multi_turn_chats_with_a_template_file(run_model, tmp_path):
     """A template that rewrites earlier assistant turns (as Qwen3's drops their reasoning) trains, from a file."""
     (tmp_path / "template.jinja").write_text(QWEN3_STYLE)
-    chats = [{"messages": [{"role": "user", "content": f"u{i}"}, {"role": "assistant", "content": f"<think>r</think>a{i}"},
+    chats = [{"messages": [{"role": "user", "content": f"u{i}"},
+                           {"role": "assistant", "content": f"<think>r</think>a{i}"},
                            {"role": "user", "content": "again"}, {"role": "assistant", "content": f"b{i}"}]}
              for i in range(30)]
     write_jsonl(tmp_path / "chats.jsonl", chats)

@@ -299,7 +299,7 @@ def _with_adapter(folder, trained):
     """A fresh load of `folder` carrying `trained`'s LoRA weights (and none of its other changes)."""
     model, _ = load_model(folder, lora=LoRAConfig(r=4, alpha=8))
     with torch.no_grad():
-        for (n, p), (_, q) in zip(lora_parameters(model), lora_parameters(trained)):
+        for (_, p), (_, q) in zip(lora_parameters(model), lora_parameters(trained)):
             p.copy_(q)
     return model
 

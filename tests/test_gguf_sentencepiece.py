@@ -27,7 +27,8 @@ USER_DEFINED = ["<|user|>", "▁▁"]  # the second one, as Gemma's runs of spac
 
 def sentencepiece_model(vocab_size=360):
     """(pieces, scores, types) laid out as a SentencePiece BPE model is: <unk>, <s>, </s>, the chat
-    tokens, the 256 byte pieces, merged pieces by merge order (score -rank), then single characters. The merges come from training a BPE on our corpus with words kept apart, as SentencePiece does."""
+    tokens, the 256 byte pieces, merged pieces by merge order (score -rank), then single characters. The merges
+    come from training a BPE on our corpus with words kept apart, as SentencePiece does."""
     tok = Tokenizer(models.BPE())
     tok.normalizer = normalizers.Replace(" ", "▁")
     tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="always", split=True)

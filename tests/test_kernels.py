@@ -54,7 +54,8 @@ def close(actual, expected, dtype, name, scale=1.0):
 
 def leaves(*tensors):
     """Two independent leaf copies of every tensor: one for the kernel, one for the reference."""
-    return [t.detach().clone().requires_grad_() for t in tensors], [t.detach().clone().requires_grad_() for t in tensors]
+    return ([t.detach().clone().requires_grad_() for t in tensors],
+            [t.detach().clone().requires_grad_() for t in tensors])
 
 
 # ----------------------------------------------------------------------------- cross-entropy
@@ -72,13 +73,16 @@ def check_cross_entropy(device, dtype, N, V, softcap=None, scale=None, reduction
                         ignore_index=-100, layout="contiguous"):
     if layout == "contiguous":
         base = torch.randn(N, V, device=device) * 4
-        view = lambda t: t
+        def view(t):
+            return t
     elif layout == "row_strided":  # e.g. a slice of a wider buffer
         base = torch.randn(N, V + 37, device=device) * 4
-        view = lambda t: t[:, :V]
+        def view(t):
+            return t[:, :V]
     else:  # "transposed": the vocab dim is strided
         base = torch.randn(V, N, device=device) * 4
-        view = lambda t: t.t()
+        def view(t):
+            return t.t()
     (x,), (x_ref,) = leaves(base.to(dtype))
     targets = make_targets(N, V, ignore_index, device)
     kw = dict(ignore_index=ignore_index, softcap=softcap, scale=scale, reduction=reduction, num_targets=num_targets)

@@ -85,8 +85,9 @@ def kernel_cases():
     block_hq, block_hk, block_half, warps = rp.launch_config(32, 8, 256)
     specs.append(("kernels.rope", "_rope_kernel", lambda t: {
         "q_ptr": f"*{t}", "k_ptr": f"*{t}", "q_token_stride": "i32", "k_token_stride": "i32",
-        "q_out_ptr": f"*{t}", "k_out_ptr": f"*{t}", "cos_ptr": f"*{t}", "sin_ptr": f"*{t}", "cs_batch_stride": "i32", "cs_token_stride": "i32", "T": "i32", "HQ": "i32",
-        "HK": "i32", "HALF": "i32"}, {"BLOCK_HQ": block_hq, "BLOCK_HK": block_hk, "BLOCK_HALF": block_half},
+        "q_out_ptr": f"*{t}", "k_out_ptr": f"*{t}", "cos_ptr": f"*{t}", "sin_ptr": f"*{t}", "cs_batch_stride": "i32",
+        "cs_token_stride": "i32", "T": "i32", "HQ": "i32", "HK": "i32", "HALF": "i32"},
+        {"BLOCK_HQ": block_hq, "BLOCK_HK": block_hk, "BLOCK_HALF": block_half},
         flags("BACKWARD"), warps))
 
     for mod, name, approx in ((sw, "swiglu", []), (gg, "geglu", flags("APPROX_TANH"))):

@@ -283,10 +283,10 @@ def test_dpo_run_writes_trl_metrics_and_resumes_exactly(run_model, tmp_path):
     pairs = write_pairs(tmp_path / "pairs.jsonl", rows)
     held_out = write_pairs(tmp_path / "eval.jsonl", rows[:4])
     out = tmp_path / "out"
-    argv = ["--model", run_model, "--data", pairs, "--eval-data", held_out, "--out-dir", str(out), "--device", "cpu", "--dtype", "fp32",
-            "--no-kernels", "--max-len", "64", "--batch-size", "2", "--max-steps", "4", "--warmup-steps", "1",
-            "--eval-every", "2", "--save-every", "2", "--keep-checkpoints", "0", "--eval-batches", "1",
-            "--lr", "3e-3", "--method", "dpo", "--lora-dropout", "0.1"]
+    argv = ["--model", run_model, "--data", pairs, "--eval-data", held_out, "--out-dir", str(out), "--device", "cpu",
+            "--dtype", "fp32", "--no-kernels", "--max-len", "64", "--batch-size", "2", "--max-steps", "4",
+            "--warmup-steps", "1", "--eval-every", "2", "--save-every", "2", "--keep-checkpoints", "0",
+            "--eval-batches", "1", "--lr", "3e-3", "--method", "dpo", "--lora-dropout", "0.1"]
     assert train.cli(argv) == 0
     full = read_metrics(out)
     steps = [r for r in full if "loss" in r and "step" in r and "eval_loss" not in r]

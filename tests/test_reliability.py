@@ -196,7 +196,8 @@ def test_every_example_too_long(run_model, dataset, tmp_path, capsys):
 def test_every_label_masked(run_model, dataset, tmp_path, capsys, monkeypatch):
     # Every valid example format trains at least its EOS; the guard is for what a custom encoder might do.
     encode = data.encode_example
-    monkeypatch.setattr(data.cache, "encode_example", lambda *a, **k: (encode(*a, **k)[0], [False] * len(encode(*a, **k)[0])))
+    monkeypatch.setattr(data.cache, "encode_example",
+                        lambda *a, **k: (encode(*a, **k)[0], [False] * len(encode(*a, **k)[0])))
     refused(args(run_model, dataset, tmp_path / "out"), capsys, tmp_path / "out",
             r"no example has any target token \(every label is masked\).*--train-on-inputs")
 
@@ -399,10 +400,12 @@ def test_keep_checkpoints(run_model, dataset, tmp_path, capsys):
         config.parse_args(["--help"])
     assert "(0: keep all)" in " ".join(capsys.readouterr().out.split())
     out = tmp_path / "out"
-    assert train.cli(args(run_model, dataset, out, "--save-every", "1", "--max-steps", "3", "--keep-checkpoints", 0)) == 0
+    assert train.cli(args(run_model, dataset, out, "--save-every", "1", "--max-steps", "3",
+                          "--keep-checkpoints", 0)) == 0
     assert sorted(os.listdir(out / "checkpoints")) == ["step-0000001", "step-0000002", "step-0000003"]
     out = tmp_path / "one"
-    assert train.cli(args(run_model, dataset, out, "--save-every", "1", "--max-steps", "3", "--keep-checkpoints", 1)) == 0
+    assert train.cli(args(run_model, dataset, out, "--save-every", "1", "--max-steps", "3",
+                          "--keep-checkpoints", 1)) == 0
     assert sorted(os.listdir(out / "checkpoints")) == ["step-0000003"]
     assert f"checkpoint {out / 'checkpoints' / 'step-0000003'}" in capsys.readouterr().out
 
@@ -677,7 +680,8 @@ def test_resume_refuses_a_different_trajectory(run_model, dataset, tmp_path, cap
 def test_resuming_an_older_checkpoint_sets_the_newer_aside(run_model, dataset, tmp_path, capsys):
     out = tmp_path / "out"
     ckpts = out / "checkpoints"
-    assert train.cli(args(run_model, dataset, out, "--save-every", "1", "--max-steps", "3", "--keep-checkpoints", 0)) == 0
+    assert train.cli(args(run_model, dataset, out, "--save-every", "1", "--max-steps", "3",
+                          "--keep-checkpoints", 0)) == 0
     capsys.readouterr()
     assert train.cli(args(run_model, dataset, out, "--save-every", "1", "--max-steps", "2", "--keep-checkpoints", 0,
                           "--resume", ckpts / "step-0000001", "--resume-anyway", "--lr", "1e-3")) == 0
@@ -719,7 +723,8 @@ def _rewrite_lora(folder, change):
 
 DAMAGES = {  # how the newest checkpoint is damaged -> what the warning says
     "flipped-bytes": (lambda d: _flip_tensor_bytes(d / "tensors.safetensors"),
-                      r"tensors\.safetensors does not match its sha256 in manifest\.json: it changed after it was written"),
+                      r"tensors\.safetensors does not match its sha256 in manifest\.json: it changed after it was "
+                      r"written"),
     "missing-tensor": (lambda d: _rewrite_lora(d, lambda lora: lora.pop(next(iter(lora)))),
                        r"its LoRA tensors do not fit the model: missing \['model\.layers\.0\..*lora_A'\]"),
     "wrong-shape": (lambda d: _rewrite_lora(d, lambda lora: lora.update({k: v[:1] for k, v in list(lora.items())[:1]})),

@@ -1,9 +1,9 @@
 """The training micro-step (step.py): eager on CPU, and the CUDA-graph replay against eager on GPU.
 
 The eager step is the reference. On CPU: bucket padding leaves the loss and gradients unchanged.
-On GPU (`pytest -m gpu`, a Llama 3-shaped tiny model): a replayed step gives the eager step's loss, gradients and updated LoRA
-weights, for packed and padded batches, with and without checkpointing (and activation offload), in fp32, bf16 and fp16
-(with a loss scale), with dropout, and across a change of length bucket.
+On GPU (`pytest -m gpu`, a Llama 3-shaped tiny model): a replayed step gives the eager step's loss, gradients and
+updated LoRA weights, for packed and padded batches, with and without checkpointing (and activation offload), in
+fp32, bf16 and fp16 (with a loss scale), with dropout, and across a change of length bucket.
 """
 from types import SimpleNamespace
 
@@ -121,7 +121,8 @@ def test_warm_start_only_where_memory_is_plentiful():
     assert memory.warm_start_fits(mcfg, small, batch, torch.bfloat16, True, 78 << 30)
     assert not memory.warm_start_fits(mcfg, small, batch, torch.bfloat16, True, 8 << 30)
     assert memory.warm_start_fits(mcfg, small, batch, torch.bfloat16, True, 12 << 30)
-    assert not memory.warm_start_fits(mcfg, small, batch, torch.bfloat16, False, 12 << 30)  # all the logits, without the kernels
+    # all the logits, without the kernels
+    assert not memory.warm_start_fits(mcfg, small, batch, torch.bfloat16, False, 12 << 30)
 
 
 def test_padding_in_pieces_keeps_loss_and_gradients(run_model):
@@ -140,7 +141,8 @@ def test_padding_in_pieces_keeps_loss_and_gradients(run_model):
         assert rel_err(gp, g) < 1e-5
 
 
-@pytest.mark.parametrize("micro_steps, shapes", [(step.SHORT_RUN, [(2, 128)]), (step.SHORT_RUN + 1, [(2, 64), (2, 128)])])
+@pytest.mark.parametrize("micro_steps, shapes", [(step.SHORT_RUN, [(2, 128)]),
+                                                 (step.SHORT_RUN + 1, [(2, 64), (2, 128)])])
 def test_a_short_run_pads_short_batches_to_the_shortest_graph(micro_steps, shapes, monkeypatch):
     """In a run of at most SHORT_RUN micro-steps, batches of rows up to SHORTEST - BUCKET tokens are padded to
     SHORTEST (one graph for all of them); in a longer one, to their own bucket (a graph of their own)."""
@@ -272,7 +274,8 @@ def test_graph_step_across_bucket_changes(llama_folder, ckpt, dropout):
     for i, lengths in enumerate(([37, 50], [150, 90], [20, 60], [100, 30], [260, 5])):
         batch = _padded(V, lengths, seed=i)
         states = []
-        for run_step, b in ((graph, batch), (eager, step.pad_to_bucket(batch, 2048, step.BUCKET) if dropout else batch)):
+        eager_batch = step.pad_to_bucket(batch, 2048, step.BUCKET) if dropout else batch
+        for run_step, b in ((graph, batch), (eager, eager_batch)):
             torch.cuda.manual_seed(i)  # the graph first: a new bucket's offload buffers grow inside its capture
             states.append(_run(run_step, params, b) + (torch.cuda.get_rng_state(dev),))
         (loss_g, grads_g, rng_g), (loss_e, grads_e, rng_e) = states

@@ -235,9 +235,12 @@ def test_plain_lines_without_a_terminal(run_model, dataset, tmp_path, capsys, mo
         skipped[0] += pause
         return real(*a, **k)
 
+    def shifted(clock):  # the real clock, plus the pauses of the evaluations so far
+        return lambda: clock() + skipped[0]
+
     monkeypatch.setattr(train, "evaluate", slow_evaluate)
     for name in ("time", "perf_counter", "monotonic"):
-        monkeypatch.setattr(time, name, lambda clock=getattr(time, name): clock() + skipped[0])
+        monkeypatch.setattr(time, name, shifted(getattr(time, name)))
     out = tmp_path / "out"
     assert train.cli(args(run_model, dataset, out, "--eval-every", "2")) == 0
     stdout = capsys.readouterr().out
@@ -248,7 +251,8 @@ def test_plain_lines_without_a_terminal(run_model, dataset, tmp_path, capsys, mo
     for line in lines:
         assert re.fullmatch(r"step \d/3 \| loss [\d.]+ \| lr [\d.e+-]+ \| grad norm [\d.]+ \| "
                             r"\d+(\.\d[kM])? tok/s \| RSS \d+\.\d\d GiB( \| ETA [\d.]+ (s|min|h))?", line), line
-    assert ["ETA" in line for line in lines] == [False, True, False], "the time left, once a step after the first is timed"
+    assert ["ETA" in line for line in lines] == [False, True, False], ("the time left, once a step after the first "
+                                                                        "is timed")
     first = next(r for r in read_metrics(out) if "loss" in r)
     counted = 2 * 96 / first["tokens_per_s"]  # the seconds that step 1's rate counts (2 packed rows of 96)
     assert counted < pause, f"step 1's rate counts {counted:.2f} s: the {pause} s eval before it is in it"

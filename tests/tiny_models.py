@@ -36,7 +36,8 @@ def hf_config(family):
         return tf.Gemma3TextConfig(**{**SMALL, "num_hidden_layers": 3}, head_dim=24, sliding_window=8,
                                    query_pre_attn_scalar=20,
                                    layer_types=["sliding_attention", "sliding_attention", "full_attention"],
-                                   rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                   rope_parameters={"sliding_attention": {"rope_type": "default",
+                                                                          "rope_theta": 10000.0},
                                                     "full_attention": {"rope_type": "linear", "factor": 4.0,
                                                                        "rope_theta": 1000000.0}})
     raise KeyError(family)

@@ -422,7 +422,8 @@ class Run:
             return None, "time budget spent"
         log(f"building the random-init {shape} checkpoint in {folder} ...")
         t0 = time.time()
-        argv = ["--make-checkpoint", shape, "--cache-dir", self.args.cache_dir] + (["--smoke"] if self.args.smoke else [])
+        argv = (["--make-checkpoint", shape, "--cache-dir", self.args.cache_dir]
+                + (["--smoke"] if self.args.smoke else []))
         r = spawn(argv, self.left())
         if r.get("status") != "ok":
             return None, f"checkpoint build {r.get('status')}: {r.get('reason')} {r.get('traceback', '')}"
@@ -569,7 +570,7 @@ class Run:
             deadline = time.time() + self.left() / (len(targets) - i)
             probes = []
 
-            def fits(T):
+            def fits(T, case=case, deadline=deadline, probes=probes):
                 if time.time() >= deadline:
                     return None
                 r = spawn(self.case_argv(shape, case, "sdpa" if case == "hf" else "-", "on", 1, T, 0, 1),
@@ -656,8 +657,8 @@ TRAIN_HEADER = ("| shape | packing | ckpt | steps | status | tokens/s (all steps
 
 def train_row(r):
     return (f"| {r['shape']} | {r['packing']} | {r['ckpt']} | {r['steps']} | {status_text(r)} | "
-            f"{fmt(r, 'tokens_per_s', ',.0f')} | {fmt(r, 'wall_s', '.0f')} | {fmt(r, 'peak_mem_bytes', '.2f', 2 ** -30)} "
-            f"| {fmt(r, 'loss_final', '.3f')} |")
+            f"{fmt(r, 'tokens_per_s', ',.0f')} | {fmt(r, 'wall_s', '.0f')} | "
+            f"{fmt(r, 'peak_mem_bytes', '.2f', 2 ** -30)} | {fmt(r, 'loss_final', '.3f')} |")
 
 
 def peer_rows(folder) -> list[dict]:
@@ -880,7 +881,8 @@ def main():
             else:
                 res = run_case(args)
         except Exception as e:
-            res = {"status": "error", "reason": f"{type(e).__name__}: {e}"[:500], "traceback": traceback.format_exc()[-3000:]}
+            res = {"status": "error", "reason": f"{type(e).__name__}: {e}"[:500],
+                   "traceback": traceback.format_exc()[-3000:]}
         with open(args.json_out, "w") as f:
             json.dump(res, f)
         return

@@ -40,9 +40,12 @@ def padded_lengths(rng, B=4):
 
 
 def main():
-    cases = [("off", "causal", "cuDNN first (nanotune)", NANOTUNE, True), ("off", "causal", "flash first", FLASH_FIRST, True),
-             ("on", "causal", "cuDNN first (nanotune)", NANOTUNE, True), ("on", "causal", "flash first", FLASH_FIRST, True),
-             ("on", "padded", "flash varlen (nanotune)", NANOTUNE, True), ("on", "padded", "dense mask", NANOTUNE, False)]
+    cases = [("off", "causal", "cuDNN first (nanotune)", NANOTUNE, True),
+             ("off", "causal", "flash first", FLASH_FIRST, True),
+             ("on", "causal", "cuDNN first (nanotune)", NANOTUNE, True),
+             ("on", "causal", "flash first", FLASH_FIRST, True),
+             ("on", "padded", "flash varlen (nanotune)", NANOTUNE, True),
+             ("on", "padded", "dense mask", NANOTUNE, False)]
     for folder in gpu_folders(__doc__, "compare_sdpa_backends.py"):
         for ckpt, case, variant, order, varlen in cases:
             transformer.CAUSAL_BACKENDS[:] = order

@@ -180,7 +180,8 @@ def time_steps(step, batches: Iterator[Batch], *, warmup, steps, device) -> dict
     res = {"step_times_s": times, "step_tokens": tokens, "median_step_s": median, "tokens_per_s": tokens_per_s,
            "loss_first": losses[0], "loss_final": losses[-1]}
     if cuda:
-        res.update(peak_mem_bytes=torch.cuda.max_memory_allocated(), peak_reserved_bytes=torch.cuda.max_memory_reserved())
+        res.update(peak_mem_bytes=torch.cuda.max_memory_allocated(),
+                   peak_reserved_bytes=torch.cuda.max_memory_reserved())
     return res
 
 

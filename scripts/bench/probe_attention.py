@@ -28,7 +28,7 @@ dev = "cuda"
 
 def docs_for(B, T, lo, hi, rng):
     doc_ids, lengths = [], []
-    for b in range(B):
+    for _ in range(B):
         row, d = [], 0
         while len(row) < T:
             n = min(rng.randint(lo, hi), T - len(row))
@@ -110,7 +110,7 @@ def case(name, B, T, Hq, Hk, D, lo, hi, seed=0):
     }
     print(f"{name} B{B} T{T} Hq{Hq} Hk{Hk} D{D} docs {len(lengths)} (len {lo}-{hi}, max {maxdoc}) |"
           f" mask {t_mask*1e3:.0f} ms,"
-          f" flex first call {t_first:.2f} s | diff vs flex out/dq/dk/dv {['%.3g' % d for d in diffs]}", flush=True)
+          f" flex first call {t_first:.2f} s | diff vs flex out/dq/dk/dv {[f'{d:.3g}' for d in diffs]}", flush=True)
     for k_, v_ in r.items():
         print(f"   {k_}: {v_:.3f} ms", flush=True)
 
@@ -123,7 +123,7 @@ def causal(name, B, T, Hq, Hk, D):
     dout = torch.randn(B, Hq, T, D, device=dev, dtype=torch.bfloat16, generator=g)
     out = {}
     for be in (SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION, SDPBackend.EFFICIENT_ATTENTION):
-        def f():
+        def f(be=be):
             with sdpa_kernel([be]):
                 o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
             o.backward(dout)

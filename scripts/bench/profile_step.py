@@ -1,6 +1,7 @@
 """Profile one nanotune LoRA training step on the GPU: where the time goes, and peak memory.
 
-    python scripts/bench/profile_step.py /tmp/nanotune-bench/tinyllama [--ckpt off|on|on+offload] [--batch 4 --seqlen 2048]
+    python scripts/bench/profile_step.py /tmp/nanotune-bench/tinyllama
+        [--ckpt off|on|on+offload] [--batch 4 --seqlen 2048]
 
 The folder is a random-init checkpoint such as scripts/bench/bench.py builds. Prints the
 step time (median after 3 warm-up steps), peak memory and torch.profiler's top CUDA kernels

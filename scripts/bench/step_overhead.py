@@ -17,6 +17,7 @@ fewer, larger kernels or less Python per layer will speed it up; faster kernels 
 import os
 import sys
 import time
+from functools import partial
 from itertools import repeat
 from pathlib import Path
 
@@ -48,7 +49,7 @@ def main():
                 batch = fixed_batch(step.vocab_size, B, T, "cuda")
                 ms = time_steps(step, repeat(batch), warmup=3, steps=10, device="cuda")["median_step_s"] * 1e3
                 fwd, bwd, opt = issue_ms(step, batch)
-                gpu = cuda_kernel_ms(lambda: step(batch))
+                gpu = cuda_kernel_ms(partial(step, batch))
                 print(f"{os.path.basename(folder)} {B}x{T} ckpt {ckpt}: step {ms:.1f} ms | "
                       f"CPU issue fwd {fwd:.1f} + bwd {bwd:.1f} + opt {opt:.1f} ms | GPU kernel {gpu:.1f} ms",
                       flush=True)
