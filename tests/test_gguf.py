@@ -22,7 +22,8 @@ import train  # noqa: E402
 from model import LoRAConfig, LoRALinear, load_model, load_tokenizer, read_config  # noqa: E402
 from model.adapters import load_with_adapter, merge_and_save, save_adapter  # noqa: E402
 from model.config import ModelConfig  # noqa: E402
-from model.gguf import CheckpointError, gguf_config, permute_rope, read_tensor, save_gguf, scaling_from_rope_freqs  # noqa: E402
+from model.gguf import CheckpointError, gguf_config, permute_rope, read_tensor, scaling_from_rope_freqs  # noqa: E402
+from model.gguf_export import save_gguf  # noqa: E402
 from model.lora import lora_parameters, merged_weight  # noqa: E402
 from model.transformer import rope_inv_freq  # noqa: E402
 from tests.helpers import assert_close, randomize_lora_b, rel_err, run_script, run_script_here  # noqa: E402

@@ -12,7 +12,8 @@ gguf = pytest.importorskip("gguf", reason="the optional gguf package is not inst
 
 from model import LoRAConfig, load_model, load_tokenizer  # noqa: E402
 from model.adapters import save_adapter  # noqa: E402
-from model.gguf import PRE_TOKENIZER_NAMES, save_gguf  # noqa: E402
+from model.gguf import PRE_TOKENIZER_NAMES  # noqa: E402
+from model.gguf_export import save_gguf  # noqa: E402
 from tests.tiny_models import make_run_folder  # noqa: E402
 
 TEXTS = ["Hello world's WE'LL 12345 3.14", "  two  spaces\n\n\ttab", "<|im_start|>user\nhi<|im_end|>"]

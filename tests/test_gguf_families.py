@@ -11,7 +11,7 @@ gguf = pytest.importorskip("gguf", reason="the optional gguf package is not inst
 
 from model import LoRAConfig, load_model, load_tokenizer, read_config  # noqa: E402
 from model.adapters import merge_and_save  # noqa: E402
-from model.gguf import save_gguf  # noqa: E402
+from model.gguf_export import save_gguf  # noqa: E402
 from tests.helpers import randomize_lora_b, rel_err  # noqa: E402
 from tests.tiny_tokenizer import make_test_tokenizer  # noqa: E402
 

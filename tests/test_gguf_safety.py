@@ -14,7 +14,7 @@ pytest.importorskip("gguf", reason="the optional gguf package is not installed: 
 from model import LoRAConfig, load_model, load_tokenizer  # noqa: E402
 from model.adapters import load_adapter, load_with_adapter, read_adapter_config, save_adapter  # noqa: E402
 from model.files import atomic_path  # noqa: E402
-from model.gguf import save_gguf  # noqa: E402
+from model.gguf_export import save_gguf  # noqa: E402
 from tests.helpers import ROOT, run_script  # noqa: E402
 from tests.tiny_models import make_run_folder  # noqa: E402
 

@@ -133,7 +133,7 @@ def test_sentencepiece_export_round_trip(tmp_path, family, add_space_prefix):
     (tokenizer.ggml.model "llama", the same tokens and types, scores that rank merges the same), and
     the file's tokenizer gives the folder's ids."""
     from model import load_model
-    from model.gguf import save_gguf
+    from model.gguf_export import save_gguf
     folder, (pieces, scores, types) = spm_folder(tmp_path / "hf", add_space_prefix, family)
     tok = load_tokenizer(folder)
     path = save_gguf(load_model(folder)[0], tok, str(tmp_path / "m.gguf"), ftype="f32")
