@@ -10,15 +10,12 @@ adapter in PEFT's format, and manifest.json. It is written into step-N.tmp/ and 
 interrupted save leaves every earlier checkpoint whole. What is guaranteed, and the tests: docs/reliability.md.
 """
 import dataclasses
-import hashlib
 import os
-import random
 import re
 import shutil
 import tempfile
 import time
 
-import numpy as np
 import torch
 from safetensors import SafetensorError
 
@@ -35,6 +32,8 @@ from statefiles import (
     Damaged,
     check_manifest,
     read_state,
+    rng_state,
+    set_rng_state,
     write_manifest,
     write_state,
 )
@@ -54,16 +53,6 @@ CARD_OPTIONS = ("method", "max_steps", "batch_size", "grad_accum", "max_len", "p
 WRITE_ERRORS = (OSError, SafetensorError, ValueError)
 
 
-def fingerprint(encoded):
-    """sha256 of tokenized examples [(ids, loss mask), ...] in order: a resume checks it trains on the same data."""
-    h = hashlib.sha256()
-    for ids, mask in encoded:
-        h.update(len(ids).to_bytes(8, "little"))
-        h.update(np.asarray(ids, dtype=np.int64).tobytes())
-        h.update(np.asarray(mask, dtype=np.uint8).tobytes())
-    return h.hexdigest()
-
-
 def same_model(a, b):
     """Two --model strings name the same model when they differ only in spelling of the path (a trailing /, ./)."""
     return a == b or os.path.normpath(a) == os.path.normpath(b)
@@ -77,30 +66,6 @@ def nonfinite(model, optimizer=None):
         state = optimizer.state.get(p, {}) if optimizer is not None else {}
         tensors += [(f"{name} (optimizer {k})", v) for k, v in state.items() if torch.is_tensor(v)]
     return [name for name, t in tensors if not bool(torch.isfinite(t).all())]
-
-
-def rng_state():
-    """Every random stream the loop draws from (dropout): torch's CPU and CUDA generators and Python's."""
-    return {"torch": torch.get_rng_state(), "python": random.getstate(),
-            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
-
-
-def set_rng_state(state):
-    torch.set_rng_state(state["torch"])
-    version, internal, gauss = state["python"]  # JSON gives lists where getstate() gave tuples
-    random.setstate((version, tuple(internal), gauss))
-    if state["cuda"] is not None and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-
-
-def position(batches):
-    """Where the run stands in its data and random streams; rewind() returns to it."""
-    return batches.state_dict(), rng_state()
-
-
-def rewind(batches, pos):
-    batches.load_state_dict(pos[0])
-    set_rng_state(pos[1])
 
 
 def lora_mismatch(lora, model):

@@ -13,9 +13,10 @@ import stat
 
 import torch
 
-from checkpoint import Checkpoints, rewind
+from checkpoint import Checkpoints
 from config import UserError
 from memory import memory_fixes
+from statefiles import rewind
 
 
 class StopSignals:

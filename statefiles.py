@@ -2,6 +2,7 @@
 
     write_state(folder, ck); write_manifest(folder)      # save: the state, then every file's sha256
     check_manifest(folder); ck = read_state(folder)      # resume: verify, then read; Damaged if it cannot be used
+    fingerprint(examples); rng_state(); position(batches)  # what a checkpoint records of the data and the run
 
 `ck` is a dict of CHECKPOINT_KEYS: tensors (the LoRA weights, the optimizer's moments, the RNG states) go to
 tensors.safetensors, everything else to state.json, so reading a checkpoint that someone else wrote runs none
@@ -11,7 +12,9 @@ can write the folder: they can rewrite it too, and what they can then change is 
 import hashlib
 import json
 import os
+import random
 
+import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
@@ -135,3 +138,39 @@ def check_manifest(folder):
         if sha256_file(path) != digest:
             raise Damaged(f"{name} does not match its sha256 in {MANIFEST}: it changed after it was written")
 
+
+# ----------------------------------------------------------------------------- what the state records
+
+
+def fingerprint(encoded):
+    """sha256 of tokenized examples [(ids, loss mask), ...] in order: a resume checks it trains on the same data."""
+    h = hashlib.sha256()
+    for ids, mask in encoded:
+        h.update(len(ids).to_bytes(8, "little"))
+        h.update(np.asarray(ids, dtype=np.int64).tobytes())
+        h.update(np.asarray(mask, dtype=np.uint8).tobytes())
+    return h.hexdigest()
+
+
+def rng_state():
+    """Every random stream the loop draws from (dropout): torch's CPU and CUDA generators and Python's."""
+    return {"torch": torch.get_rng_state(), "python": random.getstate(),
+            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
+
+
+def set_rng_state(state):
+    torch.set_rng_state(state["torch"])
+    version, internal, gauss = state["python"]  # JSON gives lists where getstate() gave tuples
+    random.setstate((version, tuple(internal), gauss))
+    if state["cuda"] is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def position(batches):
+    """Where the run stands in its data and random streams; rewind() returns to it."""
+    return batches.state_dict(), rng_state()
+
+
+def rewind(batches, pos):
+    batches.load_state_dict(pos[0])
+    set_rng_state(pos[1])

@@ -30,7 +30,7 @@ import torch
 from tqdm import tqdm
 
 import data
-from checkpoint import Checkpoints, fingerprint, position, same_model
+from checkpoint import Checkpoints, same_model
 from config import UserError, check_model_fit, choose_dtype, parse_args, pick_device, run_length, with_hardware_defaults
 from distributed import any_rank, distributed, sum_over_ranks
 from evaluation import Samples, evaluate, log_eval
@@ -42,6 +42,7 @@ from model.lora import lora_parameters
 from precision import LossScaler, nonfinite_step
 from preference import num_pairs
 from runlog import Progress, RunLog, log_step, peak_memory
+from statefiles import fingerprint, position
 from step import EagerStep, GraphStep, WarmStart, graphs_off_reason, shortest_bucket
 
 
