@@ -157,3 +157,18 @@ def test_bench_smoke_every_case_trains(cache_dir):
     for r in rows:
         assert r["status"] == "ok", r
         assert r["loss_final"] < r["loss_first"], r
+
+
+def test_bench_dpo_times_a_dpo_run(run_model, tmp_path):
+    """scripts/bench/bench_dpo.py runs train.py --method dpo on pairs of the asked lengths, one pair a row, and
+    reports a step time from train.py's own count: padded tokens a step = pairs x the row length."""
+    out = tmp_path / "dpo.json"
+    proc = subprocess.run([sys.executable, "scripts/bench/bench_dpo.py", "--model", run_model, "--out", str(out),
+                           "--pairs-per-step", "2", "--prompt-len", "24", "--completion-len", "16", "--steps", "2",
+                           "--warmup", "1", "--", "--device", "cpu", "--dtype", "fp32"],
+                          cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    r = json.loads(out.read_text())
+    assert r["tokens_per_s_padded"] == pytest.approx(2 * r["max_len"] / r["step_s_median"])
+    assert r["tokens_per_s_real"] < r["tokens_per_s_padded"] and r["loss_first"] == pytest.approx(0.6931, abs=1e-3)
+    assert "data: 22 pairs of 22" in r["header"]
