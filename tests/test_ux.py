@@ -571,3 +571,17 @@ def test_tokenizing_shows_a_bar_on_a_terminal(run_model, tmp_path, monkeypatch):
     data.load_datasets(load_tokenizer(run_model), data=str(path), num_proc=1, log=logs.append)
     assert "data: tokenizing" in screen.getvalue() and f"/{len(rows)}" in screen.getvalue()
     assert not any(re.match(r"data: tokenized \d+/", line) for line in logs), logs
+
+
+def test_resuming_a_finished_run_says_it_is_complete(run_model, dataset, tmp_path, capsys):
+    """--resume auto on a run that has reached --max-steps and written its adapter: one line that it is complete,
+    exit 0, and nothing redone (no eval, no new record, the adapter untouched)."""
+    out = tmp_path / "out"
+    assert train.cli(args(run_model, dataset, out, "--eval-fraction", "0.2")) == 0
+    records, adapter = (out / "metrics.jsonl").read_text(), (out / "adapter" / "adapter_model.safetensors").stat()
+    capsys.readouterr()
+    assert train.cli(args(run_model, dataset, out, "--eval-fraction", "0.2", "--resume", "auto")) == 0
+    stdout = capsys.readouterr().out
+    assert f"the run in {out} is complete (3 of 3 steps, adapter in {out / 'adapter'}); nothing to do" in stdout
+    assert "eval step" not in stdout and (out / "metrics.jsonl").read_text() == records
+    assert (out / "adapter" / "adapter_model.safetensors").stat().st_mtime_ns == adapter.st_mtime_ns
