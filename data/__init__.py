@@ -42,6 +42,7 @@ from data.formats import (
     alpaca_messages,
     encode_example,
     held_out_prompt,
+    prompt_and_answer,
     template_roles,
     use_chat_template,
 )
@@ -55,7 +56,8 @@ from data.sources import _is_builtin, _records, load_examples, parse_columns
 __all__ = ["CHUNK", "EVAL_FEW", "IGNORE_INDEX", "PAD_PIECE", "Batches", "_TASKS", "_builtin_examples", "_records",
            "_row", "_split", "_stack", "alpaca_messages", "answer_accuracy", "builtin_dataset", "default_cache_dir",
            "encode_example", "eval_batches", "held_out_prompt", "load_datasets", "load_examples", "load_pairs",
-           "num_targets", "pack", "pad_batch", "PairBatches", "pair_eval_batches", "template_roles",
+           "num_targets", "pack", "pad_batch", "prompt_and_answer",
+           "PairBatches", "pair_eval_batches", "template_roles",
            "use_chat_template"]
 
 

@@ -400,6 +400,25 @@ def _common_prefix_len(a, b):
 # ----------------------------------------------------------------------------- held-out prompts, --chat-template
 
 
+def _last_trained(trained):
+    """The index of a chat's last trained (assistant) message: the answer that held-out prompts stop before."""
+    return max(i for i, t in enumerate(trained) if t)
+
+
+def prompt_and_answer(example, tokenizer, system_prompt=None):
+    """(the prompt, the row's answer) as a preference pair holds them (data/preference.py): with a chat template,
+    the messages before the last trained one and that message's content; without, the text before the answer
+    and the answer. None for a row with no prompt before its answer, or with targets inside its prompt."""
+    layout = _layout(example, tokenizer, system_prompt)
+    if layout[0] == "chat":
+        messages, last = layout[1], _last_trained(layout[2])
+        return messages[:last], messages[last]["content"]
+    pieces = layout[1]  # [(text, is_data, is_target)]: only the last piece is the answer, or there is no prompt
+    if len(pieces) < 2 or any(target for _, _, target in pieces[:-1]):
+        return None
+    return "".join(text for text, _, _ in pieces[:-1]), pieces[-1][0]
+
+
 def held_out_prompt(example, tokenizer, system_prompt=None):
     """(question, prompt ids, expected answer) of a row, to sample the model's answer: the row is encoded as
     for training and cut before its last run of target tokens, which is the expected answer (without EOS).
@@ -413,8 +432,7 @@ def held_out_prompt(example, tokenizer, system_prompt=None):
     if start <= (ids[:1] == [tokenizer.bos_id]):  # nothing but BOS before the answer
         return None
     if layout[0] == "chat":
-        messages, trained = layout[1], layout[2]
-        last = max(i for i, t in enumerate(trained) if t)
+        messages, last = layout[1], _last_trained(layout[2])
         question = next((m["content"] for m in reversed(messages[:last]) if m["role"] == "user"), "")
     else:
         prompt = [(text, is_data) for text, is_data, is_target in layout[1] if not is_target]

@@ -31,27 +31,11 @@ from tqdm import tqdm
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root, for `model`
 
 from cli import HelpFormatter, add_tokenizer, auto_device, run_tool  # noqa: E402
-from data import held_out_prompt, load_examples  # noqa: E402
-from data.formats import _layout  # noqa: E402
+from data import held_out_prompt, load_examples, prompt_and_answer  # noqa: E402
 from model import load_tokenizer  # noqa: E402
 from model.adapters import load_with_adapter  # noqa: E402
 from model.files import atomic_file, check_new_output  # noqa: E402
 from model.generate import generate, stop_ids  # noqa: E402
-
-
-def pair_prompt(row, tokenizer):
-    """(the prompt as a pair row holds it, the row's exact answer): with a chat template, the messages before
-    the last trained one and that message's content; without, the text before the row's answer and the answer.
-    None for a row with no prompt before its answer (plain text)."""
-    layout = _layout(row, tokenizer)
-    if layout[0] == "chat":
-        messages, trained = layout[1], layout[2]
-        last = max(i for i, t in enumerate(trained) if t)
-        return messages[:last], messages[last]["content"]
-    pieces = layout[1]  # [(text, is_data, is_target)]: only the last piece is the answer, or there is no prompt
-    if len(pieces) < 2 or any(target for _, _, target in pieces[:-1]):
-        return None
-    return "".join(text for text, _, _ in pieces[:-1]), pieces[-1][0]
 
 
 def greedy_answers(model, tokenizer, mcfg, rows, max_new_tokens, desc):
@@ -74,7 +58,7 @@ def make_pairs(model, tokenizer, mcfg, rows, max_new_tokens):
     answered = greedy_answers(model, tokenizer, mcfg, rows, max_new_tokens, "answering")
     pairs, counts = [], {"rows": len(rows), "no_prompt": len(rows) - len(answered), "same": 0, "empty": 0}
     for row, _, answer in answered:
-        prompt, reference = pair_prompt(row, tokenizer)
+        prompt, reference = prompt_and_answer(row, tokenizer)
         if not answer.strip() or answer.strip() == reference.strip():
             counts["empty" if not answer.strip() else "same"] += 1
             continue
@@ -89,7 +73,7 @@ def make_pairs(model, tokenizer, mcfg, rows, max_new_tokens):
 def exact_matches(model, tokenizer, mcfg, rows, max_new_tokens, desc):
     """(how many rows the model answers exactly, greedy, the same text after strip; how many were asked)."""
     answered = greedy_answers(model, tokenizer, mcfg, rows, max_new_tokens, desc)
-    right = sum(answer.strip() == pair_prompt(row, tokenizer)[1].strip() for row, _, answer in answered)
+    right = sum(answer.strip() == prompt_and_answer(row, tokenizer)[1].strip() for row, _, answer in answered)
     return right, len(answered)
 
 
