@@ -37,16 +37,18 @@ variable-length kernels) are bucketed too: their count is padded with empty docu
 of two and their longest length rounded up to one, both part of the graph's key. A run thus
 captures a few graphs, lazily, all in one memory pool.
 
-The run's first capture needs a warm-up on a side stream first (PyTorch's lazy initialisation must
-not happen inside a capture): one eager run of the real step on the real batch, whose gradients
-are removed again before the first replay. Later captures, of other shapes, go without: inside
-them the kernels for the new shapes load, and the activation offload grows its pinned buffers,
-as the GPU tests of a bucket change check.
+What PyTorch initialises lazily (cuBLAS and cuDNN handles, the autograd engine's threads) must not
+start inside a capture: a step must have run in the process before the first capture. Where none has,
+the run's first step is issued eagerly, on a side stream, as a real step, and its shape is captured
+at its next use. Later captures, of other shapes, go without: inside them the kernels for the new
+shapes load, and the activation offload grows its pinned buffers, as the GPU tests of a bucket
+change check.
 
 What a process does once, at its first step (Triton's start, each CUDA kernel's first load), runs
 earlier, beside the model's loading: `WarmStart` steps a one-layer copy of the model in a thread.
-After it, the first capture goes without the warm-up (`GraphStep(..., warmed=True)`), and warms up
-and captures again only if that capture fails.
+After it, the first step is captured and replayed at once (`GraphStep(..., warmed=True)`). Where
+that capture fails (something still starts inside it), a warm-up on a side stream runs the step
+eagerly, its gradients are removed again, and the step is captured once more.
 """
 import dataclasses
 import sys
@@ -130,7 +132,7 @@ class GraphStep:
         self.params = list(params)
         self.max_len = max_len
         self.shortest = shortest  # the shortest length bucket (`shortest_bucket`)
-        self.warmed = warmed  # a WarmStart has run a training step in this process: see _record_unwarmed
+        self.warmed = warmed  # a training step has run in this process (a WarmStart's): see _record_first
         self.log = log  # says once why the run goes on eagerly, if a capture fails
         self.graphs = {}  # (B, T[, documents + 1, their max_len]) -> _Graph
         self.pool = None  # one memory pool for every graph: they never run at the same time
@@ -144,6 +146,8 @@ class GraphStep:
         batch = {**batch, "docs": docs}
         shape = (*batch["input_ids"].shape, *(() if docs is None else (len(docs.cu_seqlens), docs.max_len)))
         g = self.graphs.get(shape)
+        if g is None and not self.warmed:
+            return self._first_step(batch, num_targets, loss_mult)
         if g is None:
             try:
                 g = self.graphs[shape] = self._capture(batch, num_targets, loss_mult)
@@ -162,6 +166,15 @@ class GraphStep:
         """The graphs add into fixed .grad buffers: zeroed in place, never freed."""
         optimizer.zero_grad(set_to_none=False)
 
+    def _first_step(self, batch, num_targets, loss_mult):
+        """The process's first step, where no WarmStart has run: issued eagerly on a side stream (`warm_up`), as a
+        real step whose gradients and dropout draws are kept. It starts what PyTorch initialises lazily, which must
+        not start inside a capture, at the cost of one step, where a warm-up thrown away and then a replay would
+        cost two: the first step of a long-context run, seconds to minutes, takes as long as the others. The
+        shape's graph is captured at its next use."""
+        self.warmed = True
+        return warm_up(lambda: self.eager(batch, num_targets, loss_mult))
+
     def _capture(self, batch, num_targets, loss_mult):
         g = _Graph(batch, self.device)
         g.load(batch, num_targets, loss_mult)
@@ -169,7 +182,7 @@ class GraphStep:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
         if self.pool is None:  # the run's first capture
-            if self.warmed and self._record_unwarmed(g):
+            if self._record_first(g):  # a step has run in this process (see __call__)
                 return g
             self._warm_up(g)
             self.pool = torch.cuda.graph_pool_handle()
@@ -179,9 +192,10 @@ class GraphStep:
     def _record(self, g):
         g.loss = capture(g.graph, lambda: self._step(g), self.pool)
 
-    def _record_unwarmed(self, g):
-        """The first capture without the warm-up, after a WarmStart: that step has started the autograd engine's
-        backward thread and made its handles, and this thread's cuBLAS handle is made here. Whether it worked:
+    def _record_first(self, g):
+        """The first capture without the warm-up, after a WarmStart's step or the run's first (eager) step: that
+        step has started the autograd engine's backward thread and made its handles, and this thread's cuBLAS
+        handle is made here. Whether it worked:
         where something else still starts inside the capture, the capture fails, and the caller warms up and
         captures again (the failed capture ran nothing: the gradients and the generator's state are as they were)."""
         with torch.cuda.device(self.device):
