@@ -11,8 +11,9 @@ import torch
 
 import data
 import preference
+import step
 import train
-from data.preference import pack_pairs, pad_pairs, with_sequences
+from data.preference import PairBatches, pack_pairs, pad_pairs, with_sequences
 from model import LoRAConfig, load_model
 from model.lora import adapters_disabled, lora_parameters
 from tests.helpers import randomize_lora_b, read_metrics, rel_err, untimed
@@ -113,6 +114,113 @@ def test_no_completion_token_gives_zero_loss_and_gradients(policy, method):
     loss, grads, _ = loss_and_grads(policy, method, batch)
     assert loss.item() == 0.0
     assert all(torch.isfinite(g).all() and not g.any() for g in grads)
+
+
+def trimmed(batch):
+    """`batch` without its pair slots that hold no pair (and so as with_sequences made it before it had slots)."""
+    n = 2 * preference.num_pairs(batch)
+    return {**batch, **{k: batch[k][:n] for k in ("seq_lengths", "ref_logps") if k in batch}}
+
+
+@pytest.mark.parametrize("method", preference.METHODS)
+@pytest.mark.parametrize("layout", ["packed", "padded"])
+def test_empty_pair_slots_change_nothing(policy, method, layout):
+    """A micro-batch has a power of two of pair slots (one shape per bucket for the CUDA graphs); the slots without a
+    pair leave the loss, the gradients and the metrics as they are without them, and num_pairs does not count them."""
+    encoded = sides(3)
+    if layout == "packed":
+        rows, pairs = pack_pairs(encoded, 96, pad_id=0)
+        batch = with_sequences(rows, 2 * pairs)
+    else:
+        batch = pad_pairs(encoded, pad_id=0)
+    assert batch["seq_lengths"].shape == (8,) and not batch["seq_lengths"][6:].any()
+    assert preference.num_pairs(batch) == 3
+    loss, grads, metrics = loss_and_grads(policy, method, batch)
+    loss_t, grads_t, metrics_t = loss_and_grads(policy, method, trimmed(batch))
+    assert rel_err(loss, loss_t) < 1e-6
+    for a, b in zip(grads, grads_t):
+        assert rel_err(a, b) < 1e-6
+    for k in metrics:
+        assert metrics[k] == pytest.approx(metrics_t[k], rel=1e-6, abs=1e-7)
+
+
+def pair_batches(encoded, packing, ref_logps=None):
+    batches = PairBatches(encoded, batch_size=2, max_len=48, pad_id=0, packing=packing, seed=3)
+    batches.ref_logps = ref_logps
+    return batches
+
+
+@pytest.mark.parametrize("method", ["dpo", "ipo"])
+@pytest.mark.parametrize("packing", [True, False], ids=["packed", "padded"])
+def test_precomputed_reference_equals_the_reference_forward(policy, method, packing):
+    """--precompute-ref: the reference log-probabilities computed once per pair (in eval batches, adapters off) and
+    carried by the training batches give the loss, the gradients and the metrics of the reference forward at every
+    step, for every batch of an epoch (shuffled: each pair's log-probabilities go with that pair)."""
+    encoded = sides(7, seed=1)
+    evals = data.pair_eval_batches(encoded, batch_size=2, max_len=48, pad_id=0, packing=packing)
+    lines = []
+    ref = preference.reference_logps(policy, evals, torch.device("cpu"), log=lines.append)
+    assert ref.shape == (14,) and "reference log-probabilities of 7 pairs precomputed in" in lines[0]
+    plain, precomputed = pair_batches(encoded, packing), pair_batches(encoded, packing, ref)
+    for _ in range(len(plain)):
+        batch, batch_r = next(plain), next(precomputed)
+        assert "ref_logps" not in batch and batch_r["ref_logps"].shape == batch_r["seq_lengths"].shape
+        loss, grads, metrics = loss_and_grads(policy, method, batch)
+        loss_r, grads_r, metrics_r = loss_and_grads(policy, method, batch_r)
+        assert rel_err(loss_r, loss) < 1e-5
+        for a, b in zip(grads_r, grads):
+            assert rel_err(a, b) < 1e-5
+        assert abs(metrics["rewards/margins"]) > 1e-3  # the reference differs from the policy
+        for k in metrics:
+            assert metrics_r[k] == pytest.approx(metrics[k], rel=1e-5, abs=1e-6), k
+
+
+@pytest.mark.parametrize("packing", [True, False], ids=["packed", "padded"])
+@pytest.mark.parametrize("precomputed", [False, True], ids=["reference-forward", "precomputed-reference"])
+def test_graph_body_of_a_preference_step_matches_eager(policy, packing, precomputed):
+    """What a CUDA graph records for a DPO step (step.py's GraphStep body, uncaptured on the CPU), on the batch
+    padded to its length bucket, twice in a row: the eager step's loss, its gradients accumulated, and its metrics
+    accumulated in the Objective's buffer (read once by take)."""
+    encoded = sides(4, seed=2)
+    ref = None
+    if precomputed:
+        evals = data.pair_eval_batches(encoded, batch_size=2, max_len=48, pad_id=0, packing=packing)
+        ref = preference.reference_logps(policy, evals, torch.device("cpu"), log=lambda *a: None)
+    batch = next(pair_batches(encoded, packing, ref))
+    n = preference.num_pairs(batch)
+    params = [p for _, p in lora_parameters(policy)]
+    loss, want, metrics = loss_and_grads(policy, "dpo", batch)
+    objective = preference.Objective("dpo", **OPTIONS["dpo"])
+    body = step.GraphStep(policy, torch.device("cpu"), params, max_len=128, loss_fn=objective)
+    padded = step.pad_to_bucket(batch, 128)
+    assert padded["seq_ids"].shape == padded["input_ids"].shape == (len(batch["input_ids"]), 128)
+    assert padded["seq_lengths"] is batch["seq_lengths"]
+    g = SimpleNamespace(batch={**padded, "docs": None}, num_targets=torch.tensor(float(n)),
+                        loss_mult=torch.tensor(1.0))
+    policy.zero_grad()
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    for times in (1, 2):
+        got = body._step(g)
+        assert rel_err(got, loss) < 1e-5
+        for p, w in zip(params, want):
+            assert rel_err(p.grad, times * w) < 1e-5
+    twice = objective.take(2)  # loss_and_grads took the sums over 1
+    for k in metrics:
+        assert twice[k] == pytest.approx(metrics[k], rel=1e-5, abs=1e-6), k
+    assert not objective.sums.any()  # take starts the next step's sums from 0
+
+
+def test_a_copy_of_the_objective_has_sums_of_its_own(policy):
+    """The warm-ups (step.py's, WarmStart's) run a copy of the loss: its metrics never reach the run's."""
+    import copy
+    objective = preference.Objective("dpo")
+    clone = copy.copy(objective)
+    batch = pad_pairs(sides(2), pad_id=0)
+    with torch.no_grad():
+        clone(policy, batch, torch.tensor(2.0))
+    assert clone.sums.any() and not objective.sums.any()
+    assert clone.method == objective.method and clone.options == objective.options
 
 
 def test_adapters_disabled_is_the_base_model(run_model, policy):
@@ -300,6 +408,32 @@ def test_dpo_run_writes_trl_metrics_and_resumes_exactly(run_model, tmp_path):
     assert untimed(read_metrics(out)) == untimed(full)
 
 
+def test_precompute_ref_run_matches_the_reference_forward_and_resumes_exactly(run_model, tmp_path, capsys):
+    """train.py --method dpo --precompute-ref: the header says how long the reference took; the run's records equal
+    those of the run without it (to fp32 rounding); a resume from its middle checkpoint reproduces them exactly."""
+    rows = [{"prompt": f"Q: {a}+{b}=", "chosen": f" {a + b}", "rejected": f" {a * b + 1} or so"}
+            for a in range(6) for b in range(4)]
+    pairs = write_pairs(tmp_path / "pairs.jsonl", rows)
+    argv = ["--model", run_model, "--data", pairs, "--eval-fraction", "0", "--device", "cpu", "--dtype", "fp32",
+            "--no-kernels", "--max-len", "64", "--batch-size", "2", "--max-steps", "4", "--warmup-steps", "1",
+            "--save-every", "2", "--keep-checkpoints", "0", "--lr", "3e-3", "--method", "dpo"]
+    assert train.cli(argv + ["--out-dir", str(tmp_path / "plain")]) == 0
+    out = tmp_path / "pre"
+    assert train.cli(argv + ["--out-dir", str(out), "--precompute-ref"]) == 0
+    assert "reference log-probabilities of 24 pairs precomputed in" in capsys.readouterr().out
+    plain, full = untimed(read_metrics(tmp_path / "plain")), untimed(read_metrics(out))
+    steps = [r for r in full if "loss" in r]
+    assert len(steps) == 4 and steps[-1]["rewards/margins"] != 0
+    for a, b in zip(steps, [r for r in plain if "loss" in r]):
+        assert a.keys() == b.keys()
+        for k in preference.METRICS + ("loss", "grad_norm"):
+            assert a[k] == pytest.approx(b[k], rel=1e-4, abs=1e-6), k
+    shutil.rmtree(out / "adapter")
+    assert train.cli(argv + ["--out-dir", str(out), "--precompute-ref", "--resume",
+                             str(out / "checkpoints" / "step-0000002")]) == 0
+    assert untimed(read_metrics(out)) == full
+
+
 def test_method_options_are_checked():
     from config import UserError, parse_args
     with pytest.raises(UserError, match="--train-on-inputs trains prompts"):
@@ -307,6 +441,9 @@ def test_method_options_are_checked():
     with pytest.raises(UserError, match="--beta must be > 0"):
         parse_args(["--method", "dpo", "--beta", "0"])
     assert parse_args(["--method", "simpo"]).objective().options["beta"] == 2.0
+    with pytest.raises(UserError, match="--method simpo has no reference model: drop --precompute-ref"):
+        parse_args(["--method", "simpo", "--precompute-ref"])
+    assert parse_args(["--method", "ipo", "--precompute-ref", "--cuda-graphs", "on"]).precompute_ref
 
 
 @pytest.mark.gpu
