@@ -81,7 +81,7 @@ def sides(n, seed=0, prompt=5, vocab=300):
 
 def loss_and_grads(model, method, batch):
     model.zero_grad()
-    objective = preference.Objective(method, **OPTIONS[method])
+    objective = preference.Objective(method, **OPTIONS[method], device=batch["input_ids"].device)
     loss = objective(model, batch, torch.tensor(float(preference.num_pairs(batch))))
     loss.backward()
     return loss.detach(), [p.grad.clone() for _, p in lora_parameters(model)], objective.take(1)
@@ -467,3 +467,79 @@ def test_fused_path_on_gpu_matches_the_reference(run_model, method):
         assert rel_err(a, b) < 5e-2
     for k in metrics_r:
         assert metrics_k[k] == pytest.approx(metrics_r[k], rel=5e-2, abs=2e-2), k
+
+
+def micro_steps(run_step, objective, params, micro):
+    """Each micro-step's loss, then the step's gradients and metrics, of the optimizer step over `micro`."""
+    for p in params:
+        p.grad.zero_()
+    n = sum(preference.num_pairs(b) for b in micro)
+    losses = [float(run_step(b, n, 1.0)) for b in micro]
+    return losses, [p.grad.clone() for p in params], objective.take(n)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("packing", [True, False], ids=["packed", "padded"])
+@pytest.mark.parametrize("ckpt", ["off", "on"])
+@pytest.mark.parametrize("precomputed", [False, True], ids=["reference-forward", "precomputed-reference"])
+def test_graphed_dpo_step_matches_eager(run_model, dtype, packing, ckpt, precomputed):
+    """A DPO micro-step replayed from a CUDA graph (step.GraphStep; the reference forward, adapters off, inside the
+    graph, or the batch's precomputed reference) gives the eager step's losses, gradients and metrics, over optimizer
+    steps of two micro-batches, across changes of pair-slot bucket (several graphs), and in replays of a graph; the
+    warm-up before the first capture adds nothing to the metrics."""
+    dev = torch.device("cuda")
+    model, _ = load_model(run_model, dtype=dtype, device=dev, lora=LoRAConfig(r=4, alpha=8.0), use_kernels=True)
+    randomize_lora_b(model, std=0.2)
+    model.gradient_checkpointing = ckpt == "on"
+    model.train()
+    params = [p for _, p in lora_parameters(model)]
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    encoded = sides(12, seed=4)
+    ref = None
+    if precomputed:
+        evals = data.pair_eval_batches(encoded, batch_size=2, max_len=48, pad_id=0, packing=packing)
+        ref = preference.reference_logps(model, evals, dev, log=lambda *a: None)
+    batches = pair_batches(encoded, packing, ref)
+    micro = [next(batches) for _ in range(len(batches))]
+    one = pad_pairs(encoded[:2], pad_id=0, ref_logps=None if ref is None else ref[:2])  # 1 slot: another bucket
+    micro = [step.pad_to_bucket(b, 48) for b in micro + [one] + micro[:3]]  # the graph's shapes, also eager
+    objective_e, objective_g = (preference.Objective("dpo", **OPTIONS["dpo"], device=dev) for _ in range(2))
+    eager = step.EagerStep(model, dev, objective_e)
+    graph = step.GraphStep(model, dev, params, max_len=48, loss_fn=objective_g)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    for i in range(0, len(micro) - 1, 2):
+        loss_e, grads_e, metrics_e = micro_steps(eager, objective_e, params, micro[i:i + 2])
+        loss_g, grads_g, metrics_g = micro_steps(graph, objective_g, params, micro[i:i + 2])
+        assert loss_g == pytest.approx(loss_e, rel=tol, abs=tol)
+        for a, b in zip(grads_g, grads_e):
+            assert rel_err(a, b) < tol
+        assert abs(metrics_e["rewards/margins"]) > 1e-3
+        for k in metrics_e:
+            assert metrics_g[k] == pytest.approx(metrics_e[k], rel=tol, abs=tol), k
+    assert len(graph.graphs) >= 2 and not graph.failed  # captured (several buckets), not fallen back to eager
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("precompute", [[], ["--precompute-ref"]], ids=["reference-forward", "precomputed-reference"])
+def test_dpo_run_with_cuda_graphs_matches_eager_run(run_model, tmp_path, capsys, precompute):
+    """train.py --method dpo on a GPU replays its steps from CUDA graphs (the header says so), and its records equal
+    those of the same run with --cuda-graphs off."""
+    rows = [{"prompt": f"Q: {a}+{b}=", "chosen": f" {a + b}", "rejected": f" {a * b + 1} or so"}
+            for a in range(6) for b in range(4)]
+    pairs = write_pairs(tmp_path / "pairs.jsonl", rows)
+    argv = ["--model", run_model, "--data", pairs, "--eval-fraction", "0", "--device", "cuda", "--dtype", "fp32",
+            "--max-len", "64", "--batch-size", "2", "--grad-accum", "2", "--max-steps", "4", "--warmup-steps", "1",
+            "--lr", "3e-3", "--method", "dpo", *precompute]
+    records = {}
+    for mode in ("on", "off"):
+        assert train.cli(argv + ["--out-dir", str(tmp_path / mode), "--cuda-graphs", mode]) == 0
+        records[mode] = [r for r in read_metrics(tmp_path / mode) if "loss" in r]
+        assert ("CUDA graphs on" if mode == "on" else "CUDA graphs off") in capsys.readouterr().out
+    assert len(records["on"]) == 4
+    for a, b in zip(records["on"], records["off"]):
+        for k in preference.METRICS + ("loss", "grad_norm", "pairs"):
+            assert a[k] == pytest.approx(b[k], rel=1e-4, abs=1e-6), k
