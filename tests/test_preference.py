@@ -211,6 +211,26 @@ def test_graph_body_of_a_preference_step_matches_eager(policy, packing, precompu
     assert not objective.sums.any()  # take starts the next step's sums from 0
 
 
+def test_a_graph_per_pair_slot_count(monkeypatch):
+    """GraphStep captures micro-batches of one row shape but other pair-slot counts as graphs of their own (a graph
+    reads buffers of fixed shapes), and keeps seq_ids, seq_lengths and ref_logps in the batch it captures."""
+    graph = step.GraphStep(None, torch.device("cpu"), [], max_len=48)
+    captured = []
+
+    def capture(batch, num_pairs, loss_mult):  # what each new shape is captured with, no GPU
+        captured.append({k: tuple(v.shape) for k, v in batch.items() if k in ("seq_ids", "seq_lengths", "ref_logps")})
+        return SimpleNamespace(load=lambda *a: None, graph=SimpleNamespace(replay=lambda: None), loss=None)
+
+    monkeypatch.setattr(graph, "_capture", capture)
+    two = pad_pairs(sides(2), pad_id=0, ref_logps=torch.zeros(4))
+    four = {**two, "seq_lengths": torch.cat([two["seq_lengths"], torch.zeros(4, dtype=torch.long)]),
+            "ref_logps": torch.zeros(8)}  # the same pairs in 4 slots
+    for batch in (two, four, two, four):
+        graph(batch, 2, 1.0)
+    assert captured == [{"seq_ids": (4, 48), "seq_lengths": (4,), "ref_logps": (4,)},
+                        {"seq_ids": (4, 48), "seq_lengths": (8,), "ref_logps": (8,)}]
+
+
 def test_a_copy_of_the_objective_has_sums_of_its_own(policy):
     """The warm-ups (step.py's, WarmStart's) run a copy of the loss: its metrics never reach the run's."""
     import copy
