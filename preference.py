@@ -114,7 +114,7 @@ class Objective:
 
     def __copy__(self):
         """The same loss with sums of its own (a warm-up's metrics are not the run's: step.py, train.py)."""
-        new = object.__new__(Objective)
+        new = object.__new__(type(self))
         new.__dict__.update(self.__dict__, sums=torch.zeros_like(self.sums))
         return new
 
