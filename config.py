@@ -108,6 +108,10 @@ class TrainConfig:
     simpo_gamma: float = field(default=0.5, metadata={"help": "simpo: the target reward margin gamma"})
     orpo_lambda: float = field(default=0.1, metadata={"help": "orpo: the weight of the odds-ratio term beside the "
                                "NLL of the chosen answer (TRL's beta)"})
+    precompute_ref: bool = field(default=False, metadata={"help": "dpo, ipo: compute the reference model's "
+                                 "log-probabilities (the base, adapters off) once per pair before training, in "
+                                 "batches, instead of a second forward at every step; computed again at every start "
+                                 "of a run, resumed ones too"})
     # --- precision and memory ---
     dtype: str = field(default="auto", metadata={"help": "auto: bf16 where the GPU has it, else fp16 on GPU; fp32 on "
                        "CPU and mps", "choices": ("auto", "bf16", "fp16", "fp32")})
@@ -201,8 +205,9 @@ class TrainConfig:
             (self.orpo_lambda >= 0, f"--orpo-lambda must be >= 0, got {self.orpo_lambda}"),
             (self.method == "sft" or not self.train_on_inputs, f"--train-on-inputs trains prompts, and --method "
              f"{self.method} compares the answers of a pair after the same prompt: drop --train-on-inputs"),
-            (self.method == "sft" or self.cuda_graphs != "on", f"--cuda-graphs on: preference steps (--method "
-             f"{self.method}) run eagerly; use --cuda-graphs auto or off"),
+            (not self.precompute_ref or self.method in ("dpo", "ipo"), f"--precompute-ref computes the reference "
+             f"model's log-probabilities of --method dpo or ipo; --method {self.method} has no reference model: drop "
+             "--precompute-ref"),
             (self.sample_every >= -1, f"--sample-every must be a number of steps, -1 (only before training and at "
                                       f"the end) or 0 (never), got {self.sample_every}"),
         ]
@@ -249,12 +254,13 @@ class TrainConfig:
                  "train_on_inputs", "max_len", "seed", "num_proc")
         return {n: getattr(self, n) for n in names}
 
-    def objective(self):
-        """The preference loss of --method (a preference.Objective), or None for sft (train.py's loss_fn)."""
+    def objective(self, device="cpu"):
+        """The preference loss of --method (a preference.Objective) on `device`, or None for sft (train.py's
+        loss_fn)."""
         if self.method == "sft":
             return None
         return Objective(self.method, beta=self.beta, label_smoothing=self.label_smoothing, gamma=self.simpo_gamma,
-                         lam=self.orpo_lambda)
+                         lam=self.orpo_lambda, device=device)
 
     def lora(self) -> LoRAConfig:
         return LoRAConfig(r=self.lora_r, alpha=self.lora_alpha, dropout=self.lora_dropout,
@@ -304,7 +310,7 @@ OPTION_GROUPS = {
     "LoRA": ("lora_r", "lora_alpha", "lora_dropout", "lora_targets", "rslora"),
     "training": ("method", "max_steps", "num_epochs", "batch_size", "grad_accum", "lr", "min_lr_ratio",
                  "warmup_steps", "weight_decay", "grad_clip", "seed", "device", "beta", "label_smoothing",
-                 "simpo_gamma", "orpo_lambda"),
+                 "simpo_gamma", "orpo_lambda", "precompute_ref"),
     "precision and memory": ("dtype", "gradient_checkpointing", "offload_activations", "loss_scale",
                              "scale_growth_interval", "max_skipped_steps"),
     "run folder": ("out_dir", "save_every", "keep_checkpoints", "resume", "resume_anyway", "overwrite",

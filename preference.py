@@ -1,20 +1,23 @@
 """Preference tuning: the DPO, IPO, SimPO and ORPO losses over a batch of (chosen, rejected) pairs.
 
-    objective = Objective("dpo", beta=0.1)        # train.py builds it from --method and its options
+    objective = Objective("dpo", beta=0.1, device=device)  # train.py builds it from --method and its options
     loss = objective(model, batch, num_pairs)     # a loss_fn for step.py: Σ pair losses / the step's pairs
-    objective.take(num_pairs, world, device)      # the step's TRL-named metrics, averaged over its pairs
+    objective.take(num_pairs, reduce)             # the step's TRL-named metrics, averaged over its pairs
     objective.evaluate(model, eval_sets, device)  # the same metrics over the eval pairs, prefixed eval_
+    batches.ref_logps = reference_logps(model, pair_eval_batches(...), device)  # --precompute-ref (DPO, IPO)
 
 A pair is two documents of one batch (data/preference.py): its chosen and its rejected completion, each after
 the same prompt. batch["seq_ids"] (B, T) numbers each token's document within the micro-batch, 2p for pair p's
-chosen side, 2p + 1 for its rejected side (padding reads 0, and has no target); batch["seq_lengths"] (2P,)
-holds each side's count of completion tokens (its targets). The model's fused head gives each target token's
+chosen side, 2p + 1 for its rejected side (padding reads 0, and has no target); batch["seq_lengths"] (2S,)
+holds each side's count of completion tokens (its targets), 0 in the pair slots after the batch's pairs (a slot
+without a pair is masked: `data.preference.with_sequences`). The model's fused head gives each target token's
 loss without the B×T×V logits (reduction="none"); a side's log-probability is the sum of minus those losses
 over its tokens (`sequence_logps`, one index_add), so packed and padded batches give the same numbers.
 
 With π the policy (the model with its adapters), π_ref the base (the adapters off: model/lora.py,
-`adapters_disabled`, under no_grad), log π(y|x) the sum over the completion's tokens, |y| their count, σ the
-logistic function, w / l the chosen / rejected completion:
+`adapters_disabled`, under no_grad; or its log-probabilities computed once per pair before training,
+`reference_logps`, which the batches then carry as "ref_logps" (2S,): --precompute-ref), log π(y|x) the sum
+over the completion's tokens, |y| their count, σ the logistic function, w / l the chosen / rejected completion:
     DPO    -(1-ε) log σ(β h) - ε log σ(-β h),  h = log π(w)/π_ref(w) - log π(l)/π_ref(l)
            (Rafailov et al. 2023; ε: --label-smoothing, the conservative DPO of Mitchell 2023)
     IPO    (h' - 1/(2β))²,  h' = log π(w)/π_ref(w) / |w| - log π(l)/π_ref(l) / |l|
@@ -30,11 +33,18 @@ Metrics, as TRL names them (per pair, averaged): rewards/chosen and rewards/reje
 and IPO, β log π/|y| for SimPO, λ log π/|y| for ORPO, as TRL's trainers log them), rewards/margins (their
 difference), rewards/accuracies (the share of pairs whose chosen reward is the higher), logps/chosen and
 logps/rejected (the summed log-probability of the completion's tokens, whatever the loss normalizes).
-The step runs eagerly (no CUDA graph): the metrics are detached sums kept on the device and read once per step.
+A step is CUDA-graph capturable (step.py's GraphStep): its shapes are fixed per bucket (the pair slots), it never
+syncs with the host, and the metrics are detached sums added into a buffer on the device (`sums`, made before any
+capture) that `take` reads once per step. The reference forward runs inside the graph: `adapters_disabled` is
+read when the forward's kernels are issued, so a capture records the base model's kernels for it, and every
+replay runs those.
 """
+import time
+
 import torch
 import torch.nn.functional as F
 
+from distributed import sum_over_ranks
 from model.lora import adapters_disabled
 
 METHODS = ("dpo", "ipo", "simpo", "orpo")
@@ -92,34 +102,43 @@ def num_pairs(batch):
 class Objective:
     """A preference loss, as the loss_fn of step.py, with its metrics. See the module docstring."""
 
-    def __init__(self, method, *, beta=None, label_smoothing=0.0, gamma=0.5, lam=0.1):
+    def __init__(self, method, *, beta=None, label_smoothing=0.0, gamma=0.5, lam=0.1, device="cpu"):
         if method not in METHODS:
             raise ValueError(f"unknown preference method {method!r}; the methods are {', '.join(METHODS)}")
         self.method = method
         self.options = {"beta": DEFAULT_BETA.get(method) if beta is None else beta,
                         "label_smoothing": label_smoothing, "gamma": gamma, "lam": lam}
-        self.sums = None  # the step's metric sums over its pairs, (len(METRICS),) on the device
+        # The step's metric sums over its pairs, on the step's device: a buffer of fixed address, into which a
+        # captured step adds at every replay.
+        self.sums = torch.zeros(len(METRICS), dtype=torch.float32, device=device)
+
+    def __copy__(self):
+        """The same loss with sums of its own (a warm-up's metrics are not the run's: step.py, train.py)."""
+        new = object.__new__(type(self))
+        new.__dict__.update(self.__dict__, sums=torch.zeros_like(self.sums))
+        return new
 
     def __call__(self, model, batch, num_pairs):
         """Σ pair losses of the micro-batch / num_pairs (the step's pair count, a 0-dim fp32 tensor); adds the
         micro-batch's metric sums into self.sums."""
         losses, sums = self.losses(model, batch)
-        self.sums = sums if self.sums is None else self.sums + sums
+        self.sums.add_(sums)
         return losses.sum() / num_pairs.clamp(min=1)  # a step without pairs: loss 0, gradients 0
 
     def losses(self, model, batch):
-        """(the pair losses (P,), 0 for a pair without a completion token on both sides; their metric sums)."""
-        lengths = batch["seq_lengths"].float()  # (2P,)
-        valid = (lengths[0::2] > 0) & (lengths[1::2] > 0)  # (P,)
+        """(the pair losses (S,), 0 for a slot without a pair with a completion token on both sides; their metric
+        sums). The reference log-probabilities are the batch's "ref_logps" where it carries them."""
+        lengths = batch["seq_lengths"].float()  # (2S,)
+        valid = (lengths[0::2] > 0) & (lengths[1::2] > 0)  # (S,)
         logps = self.logps(model, batch)
-        ref = None
-        if self.method not in REFERENCE_FREE:
+        ref = batch.get("ref_logps")
+        if ref is None and self.method not in REFERENCE_FREE:
             base = getattr(model, "module", model)  # under DDP, the model itself: no gradient sync for the reference
             with torch.no_grad(), adapters_disabled(base):
                 ref = self.logps(base, batch)
         # A pair without completion tokens gets stand-in values, so that nothing in it is 0/0 or log 0: its loss is
         # then masked to 0, and its gradient is 0, never NaN.
-        pairs = valid.repeat_interleave(2)
+        pairs = torch.stack([valid, valid], 1).reshape(-1)  # (2S,) each side's pair is valid
         logps = torch.where(pairs, logps, -1.0)
         ref = None if ref is None else torch.where(pairs, ref, -1.0)
         losses, chosen, rejected = pair_losses(self.method, logps, lengths.clamp(min=1), ref, **self.options)
@@ -138,12 +157,11 @@ class Objective:
         return sequence_logps(token_losses, batch["seq_ids"], len(batch["seq_lengths"]))
 
     def take(self, num_pairs, reduce=lambda t: t):
-        """{metric: the step's mean over its num_pairs pairs}, and the sums start again from 0 for the next step.
-        reduce: sums the metrics over the ranks (distributed.sum_over_ranks)."""
-        sums, self.sums = self.sums, None
-        if sums is None:
-            return {}
-        return dict(zip(METRICS, (reduce(sums) / max(num_pairs, 1)).tolist()))
+        """{metric: the step's mean over its num_pairs pairs}, read once; the sums start again from 0 for the next
+        step. reduce: sums the metrics over the ranks (distributed.sum_over_ranks, in place)."""
+        metrics = dict(zip(METRICS, (reduce(self.sums) / max(num_pairs, 1)).tolist()))
+        self.sums.zero_()
+        return metrics
 
     @torch.no_grad()
     def evaluate(self, model, eval_sets, device):
@@ -159,3 +177,26 @@ class Objective:
             raise ValueError("the eval batches hold no pair with completion tokens on both sides, so there is no "
                              "eval loss to report; check the eval data's chosen and rejected answers")
         return {"eval_loss": loss_sum / n, **{f"eval_{k}": v for k, v in zip(METRICS, (sums / n).tolist())}}
+
+
+@torch.no_grad()
+def reference_logps(model, batches, device, rank=0, world=1, log=print):
+    """(2N,) fp32 on the CPU: the reference log-probabilities (the base model: adapters off) of the N pairs of
+    `batches`, which hold every pair once, in order (data.pair_eval_batches), chosen and rejected in turn; for
+    PairBatches.ref_logps (--precompute-ref). Each rank computes every world-th batch, and the ranks sum their
+    parts. A batch's pairs fill its first pair slots, and each has a completion token on both sides
+    (data.load_pairs drops the others), so they are the first 2 · num_pairs(batch) sides."""
+    start = time.perf_counter()
+    counts = [2 * num_pairs(b) for b in batches]
+    out = torch.zeros(sum(counts), dtype=torch.float32, device=device)
+    base = getattr(model, "module", model)
+    with adapters_disabled(base):
+        for i, (batch, n) in enumerate(zip(batches, counts)):
+            if i % world == rank:
+                first = sum(counts[:i])
+                b = {k: v.to(device) for k, v in batch.items()}
+                out[first:first + n] = Objective.logps(base, b)[:n]
+    out = sum_over_ranks(out, world, device).cpu()
+    log(f"reference log-probabilities of {len(out) // 2} pairs precomputed in {time.perf_counter() - start:.1f}s "
+        "(the base model, adapters off; computed again at every start of a run, resumed ones too)")
+    return out

@@ -29,7 +29,8 @@ from a checkpoint, which captures anew, continues with the uninterrupted run's m
 
 Shapes: a graph holds one batch shape. Packed rows always have [B, max_len]; a padded batch
 is padded further to its length bucket (a multiple of BUCKET tokens, at most max_len; in a short
-run at least SHORTEST: see `shortest_bucket`). The extra
+run at least SHORTEST: see `shortest_bucket`); the shapes of the batch's other tensors, which a loss_fn
+reads (a preference batch's pair slots, preference.py), are part of the graph's key too. The extra
 padding is one more stretch of the row's padding document: no target, no attention from
 real tokens, so the loss and gradients are those of the unpadded batch (to rounding).
 The documents of a batch (model.transformer.documents: where each starts, for flash attention's
@@ -50,6 +51,7 @@ After it, the first step is captured and replayed at once (`GraphStep(..., warme
 that capture fails (something still starts inside it), a warm-up on a side stream runs the step
 eagerly, its gradients are removed again, and the step is captured once more.
 """
+import copy
 import dataclasses
 import sys
 import threading
@@ -134,7 +136,7 @@ class GraphStep:
         self.shortest = shortest  # the shortest length bucket (`shortest_bucket`)
         self.warmed = warmed  # a training step has run in this process (a WarmStart's): see _record_first
         self.log = log  # says once why the run goes on eagerly, if a capture fails
-        self.graphs = {}  # (B, T[, documents + 1, their max_len]) -> _Graph
+        self.graphs = {}  # (each tensor's name and shape[, documents + 1, their max_len]) -> _Graph
         self.pool = None  # one memory pool for every graph: they never run at the same time
         self.failed = False
 
@@ -144,7 +146,8 @@ class GraphStep:
         batch = pad_to_bucket(batch, self.max_len, self.shortest)
         docs = None if batch["doc_ids"] is None else documents(batch["doc_ids"], bucket=True)
         batch = {**batch, "docs": docs}
-        shape = (*batch["input_ids"].shape, *(() if docs is None else (len(docs.cu_seqlens), docs.max_len)))
+        shape = (*((k, *v.shape) for k, v in batch.items() if k != "docs" and v is not None),
+                 *(() if docs is None else (len(docs.cu_seqlens), docs.max_len)))
         g = self.graphs.get(shape)
         if g is None and not self.warmed:
             return self._first_step(batch, num_targets, loss_mult)
@@ -217,19 +220,23 @@ class GraphStep:
         a step's: both are put back, and the replay draws the masks again from where the generator stood."""
         saved = [p.grad.clone() for p in self.params]
         rng = torch.cuda.get_rng_state(self.device)
+        # A loss_fn's own state (a preference loss's metric sums) is not a step's either: the warm-up's loss
+        # adds into a copy's.
+        eager = EagerStep(self.eager.forward, self.device, copy.copy(self.eager.loss_fn))
         try:
-            warm_up(lambda: self._step(g))
+            warm_up(lambda: self._step(g, eager))
         finally:
             torch.cuda.set_rng_state(rng, self.device)
             with torch.no_grad():
                 for p, s in zip(self.params, saved):
                     p.grad.copy_(s)
 
-    def _step(self, g):
+    def _step(self, g, eager=None):
         """What the graph holds: the loss of g's batch, and its gradients added into every p.grad at once.
         With gradient checkpointing, backward() instead: the reentrant checkpoints compute their layers'
-        gradients in a backward of their own, which adds into .grad and is hidden from autograd.grad."""
-        loss = self.eager.loss(g.batch, g.num_targets)
+        gradients in a backward of their own, which adds into .grad and is hidden from autograd.grad.
+        eager: the EagerStep whose loss it takes (default: the step's own)."""
+        loss = (eager or self.eager).loss(g.batch, g.num_targets)
         if getattr(self.eager.forward, "gradient_checkpointing", False):
             (loss * g.loss_mult).backward()
             return loss.detach()
@@ -263,7 +270,9 @@ def shortest_bucket(micro_steps):
 def pad_to_bucket(batch, max_len, shortest=SHORTEST):
     """`batch` with T raised to the next multiple of BUCKET, at least `shortest` (at most max_len): the new columns
     continue each row's last document, which is padding whenever the row is shorter than T
-    (a padded batch's rows end in a padding document of their own; see data.py)."""
+    (a padded batch's rows end in a padding document of their own; see data.py). Other tensors of the batch,
+    which a loss_fn reads, stay as they are, but for those of shape (B, T), which get 0 in the new columns (a
+    preference batch's seq_ids: its padding reads 0, and has no target)."""
     B, T = batch["input_ids"].shape
     T_new = min(max(-(-T // BUCKET) * BUCKET, shortest), max(max_len, T))
     if T_new == T:
@@ -274,6 +283,8 @@ def pad_to_bucket(batch, max_len, shortest=SHORTEST):
                  "position_ids": torch.arange(T, device=batch["input_ids"].device).expand(B, T)}
     last_pos = batch["position_ids"][:, -1:]
     return {
+        **{k: v if v is None or v.shape != (B, T) else torch.cat([v, v.new_zeros(B, extra)], 1)
+           for k, v in batch.items()},  # what else the loss reads; (B, T) ones (seq_ids) padded with 0
         "input_ids": torch.cat([batch["input_ids"], batch["input_ids"][:, -1:].expand(B, extra)], 1),
         "targets": torch.cat([batch["targets"], batch["targets"].new_full((B, extra), data.IGNORE_INDEX)], 1),
         "position_ids": torch.cat([batch["position_ids"],

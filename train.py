@@ -40,7 +40,7 @@ from model import load_model, load_tokenizer, read_config, resolve
 from model.hub import push
 from model.lora import lora_parameters
 from precision import LossScaler, nonfinite_step
-from preference import num_pairs
+from preference import num_pairs, reference_logps
 from runlog import Progress, RunLog, log_step, peak_memory
 from statefiles import fingerprint, position
 from step import EagerStep, GraphStep, WarmStart, graphs_off_reason, shortest_bucket
@@ -69,7 +69,7 @@ def main(cfg) -> int:
         path = resolve(cfg.model)  # a hub model is downloaded once, here
         tokenizer, mcfg = load_tokenizer(resolve(cfg.tokenizer) if cfg.tokenizer else path), read_config(path)
         check_model_fit(cfg, mcfg, tokenizer)
-        objective = cfg.objective()  # --method dpo, ipo, simpo, orpo: a preference loss; sft: None (loss_fn)
+        objective = cfg.objective(device)  # --method dpo, ipo, simpo, orpo: a preference loss; sft: None (loss_fn)
         step_loss, count = (objective, num_pairs) if objective else (loss_fn, data.num_targets)
         try:
             if objective:  # pairs, each two examples in a row: chosen, rejected
@@ -94,8 +94,7 @@ def main(cfg) -> int:
         ck = ckpts.find(fingerprint(train_enc), fingerprint(eval_enc or []))  # verified before the slow work
 
         # ----------------------------------------------------------------------------- model
-        graphs_off = graphs_off_reason(cfg.cuda_graphs, device, world) or (
-            f"--method {cfg.method} steps run eagerly" if objective else None)
+        graphs_off = graphs_off_reason(cfg.cuda_graphs, device, world)
         shortest = shortest_bucket(max_steps * cfg.grad_accum)  # how short batches are padded for the graphs
         # The first step's one-time costs, paid while the model loads. Not where --gradient-checkpointing asks
         # for less memory: the warm-up's copy of the model would raise the process's peak during the loading.
@@ -122,6 +121,10 @@ def main(cfg) -> int:
             log(f"base weights quantized to NF4 ({nf4_bytes(model) / 2**30:.2f} GiB)")
         if warning := memory_warning(cfg, mcfg, dtype, use_kernels, device, checkpointing):  # CUDA only
             log(warning)
+        if cfg.precompute_ref:  # DPO, IPO: the reference's log-probs once per pair, not a forward per step
+            batches.ref_logps = reference_logps(model, data.pair_eval_batches(
+                train_enc, batch_size=cfg.batch_size, max_len=cfg.max_len, pad_id=pad_id, packing=cfg.packing),
+                device, rank, world, log)
         samples = (Samples(cfg, tokenizer, mcfg, eval_rows, log)  # answers to prompts: SFT rows only
                    if cfg.sample_every and not objective and rank == 0 else None)
 

@@ -132,40 +132,67 @@ def pack_pairs(encoded, max_len, *, pad_id):
     return _stack(rows, max_len), torch.tensor(counts)
 
 
-def with_sequences(batch, n_sides):
+def with_sequences(batch, n_sides, ref_logps=None):
     """`batch` with "seq_ids" (B, T): each token's side in the micro-batch, 2p (chosen) or 2p + 1 (rejected) of
-    its p-th pair (0 for padding, which has no target), and "seq_lengths" (2P,): each side's target count.
-    n_sides (B,): how many of a row's first documents are sides (2 per pair packed, 1 per row padded)."""
+    its p-th pair (0 for padding, which has no target), and "seq_lengths" (2S,): each side's target count.
+    n_sides (B,): how many of a row's first documents are sides (2 per pair packed, 1 per row padded).
+    The P pairs fill the first of S = `pair_slots(P)` slots; the slots after them hold no pair (length 0, which
+    the loss masks), so that micro-batches of one bucket have one shape (a CUDA graph's, step.py).
+    ref_logps (2P,): the pairs' reference log-probabilities (--precompute-ref), kept as "ref_logps" (2S,)."""
     doc_ids, targets = batch["doc_ids"], batch["targets"]
     offset = torch.cumsum(n_sides, 0) - n_sides  # (B,) the row's first side in the micro-batch
     is_side = doc_ids < n_sides[:, None]
     seq_ids = torch.where(is_side, doc_ids + offset[:, None], 0)
-    lengths = torch.bincount(seq_ids[is_side & (targets != IGNORE_INDEX)], minlength=int(n_sides.sum()))
-    return {**batch, "seq_ids": seq_ids, "seq_lengths": lengths}
+    n = int(n_sides.sum())
+    slots = 2 * pair_slots(n // 2)
+    lengths = torch.bincount(seq_ids[is_side & (targets != IGNORE_INDEX)], minlength=slots)
+    out = {**batch, "seq_ids": seq_ids, "seq_lengths": lengths}
+    if ref_logps is not None:
+        out["ref_logps"] = torch.cat([ref_logps.float(), ref_logps.new_zeros(slots - n, dtype=torch.float32)])
+    return out
 
 
-def pad_pairs(encoded, *, pad_id):
+def pair_slots(n_pairs):
+    """The pair slots of a micro-batch of n_pairs pairs: the next power of two, so that few shapes occur."""
+    return 1 << max(n_pairs - 1, 0).bit_length()
+
+
+def pad_pairs(encoded, *, pad_id, ref_logps=None):
     """The pairs of flat `encoded` one side per row (chosen, rejected, chosen, ...), padded to the longest."""
     batch = pad_batch(encoded, pad_id=pad_id)
-    return with_sequences(batch, torch.ones(len(encoded), dtype=torch.long))
+    return with_sequences(batch, torch.ones(len(encoded), dtype=torch.long), ref_logps)
 
 
 class PairBatches(Batches):
     """Training micro-batches of pairs, as `Batches` serves examples (shuffled, resumable, sharded): packed, a
-    micro-batch is batch_size rows of whole pairs; padded, it is batch_size pairs, one side per row."""
+    micro-batch is batch_size rows of whole pairs; padded, it is batch_size pairs, one side per row.
+    ref_logps: None, or (2N,) the reference log-probabilities of the N pairs in order (--precompute-ref,
+    preference.reference_logps), which each micro-batch then carries for its pairs."""
+
+    ref_logps = None
 
     def _lay_out(self, encoded, max_len):
         self.truncated = 0  # load_pairs fitted every pair to max_len
         if self.packing:
             self.rows, self.pairs = pack_pairs(encoded, max_len, pad_id=self.pad_id)
+            self.first_pair = torch.cumsum(self.pairs, 0) - self.pairs  # (N,) each row's first pair
             return len(self.pairs)
         self.examples = [encoded[i:i + 2] for i in range(0, len(encoded), 2)]
         return len(self.examples)
 
     def _batch(self, rows):
+        rows = torch.as_tensor(rows)
         if self.packing:
-            return with_sequences({k: v[rows] for k, v in self.rows.items()}, 2 * self.pairs[rows])
-        return pad_pairs([side for i in rows for side in self.examples[i]], pad_id=self.pad_id)
+            pairs = torch.cat([torch.arange(int(f), int(f + n)) for f, n in zip(self.first_pair[rows],
+                                                                               self.pairs[rows])])
+            return with_sequences({k: v[rows] for k, v in self.rows.items()}, 2 * self.pairs[rows],
+                                  self._ref(pairs))
+        return pad_pairs([side for i in rows.tolist() for side in self.examples[i]], pad_id=self.pad_id,
+                         ref_logps=self._ref(rows))
+
+    def _ref(self, pairs):
+        """The reference log-probabilities of pairs `pairs` (indices), chosen and rejected in turn, or None."""
+        return None if self.ref_logps is None else self.ref_logps.view(-1, 2)[pairs].reshape(-1)
 
 
 def pair_eval_batches(encoded, *, batch_size, max_len, pad_id, packing=True):

@@ -11,8 +11,9 @@ import torch
 
 import data
 import preference
+import step
 import train
-from data.preference import pack_pairs, pad_pairs, with_sequences
+from data.preference import PairBatches, pack_pairs, pad_pairs, with_sequences
 from model import LoRAConfig, load_model
 from model.lora import adapters_disabled, lora_parameters
 from tests.helpers import randomize_lora_b, read_metrics, rel_err, untimed
@@ -80,7 +81,7 @@ def sides(n, seed=0, prompt=5, vocab=300):
 
 def loss_and_grads(model, method, batch):
     model.zero_grad()
-    objective = preference.Objective(method, **OPTIONS[method])
+    objective = preference.Objective(method, **OPTIONS[method], device=batch["input_ids"].device)
     loss = objective(model, batch, torch.tensor(float(preference.num_pairs(batch))))
     loss.backward()
     return loss.detach(), [p.grad.clone() for _, p in lora_parameters(model)], objective.take(1)
@@ -113,6 +114,133 @@ def test_no_completion_token_gives_zero_loss_and_gradients(policy, method):
     loss, grads, _ = loss_and_grads(policy, method, batch)
     assert loss.item() == 0.0
     assert all(torch.isfinite(g).all() and not g.any() for g in grads)
+
+
+def trimmed(batch):
+    """`batch` without its pair slots that hold no pair (and so as with_sequences made it before it had slots)."""
+    n = 2 * preference.num_pairs(batch)
+    return {**batch, **{k: batch[k][:n] for k in ("seq_lengths", "ref_logps") if k in batch}}
+
+
+@pytest.mark.parametrize("method", preference.METHODS)
+@pytest.mark.parametrize("layout", ["packed", "padded"])
+def test_empty_pair_slots_change_nothing(policy, method, layout):
+    """A micro-batch has a power of two of pair slots (one shape per bucket for the CUDA graphs); the slots without a
+    pair leave the loss, the gradients and the metrics as they are without them, and num_pairs does not count them."""
+    encoded = sides(3)
+    if layout == "packed":
+        rows, pairs = pack_pairs(encoded, 96, pad_id=0)
+        batch = with_sequences(rows, 2 * pairs)
+    else:
+        batch = pad_pairs(encoded, pad_id=0)
+    assert batch["seq_lengths"].shape == (8,) and not batch["seq_lengths"][6:].any()
+    assert preference.num_pairs(batch) == 3
+    loss, grads, metrics = loss_and_grads(policy, method, batch)
+    loss_t, grads_t, metrics_t = loss_and_grads(policy, method, trimmed(batch))
+    assert rel_err(loss, loss_t) < 1e-6
+    for a, b in zip(grads, grads_t):
+        assert rel_err(a, b) < 1e-6
+    for k in metrics:
+        assert metrics[k] == pytest.approx(metrics_t[k], rel=1e-6, abs=1e-7)
+
+
+def pair_batches(encoded, packing, ref_logps=None):
+    batches = PairBatches(encoded, batch_size=2, max_len=48, pad_id=0, packing=packing, seed=3)
+    batches.ref_logps = ref_logps
+    return batches
+
+
+@pytest.mark.parametrize("method", ["dpo", "ipo"])
+@pytest.mark.parametrize("packing", [True, False], ids=["packed", "padded"])
+def test_precomputed_reference_equals_the_reference_forward(policy, method, packing):
+    """--precompute-ref: the reference log-probabilities computed once per pair (in eval batches, adapters off) and
+    carried by the training batches give the loss, the gradients and the metrics of the reference forward at every
+    step, for every batch of an epoch (shuffled: each pair's log-probabilities go with that pair)."""
+    encoded = sides(7, seed=1)
+    evals = data.pair_eval_batches(encoded, batch_size=2, max_len=48, pad_id=0, packing=packing)
+    lines = []
+    ref = preference.reference_logps(policy, evals, torch.device("cpu"), log=lines.append)
+    assert ref.shape == (14,) and "reference log-probabilities of 7 pairs precomputed in" in lines[0]
+    plain, precomputed = pair_batches(encoded, packing), pair_batches(encoded, packing, ref)
+    for _ in range(len(plain)):
+        batch, batch_r = next(plain), next(precomputed)
+        assert "ref_logps" not in batch and batch_r["ref_logps"].shape == batch_r["seq_lengths"].shape
+        loss, grads, metrics = loss_and_grads(policy, method, batch)
+        loss_r, grads_r, metrics_r = loss_and_grads(policy, method, batch_r)
+        assert rel_err(loss_r, loss) < 1e-5
+        for a, b in zip(grads_r, grads):
+            assert rel_err(a, b) < 1e-5
+        assert abs(metrics["rewards/margins"]) > 1e-3  # the reference differs from the policy
+        for k in metrics:
+            assert metrics_r[k] == pytest.approx(metrics[k], rel=1e-5, abs=1e-6), k
+
+
+@pytest.mark.parametrize("packing", [True, False], ids=["packed", "padded"])
+@pytest.mark.parametrize("precomputed", [False, True], ids=["reference-forward", "precomputed-reference"])
+def test_graph_body_of_a_preference_step_matches_eager(policy, packing, precomputed):
+    """What a CUDA graph records for a DPO step (step.py's GraphStep body, uncaptured on the CPU), on the batch
+    padded to its length bucket, twice in a row: the eager step's loss, its gradients accumulated, and its metrics
+    accumulated in the Objective's buffer (read once by take)."""
+    encoded = sides(4, seed=2)
+    ref = None
+    if precomputed:
+        evals = data.pair_eval_batches(encoded, batch_size=2, max_len=48, pad_id=0, packing=packing)
+        ref = preference.reference_logps(policy, evals, torch.device("cpu"), log=lambda *a: None)
+    batch = next(pair_batches(encoded, packing, ref))
+    n = preference.num_pairs(batch)
+    params = [p for _, p in lora_parameters(policy)]
+    loss, want, metrics = loss_and_grads(policy, "dpo", batch)
+    objective = preference.Objective("dpo", **OPTIONS["dpo"])
+    body = step.GraphStep(policy, torch.device("cpu"), params, max_len=128, loss_fn=objective)
+    padded = step.pad_to_bucket(batch, 128)
+    assert padded["seq_ids"].shape == padded["input_ids"].shape == (len(batch["input_ids"]), 128)
+    assert padded["seq_lengths"] is batch["seq_lengths"]
+    g = SimpleNamespace(batch={**padded, "docs": None}, num_targets=torch.tensor(float(n)),
+                        loss_mult=torch.tensor(1.0))
+    policy.zero_grad()
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    for times in (1, 2):
+        got = body._step(g)
+        assert rel_err(got, loss) < 1e-5
+        for p, w in zip(params, want):
+            assert rel_err(p.grad, times * w) < 1e-5
+    twice = objective.take(2)  # loss_and_grads took the sums over 1
+    for k in metrics:
+        assert twice[k] == pytest.approx(metrics[k], rel=1e-5, abs=1e-6), k
+    assert not objective.sums.any()  # take starts the next step's sums from 0
+
+
+def test_a_graph_per_pair_slot_count(monkeypatch):
+    """GraphStep captures micro-batches of one row shape but other pair-slot counts as graphs of their own (a graph
+    reads buffers of fixed shapes), and keeps seq_ids, seq_lengths and ref_logps in the batch it captures."""
+    graph = step.GraphStep(None, torch.device("cpu"), [], max_len=48)
+    captured = []
+
+    def capture(batch, num_pairs, loss_mult):  # what each new shape is captured with, no GPU
+        captured.append({k: tuple(v.shape) for k, v in batch.items() if k in ("seq_ids", "seq_lengths", "ref_logps")})
+        return SimpleNamespace(load=lambda *a: None, graph=SimpleNamespace(replay=lambda: None), loss=None)
+
+    monkeypatch.setattr(graph, "_capture", capture)
+    two = pad_pairs(sides(2), pad_id=0, ref_logps=torch.zeros(4))
+    four = {**two, "seq_lengths": torch.cat([two["seq_lengths"], torch.zeros(4, dtype=torch.long)]),
+            "ref_logps": torch.zeros(8)}  # the same pairs in 4 slots
+    for batch in (two, four, two, four):
+        graph(batch, 2, 1.0)
+    assert captured == [{"seq_ids": (4, 48), "seq_lengths": (4,), "ref_logps": (4,)},
+                        {"seq_ids": (4, 48), "seq_lengths": (8,), "ref_logps": (8,)}]
+
+
+def test_a_copy_of_the_objective_has_sums_of_its_own(policy):
+    """The warm-ups (step.py's, WarmStart's) run a copy of the loss: its metrics never reach the run's."""
+    import copy
+    objective = preference.Objective("dpo")
+    clone = copy.copy(objective)
+    batch = pad_pairs(sides(2), pad_id=0)
+    with torch.no_grad():
+        clone(policy, batch, torch.tensor(2.0))
+    assert clone.sums.any() and not objective.sums.any()
+    assert clone.method == objective.method and clone.options == objective.options
 
 
 def test_adapters_disabled_is_the_base_model(run_model, policy):
@@ -300,6 +428,32 @@ def test_dpo_run_writes_trl_metrics_and_resumes_exactly(run_model, tmp_path):
     assert untimed(read_metrics(out)) == untimed(full)
 
 
+def test_precompute_ref_run_matches_the_reference_forward_and_resumes_exactly(run_model, tmp_path, capsys):
+    """train.py --method dpo --precompute-ref: the header says how long the reference took; the run's records equal
+    those of the run without it (to fp32 rounding); a resume from its middle checkpoint reproduces them exactly."""
+    rows = [{"prompt": f"Q: {a}+{b}=", "chosen": f" {a + b}", "rejected": f" {a * b + 1} or so"}
+            for a in range(6) for b in range(4)]
+    pairs = write_pairs(tmp_path / "pairs.jsonl", rows)
+    argv = ["--model", run_model, "--data", pairs, "--eval-fraction", "0", "--device", "cpu", "--dtype", "fp32",
+            "--no-kernels", "--max-len", "64", "--batch-size", "2", "--max-steps", "4", "--warmup-steps", "1",
+            "--save-every", "2", "--keep-checkpoints", "0", "--lr", "3e-3", "--method", "dpo"]
+    assert train.cli(argv + ["--out-dir", str(tmp_path / "plain")]) == 0
+    out = tmp_path / "pre"
+    assert train.cli(argv + ["--out-dir", str(out), "--precompute-ref"]) == 0
+    assert "reference log-probabilities of 24 pairs precomputed in" in capsys.readouterr().out
+    plain, full = untimed(read_metrics(tmp_path / "plain")), untimed(read_metrics(out))
+    steps = [r for r in full if "loss" in r]
+    assert len(steps) == 4 and steps[-1]["rewards/margins"] != 0
+    for a, b in zip(steps, [r for r in plain if "loss" in r]):
+        assert a.keys() == b.keys()
+        for k in preference.METRICS + ("loss", "grad_norm"):
+            assert a[k] == pytest.approx(b[k], rel=1e-4, abs=1e-6), k
+    shutil.rmtree(out / "adapter")
+    assert train.cli(argv + ["--out-dir", str(out), "--precompute-ref", "--resume",
+                             str(out / "checkpoints" / "step-0000002")]) == 0
+    assert untimed(read_metrics(out)) == full
+
+
 def test_method_options_are_checked():
     from config import UserError, parse_args
     with pytest.raises(UserError, match="--train-on-inputs trains prompts"):
@@ -307,6 +461,9 @@ def test_method_options_are_checked():
     with pytest.raises(UserError, match="--beta must be > 0"):
         parse_args(["--method", "dpo", "--beta", "0"])
     assert parse_args(["--method", "simpo"]).objective().options["beta"] == 2.0
+    with pytest.raises(UserError, match="--method simpo has no reference model: drop --precompute-ref"):
+        parse_args(["--method", "simpo", "--precompute-ref"])
+    assert parse_args(["--method", "ipo", "--precompute-ref", "--cuda-graphs", "on"]).precompute_ref
 
 
 @pytest.mark.gpu
@@ -330,3 +487,79 @@ def test_fused_path_on_gpu_matches_the_reference(run_model, method):
         assert rel_err(a, b) < 5e-2
     for k in metrics_r:
         assert metrics_k[k] == pytest.approx(metrics_r[k], rel=5e-2, abs=2e-2), k
+
+
+def micro_steps(run_step, objective, params, micro):
+    """Each micro-step's loss, then the step's gradients and metrics, of the optimizer step over `micro`."""
+    for p in params:
+        p.grad.zero_()
+    n = sum(preference.num_pairs(b) for b in micro)
+    losses = [float(run_step(b, n, 1.0)) for b in micro]
+    return losses, [p.grad.clone() for p in params], objective.take(n)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("packing", [True, False], ids=["packed", "padded"])
+@pytest.mark.parametrize("ckpt", ["off", "on"])
+@pytest.mark.parametrize("precomputed", [False, True], ids=["reference-forward", "precomputed-reference"])
+def test_graphed_dpo_step_matches_eager(run_model, dtype, packing, ckpt, precomputed):
+    """A DPO micro-step replayed from a CUDA graph (step.GraphStep; the reference forward, adapters off, inside the
+    graph, or the batch's precomputed reference) gives the eager step's losses, gradients and metrics, over optimizer
+    steps of two micro-batches, across changes of pair-slot bucket (several graphs), and in replays of a graph; the
+    warm-up before the first capture adds nothing to the metrics."""
+    dev = torch.device("cuda")
+    model, _ = load_model(run_model, dtype=dtype, device=dev, lora=LoRAConfig(r=4, alpha=8.0), use_kernels=True)
+    randomize_lora_b(model, std=0.2)
+    model.gradient_checkpointing = ckpt == "on"
+    model.train()
+    params = [p for _, p in lora_parameters(model)]
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    encoded = sides(12, seed=4)
+    ref = None
+    if precomputed:
+        evals = data.pair_eval_batches(encoded, batch_size=2, max_len=48, pad_id=0, packing=packing)
+        ref = preference.reference_logps(model, evals, dev, log=lambda *a: None)
+    batches = pair_batches(encoded, packing, ref)
+    micro = [next(batches) for _ in range(len(batches))]
+    one = pad_pairs(encoded[:2], pad_id=0, ref_logps=None if ref is None else ref[:2])  # 1 slot: another bucket
+    micro = [step.pad_to_bucket(b, 48) for b in micro + [one] + micro[:3]]  # the graph's shapes, also eager
+    objective_e, objective_g = (preference.Objective("dpo", **OPTIONS["dpo"], device=dev) for _ in range(2))
+    eager = step.EagerStep(model, dev, objective_e)
+    graph = step.GraphStep(model, dev, params, max_len=48, loss_fn=objective_g)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    for i in range(0, len(micro) - 1, 2):
+        loss_e, grads_e, metrics_e = micro_steps(eager, objective_e, params, micro[i:i + 2])
+        loss_g, grads_g, metrics_g = micro_steps(graph, objective_g, params, micro[i:i + 2])
+        assert loss_g == pytest.approx(loss_e, rel=tol, abs=tol)
+        for a, b in zip(grads_g, grads_e):
+            assert rel_err(a, b) < tol
+        assert abs(metrics_e["rewards/margins"]) > 1e-3
+        for k in metrics_e:
+            assert metrics_g[k] == pytest.approx(metrics_e[k], rel=tol, abs=tol), k
+    assert len(graph.graphs) >= 2 and not graph.failed  # captured (several buckets), not fallen back to eager
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("precompute", [[], ["--precompute-ref"]], ids=["reference-forward", "precomputed-reference"])
+def test_dpo_run_with_cuda_graphs_matches_eager_run(run_model, tmp_path, capsys, precompute):
+    """train.py --method dpo on a GPU replays its steps from CUDA graphs (the header says so), and its records equal
+    those of the same run with --cuda-graphs off."""
+    rows = [{"prompt": f"Q: {a}+{b}=", "chosen": f" {a + b}", "rejected": f" {a * b + 1} or so"}
+            for a in range(6) for b in range(4)]
+    pairs = write_pairs(tmp_path / "pairs.jsonl", rows)
+    argv = ["--model", run_model, "--data", pairs, "--eval-fraction", "0", "--device", "cuda", "--dtype", "fp32",
+            "--max-len", "64", "--batch-size", "2", "--grad-accum", "2", "--max-steps", "4", "--warmup-steps", "1",
+            "--lr", "3e-3", "--method", "dpo", *precompute]
+    records = {}
+    for mode in ("on", "off"):
+        assert train.cli(argv + ["--out-dir", str(tmp_path / mode), "--cuda-graphs", mode]) == 0
+        records[mode] = [r for r in read_metrics(tmp_path / mode) if "loss" in r]
+        assert ("CUDA graphs on" if mode == "on" else "CUDA graphs off") in capsys.readouterr().out
+    assert len(records["on"]) == 4
+    for a, b in zip(records["on"], records["off"]):
+        for k in preference.METRICS + ("loss", "grad_norm", "pairs"):
+            assert a[k] == pytest.approx(b[k], rel=1e-4, abs=1e-6), k
