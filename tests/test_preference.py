@@ -214,7 +214,7 @@ def test_graph_body_of_a_preference_step_matches_eager(policy, packing, precompu
 def test_a_graph_per_pair_slot_count(monkeypatch):
     """GraphStep captures micro-batches of one row shape but other pair-slot counts as graphs of their own (a graph
     reads buffers of fixed shapes), and keeps seq_ids, seq_lengths and ref_logps in the batch it captures."""
-    graph = step.GraphStep(None, torch.device("cpu"), [], max_len=48)
+    graph = step.GraphStep(None, torch.device("cpu"), [], max_len=48, warmed=True)
     captured = []
 
     def capture(batch, num_pairs, loss_mult):  # what each new shape is captured with, no GPU
