@@ -120,6 +120,7 @@ def main(cfg) -> int:
         model.gradient_checkpointing = checkpointing
         log(f"gradient checkpointing {'on' if checkpointing else 'off'}: {why}")
         ckpts.check_free_disk(model)
+        what = "model" if cfg.full else "adapter"  # the run's result: out/model/ or out/adapter/
         trained = (f"weights ({cfg.train_modules or 'all'})" if cfg.full else
                    f"LoRA parameters (r={cfg.lora_r} on {cfg.lora_targets})")
         log(f"model {cfg.model}: {mcfg.n_layers} layers, {sum(p.numel() for p in params) / 1e6:.2f}M trainable "
@@ -141,7 +142,7 @@ def main(cfg) -> int:
         # ----------------------------------------------------------------------------- resume
         step = ckpts.restore(ck, model, optimizer, scaler, batches)
         if step >= max_steps and ckpts.result_done():
-            log(f"the run in {cfg.out_dir} is complete ({step} of {max_steps} steps, result in "
+            log(f"the run in {cfg.out_dir} is complete ({step} of {max_steps} steps, {what} in "
                 f"{ckpts.result_folder}); nothing to do. Raise --max-steps (with --resume-anyway) to train on")
             return 0
         ddp = torch.nn.parallel.DistributedDataParallel(
@@ -230,10 +231,9 @@ def main(cfg) -> int:
             if samples:
                 samples.log(step, model, run, log, final=True)
             result = ckpts.save_result(model, metrics=final)
-            log(f"done: {'model' if cfg.full else 'adapter'} in {result} "
-                f"({'Hugging Face' if cfg.full else 'PEFT'} format), checkpoint {ckpts.last}")
+            log(f"done: {what} in {result} ({'Hugging Face' if cfg.full else 'PEFT'} format), checkpoint {ckpts.last}")
             if cfg.push_to_hub and rank == 0:
-                log(f"pushed the {'model' if cfg.full else 'adapter'} to {push(result, cfg.push_to_hub)}")
+                log(f"pushed the {what} to {push(result, cfg.push_to_hub)}")
             return 0
         except (OSError, torch.OutOfMemoryError) as e:  # a write that failed (disk full), or a step too big
             raise save_after_failure(e, cfg, ckpts, step, model, optimizer, scaler, batches, start,
