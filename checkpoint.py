@@ -3,11 +3,14 @@
     ckpts = Checkpoints(cfg, rank, world, warn)
     ck = ckpts.find(data_hash, eval_hash)    # the checkpoint --resume names, verified (None: a new run)
     step = ckpts.restore(ck, model, optimizer, scaler, batches)
-    ckpts.save(step, model, optimizer, scaler, batches); ckpts.save_adapter(model)
+    ckpts.save(step, model, optimizer, scaler, batches); ckpts.save_result(model)
 
 A checkpoint is `--out-dir/checkpoints/step-NNNNNNN/`: state.json and tensors.safetensors (statefiles.py), the
-adapter in PEFT's format, and manifest.json. It is written into step-N.tmp/ and renamed into place, so an
-interrupted save leaves every earlier checkpoint whole. What is guaranteed, and the tests: docs/reliability.md.
+adapter in PEFT's format (not with --full: the trained weights are in tensors.safetensors), and manifest.json.
+Its trained weights (the `lora` entry) are those the optimizer steps, by name: the LoRA weights, or with --full
+the fp32 master of every trained weight (masters.py), from which a resume rounds the model's weights again.
+It is written into step-N.tmp/ and renamed into place, so an interrupted save leaves every earlier checkpoint
+whole. What is guaranteed, and the tests: docs/reliability.md.
 """
 import dataclasses
 import os
@@ -21,9 +24,10 @@ from safetensors import SafetensorError
 
 from config import UserError, config_field
 from distributed import gather
-from model.adapters import ADAPTER_CONFIG, save_adapter
+from model.adapters import ADAPTER_CONFIG, merge_and_save, save_adapter
 from model.files import remove_tree
-from model.lora import lora_parameters
+from model.hub import base_model_id, model_card, resolve
+from model.weights import trainable_parameters
 from runlog import nearest_existing
 from statefiles import (
     CHECKPOINT_KEYS,
@@ -39,7 +43,7 @@ from statefiles import (
 )
 
 # Options that decide what the saved weights are: a checkpoint cannot continue under other values.
-IDENTITY = ("model", "quantize", "lora_r", "lora_alpha", "lora_targets", "rslora")
+IDENTITY = ("model", "quantize", "lora_r", "lora_alpha", "lora_targets", "rslora", "full", "train_modules")
 # Options that, with the tokenized data and the process count, decide the rest of the trajectory: a resume
 # under other values does not reproduce the uninterrupted run, so it needs --resume-anyway.
 TRAJECTORY = ("batch_size", "grad_accum", "max_steps", "lr", "min_lr_ratio", "warmup_steps", "weight_decay",
@@ -58,10 +62,20 @@ def same_model(a, b):
     return a == b or os.path.normpath(a) == os.path.normpath(b)
 
 
+def trained_weights(model, optimizer):
+    """(name, tensor) of the weights the optimizer steps: the LoRA weights, or with --full the fp32 masters
+    (masters.py), named after the model's trainable parameters, in whose order the optimizer holds them."""
+    named = trainable_parameters(model)
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    assert [p.shape for _, p in named] == [p.shape for p in params], "the optimizer steps the trainable weights"
+    return [(n, p) for (n, _), p in zip(named, params)]
+
+
 def nonfinite(model, optimizer=None):
-    """The names of the LoRA weights (and of their optimizer states) that hold NaN or inf."""
+    """The names of the trained weights (and of their optimizer states) that hold NaN or inf: the optimizer's
+    (`trained_weights`), or without it the model's."""
     tensors = []
-    for name, p in lora_parameters(model):
+    for name, p in trained_weights(model, optimizer) if optimizer is not None else trainable_parameters(model):
         tensors.append((name, p))
         state = optimizer.state.get(p, {}) if optimizer is not None else {}
         tensors += [(f"{name} (optimizer {k})", v) for k, v in state.items() if torch.is_tensor(v)]
@@ -69,8 +83,8 @@ def nonfinite(model, optimizer=None):
 
 
 def lora_mismatch(lora, model):
-    """What differs between a checkpoint's LoRA tensors and the model's ('' when they fit)."""
-    want = {n: tuple(p.shape) for n, p in lora_parameters(model)}
+    """What differs between a checkpoint's trained tensors and the model's trainable ones ('' when they fit)."""
+    want = {n: tuple(p.shape) for n, p in trainable_parameters(model)}
     have = {n: tuple(t.shape) for n, t in lora.items()}
     missing, extra = sorted(want.keys() - have.keys()), sorted(have.keys() - want.keys())
     shapes = [f"{n} {have[n]} (the model's is {want[n]})" for n in sorted(want.keys() & have.keys())
@@ -93,7 +107,7 @@ class Checkpoints:
         self.say = print if rank == 0 else (lambda *a, **k: None)
 
     def check_free_disk(self, model):
-        need = 3 * sum(p.numel() * 4 for _, p in lora_parameters(model)) + (64 << 20)  # weights + 2 Adam moments
+        need = 3 * sum(p.numel() * 4 for _, p in trainable_parameters(model)) + (64 << 20)  # weights + 2 Adam moments
         free = shutil.disk_usage(nearest_existing(self.cfg.out_dir)).free
         if free < 2 * need:
             raise UserError(f"only {free / 2**20:.0f} MiB free in {self.cfg.out_dir!r}, a checkpoint needs about "
@@ -197,10 +211,11 @@ class Checkpoints:
         while problem := lora_mismatch(ck["lora"], model):
             self._skip(ck["path"], Damaged(f"its LoRA tensors do not fit the model: {problem}"))
             ck = self._next()
-        params = dict(lora_parameters(model))
+        weights, masters = dict(trainable_parameters(model)), dict(trained_weights(model, optimizer))
         with torch.no_grad():
             for n, t in ck["lora"].items():
-                params[n].copy_(t)
+                masters[n].copy_(t)
+                weights[n].copy_(t)  # the same tensor, or with --full the model's weight, rounded from its master
         optimizer.load_state_dict(ck["optimizer"])
         scaler.load_state_dict(ck["scaler"])
         if ck["data"]["rows"] == batches.n_rows:
@@ -266,7 +281,7 @@ class Checkpoints:
                 "world_size": self.world,
                 "data_hash": self.data_hash,  # the tokenized training data a resume must find again
                 "eval_hash": self.eval_hash,  # the eval data: a resume on other eval data is said
-                "lora": {n: p.detach().cpu() for n, p in lora_parameters(model)},
+                "lora": {n: p.detach().cpu() for n, p in trained_weights(model, optimizer)},
                 "optimizer": optimizer.state_dict(),
                 "scaler": scaler.state_dict(),  # fp16 loss scale and good-step counter
                 "data": batches.state_dict(),  # the same on every rank: they step together
@@ -274,7 +289,8 @@ class Checkpoints:
             }
             assert ck.keys() == CHECKPOINT_KEYS, "CHECKPOINT_KEYS must name what a checkpoint holds"
             write_state(tmp, ck)
-            save_adapter(model, os.path.join(tmp, "adapter"), base_model=self.cfg.model)
+            if not self.cfg.full:
+                save_adapter(model, os.path.join(tmp, "adapter"), base_model=self.cfg.model)
             write_manifest(tmp)
         except WRITE_ERRORS as e:  # disk full, quota, permissions
             shutil.rmtree(tmp, ignore_errors=True)
@@ -291,26 +307,39 @@ class Checkpoints:
                     shutil.rmtree(path, ignore_errors=True)
 
     @property
-    def adapter_folder(self):
-        return os.path.join(self.cfg.out_dir, "adapter")
+    def result_folder(self):
+        """out/adapter/ (PEFT's format), or with --full out/model/ (a Hugging Face model folder)."""
+        return os.path.join(self.cfg.out_dir, "model" if self.cfg.full else "adapter")
 
-    def adapter_done(self):
-        """Whether the run's adapter (written at the end, after the final checkpoint) is in the folder."""
-        return os.path.isfile(os.path.join(self.adapter_folder, ADAPTER_CONFIG))
+    def result_done(self):
+        """Whether the run's result (written at the end, after the final checkpoint) is in its folder."""
+        return os.path.isfile(os.path.join(self.result_folder, "config.json" if self.cfg.full else ADAPTER_CONFIG))
 
-    def save_adapter(self, model, metrics=None):
-        """The run's result, out/adapter/ in PEFT's format (rank 0), after the final checkpoint."""
+    def save_result(self, model, metrics=None):
+        """The run's result (rank 0), after the final checkpoint: the adapter in PEFT's format, or with --full the
+        model as a Hugging Face folder (safetensors shards, config.json, the tokenizer's files) in the dtype it
+        trained in, which transformers loads and scripts/export_gguf.py converts."""
         if self.rank != 0:
             return
-        folder = self.adapter_folder
+        folder, what = self.result_folder, "model" if self.cfg.full else "adapter"
         bad = nonfinite(model)
         if bad:
-            raise UserError(f"not writing the adapter: {bad[0]} holds NaN/inf. {self.next_steps('lower --lr')}")
+            raise UserError(f"not writing the {what}: {bad[0]} holds NaN/inf. {self.next_steps('lower --lr')}")
+        options = {k: getattr(self.cfg, k) for k in CARD_OPTIONS}
         try:
-            save_adapter(model, folder, base_model=self.cfg.model, dataset=self.cfg.data,
-                         options={k: getattr(self.cfg, k) for k in CARD_OPTIONS}, metrics=metrics)
+            if self.cfg.full:
+                card = model_card(base_model_id(self.cfg.model), "finetune", library_name="transformers",
+                                  dataset=self.cfg.data, metrics=metrics,
+                                  options={**options, "trained weights": self.cfg.train_modules or "all"})
+                merge_and_save(model, resolve(self.cfg.tokenizer or self.cfg.model), folder, card=card,
+                               marker="config.json")
+            else:
+                save_adapter(model, folder, base_model=self.cfg.model, dataset=self.cfg.data, options=options,
+                             metrics=metrics)
         except WRITE_ERRORS as e:
-            raise UserError(f"cannot write the adapter to {folder} ({e}). Nothing is lost: the final checkpoint "
-                            f"{self.last} holds the same weights, and {self.last}/adapter is this adapter") from e
+            kept = "its tensors.safetensors holds the trained weights" if self.cfg.full else \
+                f"{self.last}/adapter is this adapter"
+            raise UserError(f"cannot write the {what} to {folder} ({e}). Nothing is lost: the final checkpoint "
+                            f"{self.last} holds the same weights, and {kept}") from e
         return folder
 

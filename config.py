@@ -22,6 +22,7 @@ import torch
 
 import tracking
 from cli import HelpFormatter, auto_device
+from full import parse_train_modules, train_filter
 from model import LoRAConfig, check_quantize
 from model.hub import check_push
 from model.lora import ALL_TARGETS
@@ -63,6 +64,12 @@ class TrainConfig:
     lora_targets: str = field(default=",".join(ALL_TARGETS), metadata={"help": "comma-separated projections that "
                               "get adapters", "choices": ALL_TARGETS, "separator": ","})
     rslora: bool = field(default=False, metadata={"help": "rank-stabilized LoRA: scale alpha / sqrt(r)"})
+    # --- full fine-tuning (full.py, docs/full_finetuning.md) ---
+    full: bool = field(default=False, metadata={"help": "train the model's own weights instead of LoRA adapters "
+                       "(every weight, or --train-modules); the result is a Hugging Face model folder, out/model/"})
+    train_modules: str | None = field(default=None, metadata={"help": "with --full: train only these, comma-separated: "
+                                      "projection names (q_proj,...,down_proj), norm, embed_tokens, lm_head, and "
+                                      "layers.N or layers.A-B (e.g. q_proj,v_proj,layers.0-3); default: every weight"})
     # --- data ---
     data: str = field(default="builtin", metadata={"help": "'builtin', a .jsonl/.json/.csv/.txt/.parquet file or a "
                       "folder of them (FOLDER:split), a datasets save_to_disk folder, or a hub dataset "
@@ -208,6 +215,14 @@ class TrainConfig:
             (not self.precompute_ref or self.method in ("dpo", "ipo"), f"--precompute-ref computes the reference "
              f"model's log-probabilities of --method dpo or ipo; --method {self.method} has no reference model: drop "
              "--precompute-ref"),
+            (self.full or self.train_modules is None, "--train-modules chooses the weights of --full: add --full"),
+            (not (self.full and self.quantize), "--full trains the model's own weights, which --quantize nf4 freezes "
+                                                "in 4 bits: drop one of them (QLoRA is LoRA on an NF4 base)"),
+            (not (self.full and self.lora_options()), f"--full trains the model's own weights, without adapters: "
+             f"drop the LoRA option(s) {', '.join(map(flag, self.lora_options()))}, or --full"),
+            (not (self.full and self.method in ("dpo", "ipo")), f"--method {self.method} compares the model with "
+             "itself before training, which LoRA gets by turning its adapters off; --full has no such copy. Use "
+             "--method simpo or orpo (no reference model), or LoRA"),
             (self.sample_every >= -1, f"--sample-every must be a number of steps, -1 (only before training and at "
                                       f"the end) or 0 (never), got {self.sample_every}"),
         ]
@@ -230,6 +245,8 @@ class TrainConfig:
         except ValueError as e:
             raise UserError(f"{e} (--lora-r, --lora-dropout)") from e
         try:
+            if self.train_modules is not None:
+                parse_train_modules(self.train_modules)
             check_quantize(self.quantize)
             tracking.check_trackers(self.trackers())
             if self.push_to_hub:
@@ -262,7 +279,14 @@ class TrainConfig:
         return Objective(self.method, beta=self.beta, label_smoothing=self.label_smoothing, gamma=self.simpo_gamma,
                          lam=self.orpo_lambda, device=device)
 
-    def lora(self) -> LoRAConfig:
+    def lora_options(self) -> list[str]:
+        """The LoRA options set away from their defaults."""
+        return [n for n in OPTION_GROUPS["LoRA"] if getattr(self, n) != config_field(n).default]
+
+    def lora(self) -> LoRAConfig | None:
+        """The adapters' config; None with --full (no adapters)."""
+        if self.full:
+            return None
         return LoRAConfig(r=self.lora_r, alpha=self.lora_alpha, dropout=self.lora_dropout,
                           targets=tuple(t for t in self.lora_targets.split(",") if t), rslora=self.rslora)
 
@@ -308,6 +332,7 @@ OPTION_GROUPS = {
     "data": ("data", "eval_data", "eval_fraction", "max_examples", "columns", "chat_template", "system_prompt",
              "max_len", "packing", "train_on_inputs", "num_proc"),
     "LoRA": ("lora_r", "lora_alpha", "lora_dropout", "lora_targets", "rslora"),
+    "full fine-tuning": ("full", "train_modules"),
     "training": ("method", "max_steps", "num_epochs", "batch_size", "grad_accum", "lr", "min_lr_ratio",
                  "warmup_steps", "weight_decay", "grad_clip", "seed", "device", "beta", "label_smoothing",
                  "simpo_gamma", "orpo_lambda", "precompute_ref"),
@@ -521,7 +546,12 @@ def run_length(cfg, batches_per_epoch):
 
 
 def check_model_fit(cfg, mcfg, tokenizer=None):
-    """The tokenizer and --max-len against the model's config."""
+    """The tokenizer, --max-len and --train-modules against the model's config."""
+    if cfg.full:
+        try:
+            train_filter(cfg.train_modules, mcfg)
+        except ValueError as e:
+            raise UserError(str(e)) from e
     if tokenizer is not None and tokenizer.vocab_size > mcfg.vocab_size:
         raise UserError(f"the tokenizer has {tokenizer.vocab_size} tokens but the model's embedding has "
                         f"{mcfg.vocab_size} rows: they do not belong together. Use the tokenizer of this model")

@@ -8,6 +8,7 @@ correctness. Where one is wrong, the step runs out of memory and says what to lo
 """
 import torch
 
+from config import UserError
 from distributed import any_rank
 
 # The fused cross-entropy (kernels/fused_linear_cross_entropy.py) keeps at most this much of the logits at once.
@@ -95,3 +96,35 @@ def warm_start_fits(mcfg, small, batch, dtype, use_kernels, free):
     h, i, n = small.hidden_size, small.intermediate_size, batch["input_ids"].numel()
     copy = (weights(small) + 24 * n * small.n_layers * (h + i)) * size + logits_bytes(n, small, dtype, use_kernels)
     return weights(mcfg) * size + copy <= free / 2
+
+
+def training_bytes(total, trained, dtype):
+    """The memory of a run's weights and optimizer, in bytes: `total` weights at `dtype`; for each of the `trained`
+    ones its gradient at `dtype`, AdamW's two fp32 moments and, below fp32, its fp32 master and the master's
+    gradient (masters.py). Activations come on top (`activation_bytes`)."""
+    size = torch.finfo(dtype).bits // 8
+    return total * size + trained * (size + 8 + (8 if dtype != torch.float32 else 0))
+
+
+def full_finetuning_fit(mcfg, counts, dtype, device, world):
+    """The header line of a full fine-tuning run's memory (weights, gradients, masters, AdamW state), from
+    counts = (every weight, the trained ones); estimated before the model loads. On a CUDA GPU whose free memory
+    cannot hold it, UserError instead, with what would fit."""
+    total, trained = counts
+    need = training_bytes(total, trained, dtype)
+    masters = ", fp32 masters" if dtype != torch.float32 else ""
+    line = (f"full fine-tuning: {trained / 1e6:.2f}M of {total / 1e6:.2f}M weights train; weights, gradients{masters} "
+            f"and AdamW state take about {need / 2**30:.2f} GiB, activations apart")
+    if device.type != "cuda":
+        return line
+    free = torch.cuda.mem_get_info(device)[0]
+    if not any_rank(need > free, world, device):
+        return line + f" ({free / 2**30:.1f} GiB free)"
+    size = torch.finfo(dtype).bits // 8
+    projections = weights(mcfg) - 2 * mcfg.vocab_size * mcfg.hidden_size
+    lora, qlora = total * size, (total - projections) * size + projections * 0.53  # NF4: 4 bits + block scales
+    raise UserError(f"full fine-tuning needs about {need / 2**30:.1f} GiB for weights, gradients, fp32 masters and "
+                    f"AdamW state, before activations, and {device} has {free / 2**30:.1f} GiB free. What fits: "
+                    f"LoRA (drop --full: about {lora / 2**30:.1f} GiB of weights), QLoRA (--quantize nf4 without "
+                    f"--full: about {qlora / 2**30:.1f} GiB), or a GPU with more memory (with torchrun each GPU "
+                    "holds all of it: data parallelism splits the batches, not the weights)")

@@ -15,7 +15,7 @@ kernels once and replays them with one call (PyTorch's "whole-network capture").
 reads fixed addresses, so everything that changes between steps lives in static device
 buffers that are refilled before each replay: the batch tensors, the target-token count
 (the loss denominator) and the loss multiplier. Nothing step-dependent is a Python number
-inside the graph. Gradients accumulate into the LoRA weights' `.grad` tensors, which
+inside the graph. Gradients accumulate into the trained weights' `.grad` tensors, which
 therefore exist before the capture and are zeroed in place between optimizer steps
 (`optimizer.zero_grad(set_to_none=False)`). The graph takes the gradients with
 `torch.autograd.grad` and adds them into `.grad` with one multi-tensor add, where `backward()`
@@ -62,8 +62,8 @@ import data
 from memory import warm_start_fits
 from model.capture import capture, warm_up
 from model.load import random_model
-from model.lora import lora_parameters
 from model.transformer import Documents, documents
+from model.weights import trainable_parameters
 
 BUCKET = 64  # padded batches are padded to a multiple of this many tokens (one graph per multiple)
 SHORTEST = 2 * BUCKET  # ... and to at least this many in a run of at most SHORT_RUN micro-steps
@@ -318,11 +318,12 @@ class WarmStart:
         self.thread.start()
 
     @classmethod
-    def start(cls, mcfg, batch, device, dtype, *, lora, quantize=None, use_kernels=True, max_len=None,
+    def start(cls, mcfg, batch, device, dtype, *, lora, train=None, quantize=None, use_kernels=True, max_len=None,
               shortest=SHORTEST, log=print, loss_fn=None):
         """The running warm start, or None where it does not apply: not CUDA, or memory that is not plentiful
         (`memory.warm_start_fits`). max_len: pad the batch to its CUDA-graph bucket first, as GraphStep does
-        (`pad_to_bucket` with `shortest`); None for eager steps. loss_fn: the run's (see EagerStep)."""
+        (`pad_to_bucket` with `shortest`); None for eager steps. loss_fn: the run's (see EagerStep). lora, train:
+        the run's adapters (None with --full) and base weights that train (None without --full)."""
         if device.type != "cuda":
             return None
         types = list(dict.fromkeys(mcfg.layer_types))  # one layer of each type, in order of appearance
@@ -334,10 +335,10 @@ class WarmStart:
 
         def run():
             with torch.cuda.device(device):  # the thread's current device is not the caller's
-                model = random_model(small, dtype, device, quantize, lora=dataclasses.replace(lora, dropout=0.0),
-                                     use_kernels=use_kernels)
+                model = random_model(small, dtype, device, quantize, train=train, use_kernels=use_kernels,
+                                     lora=lora and dataclasses.replace(lora, dropout=0.0))
                 model.train()
-                params = [p for _, p in lora_parameters(model)]
+                params = [p for _, p in trainable_parameters(model)]
                 EagerStep(model, device, loss_fn)(batch, max(1, data.num_targets(batch)), 1.0)
                 torch.nn.utils.clip_grad_norm_(params, 1.0)
                 torch.cuda.current_stream().synchronize()

@@ -34,11 +34,13 @@ from checkpoint import Checkpoints, same_model
 from config import UserError, check_model_fit, choose_dtype, parse_args, pick_device, run_length, with_hardware_defaults
 from distributed import any_rank, distributed, sum_over_ranks
 from evaluation import Samples, evaluate, log_eval
+from full import train_filter, weight_counts
 from lifecycle import StopSignals, interrupted, save_after_failure
-from memory import choose_checkpointing, memory_warning
+from masters import Masters
+from memory import choose_checkpointing, full_finetuning_fit, memory_warning
 from model import load_model, load_tokenizer, read_config, resolve
 from model.hub import push
-from model.lora import lora_parameters
+from model.weights import trainable_parameters
 from precision import LossScaler, nonfinite_step
 from preference import num_pairs, reference_logps
 from runlog import Progress, RunLog, log_step, peak_memory
@@ -96,25 +98,32 @@ def main(cfg) -> int:
         # ----------------------------------------------------------------------------- model
         graphs_off = graphs_off_reason(cfg.cuda_graphs, device, world)
         shortest = shortest_bucket(max_steps * cfg.grad_accum)  # how short batches are padded for the graphs
+        train = train_filter(cfg.train_modules, mcfg) if cfg.full else None  # --full: the base weights that train
+        if cfg.full:  # refuses, before the loading, a run whose weights and optimizer cannot fit the GPU
+            log(full_finetuning_fit(mcfg, weight_counts(mcfg, train), dtype, device, world))
         # The first step's one-time costs, paid while the model loads. Not where --gradient-checkpointing asks
         # for less memory: the warm-up's copy of the model would raise the process's peak during the loading.
         warm = None if cfg.gradient_checkpointing else WarmStart.start(
-            mcfg, batches.peek(), device, dtype, lora=cfg.lora(), quantize=cfg.quantize, use_kernels=use_kernels,
+            mcfg, batches.peek(), device, dtype, lora=cfg.lora(), train=train, quantize=cfg.quantize,
+            use_kernels=use_kernels,
             max_len=None if graphs_off else cfg.max_len, shortest=shortest, log=log,
             loss_fn=copy.copy(step_loss))  # a copy: the warm-up's preference metrics are not the run's
         torch.manual_seed(cfg.seed + rank)  # dropout, different on each rank (the LoRA init has its own generator)
         random.seed(cfg.seed + rank)
         model, mcfg = load_model(path, dtype=dtype, device=device, lora=cfg.lora(), quantize=cfg.quantize,
                                  use_kernels=use_kernels, lora_seed=cfg.seed,
-                                 offload_activations=cfg.offload_activations)
-        params = [p for _, p in lora_parameters(model)]
-        assert all(p.dtype == torch.float32 for p in params), "LoRA master weights are fp32"
+                                 offload_activations=cfg.offload_activations, train=train)
+        masters = Masters(trainable_parameters(model))  # fp32 masters of bf16/fp16 weights; LoRA's are fp32 already
+        params = masters.params  # what the optimizer steps
         checkpointing, why = choose_checkpointing(cfg, mcfg, dtype, use_kernels, device, world)
         model.gradient_checkpointing = checkpointing
         log(f"gradient checkpointing {'on' if checkpointing else 'off'}: {why}")
         ckpts.check_free_disk(model)
+        what = "model" if cfg.full else "adapter"  # the run's result: out/model/ or out/adapter/
+        trained = (f"weights ({cfg.train_modules or 'all'})" if cfg.full else
+                   f"LoRA parameters (r={cfg.lora_r} on {cfg.lora_targets})")
         log(f"model {cfg.model}: {mcfg.n_layers} layers, {sum(p.numel() for p in params) / 1e6:.2f}M trainable "
-            f"LoRA parameters (r={cfg.lora_r} on {cfg.lora_targets}); {len(train_enc)} train / {len(eval_enc)} "
+            f"{trained}; {len(train_enc)} train / {len(eval_enc)} "
             f"eval examples, {len(batches)} batches per epoch{' (packed)' if cfg.packing else ' (padded)'}")
         if cfg.quantize:
             from model.qlora import nf4_bytes  # imports bitsandbytes: only for --quantize nf4
@@ -135,9 +144,9 @@ def main(cfg) -> int:
 
         # ----------------------------------------------------------------------------- resume
         step = ckpts.restore(ck, model, optimizer, scaler, batches)
-        if step >= max_steps and ckpts.adapter_done():
-            log(f"the run in {cfg.out_dir} is complete ({step} of {max_steps} steps, adapter in "
-                f"{ckpts.adapter_folder}); nothing to do. Raise --max-steps (with --resume-anyway) to train on")
+        if step >= max_steps and ckpts.result_done():
+            log(f"the run in {cfg.out_dir} is complete ({step} of {max_steps} steps, {what} in "
+                f"{ckpts.result_folder}); nothing to do. Raise --max-steps (with --resume-anyway) to train on")
             return 0
         ddp = torch.nn.parallel.DistributedDataParallel(
             model, device_ids=[device.index] if device.type == "cuda" else None) if world > 1 else None
@@ -151,7 +160,7 @@ def main(cfg) -> int:
         warmed = warm is not None and warm.join()  # in the timed window: what the loading did not hide
         log("CUDA graphs on" if graphs_off is None else f"CUDA graphs off: {graphs_off}")
         train_step = (EagerStep(forward, device, step_loss) if graphs_off else
-                      GraphStep(forward, device, params, cfg.max_len, log, warmed, shortest, step_loss))
+                      GraphStep(forward, device, masters.weights, cfg.max_len, log, warmed, shortest, step_loss))
         score = objective.evaluate if objective else evaluate
         tokens, start = 0, None
         signals.step, signals.stage = step, "training"  # a signal now stops the run after its step
@@ -187,11 +196,13 @@ def main(cfg) -> int:
                         loss_sum += train_step(batch, num_targets, scaler.scale * world)  # forward, backward
                 tokens += sum(b["input_ids"].numel() for b in micro) * world
 
+                masters.take_grads()  # bf16/fp16 gradients upcast into the fp32 masters' (--full)
                 scaler.unscale_(params)
                 grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip or float("inf"))
                 loss_sum = sum_over_ranks(loss_sum, world, device)  # every rank decides alike
                 applied = scaler.step(optimizer, loss_sum, grad_norm)  # skipped if NaN/inf
-                train_step.zero_grad(optimizer)
+                masters.copy_back()  # the model's bf16/fp16 weights = their updated masters, rounded
+                train_step.zero_grad(masters)
                 loss, norm = loss_sum.item(), grad_norm.item()
                 pref = objective.take(num_targets, lambda t: sum_over_ranks(t, world, device)) if objective else {}
                 if not applied:  # fp16 backs the loss scale off; bf16 and fp32 stop here
@@ -222,10 +233,10 @@ def main(cfg) -> int:
             log_eval(step, final, run, log)
             if samples:
                 samples.log(step, model, run, log, final=True)
-            adapter = ckpts.save_adapter(model, metrics=final)
-            log(f"done: adapter in {adapter} (PEFT format), checkpoint {ckpts.last}")
+            result = ckpts.save_result(model, metrics=final)
+            log(f"done: {what} in {result} ({'Hugging Face' if cfg.full else 'PEFT'} format), checkpoint {ckpts.last}")
             if cfg.push_to_hub and rank == 0:
-                log(f"pushed the adapter to {push(adapter, cfg.push_to_hub)}")
+                log(f"pushed the {what} to {push(result, cfg.push_to_hub)}")
             return 0
         except (OSError, torch.OutOfMemoryError) as e:  # a write that failed (disk full), or a step too big
             raise save_after_failure(e, cfg, ckpts, step, model, optimizer, scaler, batches, start,

@@ -290,18 +290,18 @@ def save_tokenizer(tokenizer: Tokenizer, folder):
         json.dump(config, f, indent=2, ensure_ascii=False)
 
 
-def merge_and_save(model, tokenizer_from, out_folder, max_shard_bytes=2 << 30, dtype=None, card=None):
+def merge_and_save(model, tokenizer_from, out_folder, max_shard_bytes=2 << 30, dtype=None, card=None, marker=None):
     """Write a Hugging Face model folder with the adapter merged into the base weights, atomically.
 
     tokenizer_from: a model folder (or a name load_model accepts) whose tokenizer files and
     generation_config.json are copied, a .gguf file whose tokenizer is written out, or None.
     dtype: of the written weights (default: the model's); merges are summed in fp32 first.
-    card: the README.md to write, or None. out_folder must not exist, or be empty. The model
-    itself is left unchanged.
+    card: the README.md to write, or None. out_folder must not exist, or be empty, or hold the file
+    `marker` (an earlier output that it replaces). The model itself is left unchanged.
     """
     hf_config = getattr(model, "hf_config", None) or to_hf_config(model.config)  # a GGUF has no config.json
     dtype = dtype or model.model.embed_tokens.weight.dtype  # every base tensor was loaded in this dtype
-    with atomic_folder(out_folder) as tmp:
+    with atomic_folder(out_folder, marker) as tmp:
         # Shards are written as they fill (host memory stays near one shard) and renamed at the
         # end, once their count is known.
         written, weight_map, shard, size, total = [], {}, {}, 0, 0

@@ -42,6 +42,12 @@ def expected_tensors(model, cfg, quantize):
     return expected, nf4_keys
 
 
+def trainable_parameters(model):
+    """(name, parameter) of every weight that trains: the LoRA weights, and base weights of full fine-tuning.
+    A tied head is the embedding's weight, listed once."""
+    return [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+
+
 def set_tensor(model, name, tensor):
     """Replace parameter `name` of `model` by `tensor`, keeping its requires_grad."""
     mod_name, _, pname = name.rpartition(".")
@@ -66,9 +72,10 @@ def check_complete(expected, seen, where):
         raise CheckpointError(f"{where} is missing tensor(s) {missing[:5]}{more}")
 
 
-def finish_model(model, cfg, device, lora_seed):
-    """Tie embeddings, create the fp32 LoRA weights on `device`, freeze the base, and pack the base weights of
-    projections that share an input (`Transformer.pack_weights_`)."""
+def finish_model(model, cfg, device, lora_seed, train=None):
+    """Tie embeddings, create the fp32 LoRA weights on `device`, freeze the base (but for the base weights whose
+    names the predicate `train` holds for: full fine-tuning, full.py), and pack the base weights of projections
+    that share an input where they stay frozen (`Transformer.pack_weights_`)."""
     if cfg.tie_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     gen = torch.Generator().manual_seed(lora_seed)
@@ -79,6 +86,6 @@ def finish_model(model, cfg, device, lora_seed):
             init_lora_(a, b, generator=gen)
             m.lora_A, m.lora_B = nn.Parameter(a.to(device)), nn.Parameter(b.to(device))
     for n, p in model.named_parameters():
-        p.requires_grad_(is_lora_param(n))
+        p.requires_grad_(is_lora_param(n) or (train is not None and train(n)))
     model.pack_weights_()
     model.eval()  # dropout off unless the training loop turns it on
