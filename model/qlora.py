@@ -14,8 +14,9 @@ bitsandbytes' `dequantize_4bit`, and straight into a given buffer); elsewhere
 
 `NF4Weight` holds those tensors as buffers (so `.to(device)` moves them and byte counts
 see them) and replaces a LoRALinear's `weight`. `LoRALinear.base_weight()` dequantizes
-it; the fused LoRA Functions (model/lora.py) call that in forward and again in backward,
-and free the result right after each matmul, so a dequantized weight is never kept. (The
+it; the fused LoRA Functions (model/lora.py) dequantize the weights of projections that
+share an input (q, k, v; gate, up) into the rows of one [Σout, in] buffer, in forward and
+again in backward, and free it right after each matmul, so a dequantized weight is never kept. (The
 unfused reference path, fused_lora=False, lets autograd save each dequantized weight for
 backward: correct, but with full-precision weight memory.)
 
