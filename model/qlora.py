@@ -91,8 +91,7 @@ class NF4Weight(nn.Module):
         """The weight [out, in] in its original dtype, written into `out` when given (a contiguous tensor of that
         shape and dtype, e.g. rows of a larger buffer), else into a new tensor. kernel: dequantize with nanotune's
         Triton kernel rather than bitsandbytes' (the same values, bit for bit); by default on CUDA only, where
-        Triton compiles (elsewhere it runs only in its interpreter, far slower than bitsandbytes' CPU code).
-        bitsandbytes writes into `out` by a copy: its CPU backend has no `out=`."""
+        Triton compiles (elsewhere it runs only in its interpreter, far slower than bitsandbytes' CPU code)."""
         assert out is None or (out.shape == self.shape and out.dtype == self.weight_dtype), (
             f"NF4 dequantize: out must be {tuple(self.shape)} {self.weight_dtype}, got {tuple(out.shape)} {out.dtype}")
         if self.packed.is_cuda if kernel is None else kernel:
@@ -104,8 +103,10 @@ class NF4Weight(nn.Module):
                                   blocksize=NF4_ABSMAX_BLOCK, dtype=torch.float32)
         state = QuantState(absmax=self.absmax, shape=self.shape, blocksize=NF4_BLOCK, quant_type="nf4",
                            dtype=self.weight_dtype, offset=self.absmax_offset, state2=absmax_state)
+        if out is not None and out.is_cuda:
+            return dequantize_4bit(self.packed, state, out=out)
         w = dequantize_4bit(self.packed, state)
-        return w if out is None else out.copy_(w)
+        return w if out is None else out.copy_(w)  # bitsandbytes' CPU backend takes no out=
 
     def extra_repr(self):
         return f"shape={tuple(self.shape)}, dtype={self.weight_dtype}"
