@@ -9,6 +9,7 @@ their modules (`from kernels.rms_norm import rms_norm`).
     swiglu.py, geglu.py            the gated MLP activations
     glu.py                         the launchers SwiGLU and GeGLU share
     tanh.py                        tanh for kernels (softcapping, tanh-approximate gelu)
+    nf4_dequantize.py              NF4 weights (double-quantized absmax) into a given buffer, as bitsandbytes
     references.py                  the pure-torch reference of every kernel (torch only, no Triton):
                                    what the tests compare against and the model runs with kernels off
 """

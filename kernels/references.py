@@ -10,8 +10,11 @@ This module imports torch only, so that those runs need no Triton.
     swiglu_reference, geglu_reference      kernels/swiglu.py, kernels/geglu.py
     cross_entropy_reference                kernels/cross_entropy.py
     fused_linear_cross_entropy_reference   kernels/fused_linear_cross_entropy.py
+    nf4_dequantize_reference               kernels/nf4_dequantize.py
 """
+import math
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -177,3 +180,52 @@ def fused_linear_cross_entropy_reference(hidden, weight, targets, *, bias=None, 
     logits = F.linear(hidden, weight, bias)  # (N, V)
     return cross_entropy_reference(logits, targets, ignore_index=ignore_index, softcap=softcap, scale=scale,
                                    reduction=reduction, num_targets=num_targets)
+
+
+# ----------------------------------------------------------------------------- NF4 dequantization
+
+# The 16 NF4 levels, quantiles of N(0, 1) scaled to [-1, 1] (Dettmers et al. 2023), as bitsandbytes lists them
+# (`functional.get_4bit_type("nf4")`); code i is the level NF4_LEVELS[i].
+NF4_LEVELS = (-1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453, -0.28444138169288635,
+              -0.18477343022823334, -0.09105003625154495, 0.0, 0.07958029955625534, 0.16093020141124725,
+              0.24611230194568634, 0.33791524171829224, 0.44070982933044434, 0.5626170039176941,
+              0.7229568362236023, 1.0)
+NF4_BLOCK = 64  # weight values per absmax scale
+NF4_ABSMAX_BLOCK = 256  # absmax codes per fp32 scale (double quantization)
+
+
+class NF4Data(NamedTuple):
+    """An NF4 weight of n values with double-quantized absmax scales, in bitsandbytes' layout
+    (`quantize_4bit(..., blocksize=64, compress_statistics=True, quant_type="nf4")`)."""
+    packed: torch.Tensor  # (ceil(n/2), ...) uint8: value 2j in the high nibble of byte j, value 2j+1 in the low
+    absmax: torch.Tensor  # (ceil(n/64),) uint8: each 64-value block's scale, as a code of absmax_code
+    absmax_scale: torch.Tensor  # (ceil(n/64/256),) fp32: the scale of each 256 absmax codes
+    absmax_offset: torch.Tensor  # () fp32: the mean the absmax scales were centred on before quantization
+    absmax_code: torch.Tensor  # (256,) fp32: the levels of the absmax codes (bitsandbytes' signed dynamic map)
+
+
+def check_nf4_args(q: NF4Data, numel):
+    n_blocks = -(-numel // NF4_BLOCK)
+    expected = {"packed": (torch.uint8, numel - numel // 2), "absmax": (torch.uint8, n_blocks),
+                "absmax_scale": (torch.float32, -(-n_blocks // NF4_ABSMAX_BLOCK)), "absmax_offset": (torch.float32, 1),
+                "absmax_code": (torch.float32, 256)}
+    for name, (dtype, count) in expected.items():
+        t = getattr(q, name)
+        if t.dtype != dtype or t.numel() != count or t.device != q.packed.device:
+            raise ValueError(f"NF4 dequantize: {name} must be {count} {dtype} values on {q.packed.device} for a "
+                             f"weight of {numel} values; got {t.numel()} {t.dtype} on {t.device}")
+
+
+def nf4_dequantize_reference(q: NF4Data, shape, dtype):
+    """Pure torch, operation for operation as bitsandbytes' `dequantize_4bit`: the absmax scales in fp32
+    (code times scale, then plus offset), each value's level times its scale in fp32, one rounding to `dtype`."""
+    numel = math.prod(shape)
+    check_nf4_args(q, numel)
+    n_blocks = -(-numel // NF4_BLOCK)
+    scale = q.absmax_scale.repeat_interleave(NF4_ABSMAX_BLOCK)[:n_blocks]
+    absmax = q.absmax_code[q.absmax.long()] * scale + q.absmax_offset  # (n_blocks,)
+    packed = q.packed.reshape(-1)
+    codes = torch.stack([packed >> 4, packed & 15], dim=-1).reshape(-1)[:numel].long()
+    levels = torch.tensor(NF4_LEVELS, dtype=torch.float32, device=packed.device)
+    values = levels[codes] * absmax.repeat_interleave(NF4_BLOCK)[:numel]
+    return values.to(dtype).reshape(shape)

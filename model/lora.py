@@ -373,6 +373,18 @@ def _spans(projs):
     return [slice(e - p.out_features, e) for p, e in zip(projs, ends)]
 
 
+def _base_weights(projs, dtype):
+    """[W_1; W_2; ...] (Σout, in) in `dtype`. NF4 weights are dequantized straight into the rows of one new buffer
+    (no concatenation after); full-precision ones are their packed view (`pack_weights_`) or concatenation."""
+    nf4 = [p.nf4 for p in projs]
+    if None in nf4:
+        return _packed([p.base_weight() for p in projs]).to(dtype)
+    w = nf4[0].packed.new_empty(sum(p.out_features for p in projs), projs[0].in_features, dtype=nf4[0].weight_dtype)
+    for q, rows in zip(nf4, _spans(projs)):
+        q.dequantize(out=w[rows])
+    return w.to(dtype)
+
+
 def _base(projs, x, dtype, transposed=False):
     """X [W_1; W_2; ...]ᵀ + [b_1 | b_2 | ...], the projections' outputs side by side (N, Σout) in `dtype`, as one
     GEMM. transposed: computed as the contiguous (Σout, N) product [W_1; W_2; ...] Xᵀ and returned transposed, so
@@ -382,7 +394,7 @@ def _base(projs, x, dtype, transposed=False):
     column slices that the adapters add into, and refuses. A dequantized, concatenated or cast weight is
     freed on return."""
     assert len({p.bias is None for p in projs}) == 1, "fused LoRA: projections of one input all have a bias or none"
-    w = _packed([p.base_weight() for p in projs]).to(dtype)
+    w = _base_weights(projs, dtype)
     b = None if projs[0].bias is None else _packed([p.bias for p in projs]).to(dtype)
     if not transposed or len(x) == 1:
         return F.linear(x, w, b)
@@ -393,7 +405,7 @@ def _base_backward(projs, dy, transposed=False):
     """dY [W_1; W_2; ...] (N, in), the gradient of the projections' shared input through their base weights, from
     dY (N, Σout), as one GEMM; each W is dequantized again, and freed after it. transposed: computed as the
     contiguous (in, N) product and returned transposed (the MLP's dH, which meets Gᵀ and Uᵀ in the kernels)."""
-    w = _packed([p.base_weight() for p in projs]).to(dy.dtype)
+    w = _base_weights(projs, dy.dtype)
     return torch.mm(w.t(), dy.t()).t() if transposed else torch.mm(dy, w)
 
 

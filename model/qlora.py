@@ -7,13 +7,16 @@ bits in blocks of 256, around their mean. Bits per weight value:
 
     4 (code) + 8/64 (absmax) + 32/(64·256) (fp32 scale of the absmax) ≈ 4.127,
 
-0.258 of bf16's 16. bitsandbytes' `quantize_4bit` / `dequantize_4bit` do the work, on
-GPU and CPU.
+0.258 of bf16's 16. bitsandbytes' `quantize_4bit` quantizes, on GPU and CPU. On CUDA,
+nanotune's Triton kernel dequantizes (kernels/nf4_dequantize.py: bit-equal to
+bitsandbytes' `dequantize_4bit`, and straight into a given buffer); elsewhere
+`dequantize_4bit` does.
 
 `NF4Weight` holds those tensors as buffers (so `.to(device)` moves them and byte counts
 see them) and replaces a LoRALinear's `weight`. `LoRALinear.base_weight()` dequantizes
-it; the fused LoRA Functions (model/lora.py) call that in forward and again in backward,
-and free the result right after each matmul, so a dequantized weight is never kept. (The
+it; the fused LoRA Functions (model/lora.py) dequantize the weights of projections that
+share an input (q, k, v; gate, up) into the rows of one [Σout, in] buffer, in forward and
+again in backward, and free it right after each matmul, so a dequantized weight is never kept. (The
 unfused reference path, fused_lora=False, lets autograd save each dequantized weight for
 backward: correct, but with full-precision weight memory.)
 
@@ -27,6 +30,7 @@ from functools import lru_cache
 import torch
 import torch.nn as nn
 
+from kernels.references import NF4_ABSMAX_BLOCK, NF4_BLOCK, NF4Data
 from model.lora import LoRALinear
 
 
@@ -54,9 +58,6 @@ def import_bitsandbytes():
 import_bitsandbytes()
 from bitsandbytes.functional import QuantState, create_dynamic_map, dequantize_4bit, quantize_4bit  # noqa: E402
 
-BLOCK = 64  # values per NF4 block (the QLoRA paper's choice)
-ABSMAX_BLOCK = 256  # absmax scales per 8-bit block under double quantization
-
 
 @lru_cache
 def absmax_code(device):
@@ -72,9 +73,9 @@ class NF4Weight(nn.Module):
         super().__init__()
         assert weight.dtype in (torch.float32, torch.bfloat16, torch.float16), (
             f"NF4 quantizes fp32/bf16/fp16 weights, got {weight.dtype}")
-        packed, state = quantize_4bit(weight.contiguous(), blocksize=BLOCK, compress_statistics=True,
+        packed, state = quantize_4bit(weight.contiguous(), blocksize=NF4_BLOCK, compress_statistics=True,
                                       quant_type="nf4")  # always name nf4: bitsandbytes defaults to fp4
-        assert state.state2.blocksize == ABSMAX_BLOCK and torch.equal(state.state2.code, absmax_code(weight.device))
+        assert state.state2.blocksize == NF4_ABSMAX_BLOCK and torch.equal(state.state2.code, absmax_code(weight.device))
         self.shape, self.weight_dtype = weight.shape, weight.dtype  # what dequantize() gives back
         # Not in state_dict(): the checkpoint's full-precision weight is the source of truth.
         self.register_buffer("packed", packed, persistent=False)  # (numel/2, 1) uint8: two codes a byte
@@ -82,13 +83,30 @@ class NF4Weight(nn.Module):
         self.register_buffer("absmax_offset", state.offset, persistent=False)  # () fp32, their mean
         self.register_buffer("absmax_scale", state.state2.absmax, persistent=False)  # (numel/64/256,) fp32
 
-    def dequantize(self):
-        """The weight [out, in] in its original dtype: a new tensor."""
+    def data(self):
+        """The tensors of the NF4 format, for the Triton kernel (kernels/nf4_dequantize.py)."""
+        return NF4Data(self.packed, self.absmax, self.absmax_scale, self.absmax_offset, absmax_code(self.packed.device))
+
+    def dequantize(self, out=None, kernel=None):
+        """The weight [out, in] in its original dtype, written into `out` when given (a contiguous tensor of that
+        shape and dtype, e.g. rows of a larger buffer), else into a new tensor. kernel: dequantize with nanotune's
+        Triton kernel rather than bitsandbytes' (the same values, bit for bit); by default on CUDA only, where
+        Triton compiles (elsewhere it runs only in its interpreter, far slower than bitsandbytes' CPU code)."""
+        assert out is None or (out.shape == self.shape and out.dtype == self.weight_dtype), (
+            f"NF4 dequantize: out must be {tuple(self.shape)} {self.weight_dtype}, got {tuple(out.shape)} {out.dtype}")
+        if self.packed.is_cuda if kernel is None else kernel:
+            from kernels.nf4_dequantize import nf4_dequantize  # Triton is imported only where the kernel runs
+            if out is None:
+                out = torch.empty(self.shape, dtype=self.weight_dtype, device=self.packed.device)
+            return nf4_dequantize(self.data(), out)
         absmax_state = QuantState(absmax=self.absmax_scale, code=absmax_code(self.packed.device),
-                                  blocksize=ABSMAX_BLOCK, dtype=torch.float32)
-        state = QuantState(absmax=self.absmax, shape=self.shape, blocksize=BLOCK, quant_type="nf4",
+                                  blocksize=NF4_ABSMAX_BLOCK, dtype=torch.float32)
+        state = QuantState(absmax=self.absmax, shape=self.shape, blocksize=NF4_BLOCK, quant_type="nf4",
                            dtype=self.weight_dtype, offset=self.absmax_offset, state2=absmax_state)
-        return dequantize_4bit(self.packed, state)
+        if out is not None and out.is_cuda:
+            return dequantize_4bit(self.packed, state, out=out)
+        w = dequantize_4bit(self.packed, state)
+        return w if out is None else out.copy_(w)  # bitsandbytes' CPU backend takes no out=
 
     def extra_repr(self):
         return f"shape={tuple(self.shape)}, dtype={self.weight_dtype}"

@@ -1,6 +1,6 @@
 """The benchmark tools of scripts/bench/: the harness's batches and timing, bench.py's command
 line and peers table, and bench.py --smoke end to end on CPU (a padded table case, and the
-train.py mode)."""
+train.py mode); bench_qlora.py's shapes, its prediction of the longest length, and its --smoke."""
 import json
 import os
 import subprocess
@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from scripts.bench import bench, harness
+from scripts.bench import bench, bench_qlora, harness
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -172,3 +172,52 @@ def test_bench_dpo_times_a_dpo_run(run_model, tmp_path):
     assert r["tokens_per_s_padded"] == pytest.approx(2 * r["max_len"] / r["step_s_median"])
     assert r["tokens_per_s_real"] < r["tokens_per_s_padded"] and r["loss_first"] == pytest.approx(0.6931, abs=1e-3)
     assert "data: 22 pairs of 22" in r["header"]
+
+
+# ----------------------------------------------------------------------------- bench_qlora.py
+
+
+FULL_6TH = ["sliding", "full", "sliding"]  # Gemma 3's layers 4 to 6: every sixth layer attends globally
+
+
+def test_qlora_shapes_keep_their_quirks():
+    """The 7-12B shapes translate into the ModelConfigs of the real models, at full size and in --smoke."""
+    for smoke in (False, True):
+        cfgs = {name: bench_qlora.model_config(name, smoke) for name in bench_qlora.SHAPES}
+        assert cfgs["llama-3.1-8b"].rope_scaling["rope_type"] == "llama3" and not cfgs["llama-3.1-8b"].qkv_bias
+        assert cfgs["qwen2.5-7b"].qkv_bias
+        gemma2, gemma3 = cfgs["gemma-2-9b"], cfgs["gemma-3-12b"]
+        assert (gemma2.attn_softcap, gemma2.final_softcap) == (50.0, 30.0)
+        assert gemma2.layer_types[:2] == ["sliding", "full"]
+        assert gemma3.qk_norm and gemma3.rope_local_theta == 10000.0
+        assert gemma3.layer_types[:2] == ["sliding", "full"] if smoke else gemma3.layer_types[4:7] == FULL_6TH
+    full = bench_qlora.model_config("llama-3.1-8b", False)
+    assert (full.hidden_size, full.n_layers, full.vocab_size) == (4096, 32, 128256)
+
+
+def test_predict_longest_fits_the_line_of_the_two_longest_rows():
+    GiB = 1024 ** 3
+    rows = [{"seqlen": 32768, "status": "ok", "peak_mem_bytes": 12 * GiB},
+            {"seqlen": 65536, "status": "ok", "peak_mem_bytes": 18 * GiB},
+            {"seqlen": 131072, "status": "oom", "peak_mem_bytes": 79 * GiB}]  # an OOM row says nothing of the line
+    length, per_token, fixed = bench_qlora.predict_longest(rows, 80 * GiB, step=1024, headroom=1.0)
+    assert per_token == 6 * GiB / 32768 and fixed == 6 * GiB
+    assert length == 403456  # (80 - 6) GiB at 6 GiB per 32768 tokens: 404,138 tokens, down to a multiple of 1024
+    assert bench_qlora.predict_longest(rows[:1], 80 * GiB) is None
+
+
+@pytest.mark.slow
+def test_bench_qlora_smoke(tmp_path):
+    """bench_qlora.py --smoke end to end on CPU: an NF4 model built in memory trains, at 2 x T and at batch 1."""
+    out = tmp_path / "qlora.json"
+    proc = subprocess.run([sys.executable, "scripts/bench/bench_qlora.py", "--smoke", "--shapes", "gemma-2-9b",
+                           "--ckpt", "on+offload", "--long", "96", "--out", str(out)],
+                          cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.loads(out.read_text())["results"]
+    assert [(r["shape"], r["batch"], r["seqlen"], r["ckpt"]) for r in rows] == [
+        ("gemma-2-9b", 2, 64, "on+offload"), ("llama-3.1-8b", 1, 96, "on+offload")]
+    for r in rows:
+        assert r["status"] == "ok", r
+        assert r["loss_final"] < r["loss_first"], r
+    assert "| gemma-2-9b | 2x64 | on+offload |" in proc.stdout

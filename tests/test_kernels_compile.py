@@ -55,9 +55,11 @@ def kernel_cases():
     import kernels.cross_entropy as ce
     import kernels.geglu as gg
     import kernels.glu as glu
+    import kernels.nf4_dequantize as nf4
     import kernels.rms_norm as rn
     import kernels.rope as rp
     import kernels.swiglu as sw
+    from kernels.references import NF4_ABSMAX_BLOCK, NF4_BLOCK
     specs = []  # (module, kernel, signature(dtype), base constexprs, flag combos, num_warps)
 
     block, warps = ce.launch_config(262144, ce.FORWARD_MAX_BLOCK)
@@ -97,6 +99,11 @@ def kernel_cases():
         specs.append((mod.__name__, f"_{name}_backward_kernel", lambda t: {
             "dh_ptr": f"*{t}", "gate_ptr": f"*{t}", "up_ptr": f"*{t}", "dgate_ptr": f"*{t}", "dup_ptr": f"*{t}",
             "n": "i32"}, {"BLOCK": glu.BLOCK}, approx or [{}], glu.NUM_WARPS))
+
+    specs.append(("kernels.nf4_dequantize", "_nf4_dequantize_kernel", lambda t: {
+        "packed_ptr": "*u8", "absmax_ptr": "*u8", "absmax_scale_ptr": "*fp32", "absmax_offset_ptr": "*fp32",
+        "absmax_code_ptr": "*fp32", "levels_ptr": "*fp32", "out_ptr": f"*{t}", "n": "i32"},
+        {"BLOCKS": nf4.BLOCKS, "BLOCK": NF4_BLOCK, "ABSMAX_BLOCK": NF4_ABSMAX_BLOCK}, [{}], nf4.OPTIONS["num_warps"]))
 
     cases = []
     for module, kernel, signature, base, combos, warps in specs:
@@ -139,10 +146,26 @@ def compile_case(case: Case) -> str:
         return f"{type(e).__name__}: {e}"[:2000] or type(e).__name__
 
 
+def nf4_fma(arch) -> str:
+    """'' if the NF4 kernel, compiled with its launcher's options, has no FMA in its PTX, else what it has: a fused
+    D[c] · s + o would round once where bitsandbytes rounds twice (kernels/nf4_dequantize.py)."""
+    import re
+
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    case = next(c for c in kernel_cases() if c.kernel == "_nf4_dequantize_kernel" and c.arch == arch)
+    fn = getattr(importlib.import_module(case.module), case.kernel)
+    options = importlib.import_module(case.module).OPTIONS
+    ptx = triton.compile(ASTSource(fn=fn, signature=case.signature, constexprs=case.constexprs),
+                         target=GPUTarget("cuda", arch, 32), options=options).asm["ptx"]
+    return ", ".join(sorted(set(re.findall(r"\bfma\.\S+", ptx))))
+
+
 def compile_all() -> dict:
     cases = kernel_cases() + bug_cases()
     with ProcessPoolExecutor(max_workers=os.cpu_count()) as pool:
-        return dict(zip((c.id for c in cases), pool.map(compile_case, cases)))
+        compiled = dict(zip((c.id for c in cases), pool.map(compile_case, cases)))
+        return {**compiled, **{f"nf4_fma-sm{arch}": pool.submit(nf4_fma, arch).result() for arch in ARCHS}}
 
 
 if __name__ == "__main__":
@@ -166,6 +189,11 @@ def compiled():
 @pytest.mark.parametrize("case_id", [c.id for c in kernel_cases()])
 def test_kernel_compiles(compiled, case_id):
     assert compiled[case_id] == "", f"{case_id} does not compile:\n{compiled[case_id]}"
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_nf4_dequantize_compiles_without_fma(compiled, arch):
+    assert compiled[f"nf4_fma-sm{arch}"] == "", f"the NF4 kernel's PTX fuses: {compiled[f'nf4_fma-sm{arch}']}"
 
 
 @pytest.mark.parametrize("arch", ARCHS)

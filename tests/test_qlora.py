@@ -1,9 +1,13 @@
 """QLoRA: NF4 storage, the fused Functions on NF4 weights against a dequantized-weight
 reference, quantize-on-load, and the memory it saves."""
+from collections import defaultdict
+from functools import partialmethod
+
 import pytest
 import torch
 import torch.nn as nn
 from bitsandbytes.functional import dequantize_4bit, quantize_4bit
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from model import LoRAConfig, load_model
 from model.lora import LoRALinear, lora_mlp, lora_parameters, lora_projections
@@ -56,6 +60,60 @@ def test_fused_nf4_saves_no_dequantized_weight():
         lora_mlp(x, quant, glu("silu"))
         lora_projections(x, quant[:2])  # gate and up: two projections of one input
     assert not [s for s in shapes if s in ((I, H), (H, I))], f"a dequantized weight was saved: {shapes}"
+
+
+def equal_runs(a, b, what):
+    """Two `run`s give the same outputs, dx and LoRA grads, bit for bit."""
+    for name, x, y in zip(("outputs", "dx", "LoRA grads"), a, b):
+        xs, ys = (x, y) if isinstance(x, (list, tuple)) else ([x], [y])
+        assert all(torch.equal(s, t) for s, t in zip(xs, ys, strict=True)), f"{what}: {name} differ"
+
+
+GROUPS = {"gate/up/down": (mlp_projs, lambda t, projs: lora_mlp(t, projs, glu("silu"))),
+          "q/k/v": (lambda dtype: attention_projs(dtype)[0], lora_projections)}
+
+
+@pytest.mark.parametrize("group", GROUPS)
+@pytest.mark.parametrize("kernel", [False, True], ids=["bitsandbytes", "triton"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_fused_nf4_equals_fused_dequantized_weights(dtype, kernel, group, monkeypatch):
+    """The fused Functions on NF4 weights, which dequantize a group's weights into the rows of one buffer, give
+    exactly what they give on full-precision weights holding the dequantized values: the same values in the
+    same GEMMs, forward and backward, whether bitsandbytes or the Triton kernel dequantizes."""
+    monkeypatch.setattr(NF4Weight, "dequantize", partialmethod(NF4Weight.dequantize, kernel=kernel))
+    make, fn = GROUPS[group]
+    quant, ref = nf4_pair(dtype, make)
+    x = torch.randn(3, 7, H).to(dtype)
+    equal_runs(run(lambda t: fn(t, quant), x, quant), run(lambda t: fn(t, ref), x, ref), group)
+
+
+def test_fused_nf4_concatenates_no_weights():
+    """A group's NF4 weights are dequantized straight into one buffer, never concatenated after (forward and
+    backward): no `cat` makes a tensor of the group's packed weight shape."""
+    quant, _ = nf4_pair(torch.float32, mlp_projs)
+    qkv, _ = nf4_pair(torch.float32, lambda d: attention_projs(d)[0])
+    x = torch.randn(21, H, requires_grad=True)
+    with OpShapes() as seen:
+        lora_mlp(x, quant, glu("silu")).sum().backward()
+        sum(y.sum() for y in lora_projections(x, qkv)).backward()
+    packed = {(2 * I, H), (sum(p.out_features for p in qkv), H)}
+    cats = seen[torch.ops.aten.cat.default]
+    assert not packed & cats, f"weights were concatenated: {cats}"
+
+
+class OpShapes(TorchDispatchMode):
+    """Within the block, the output shapes of every aten op that runs: {op: set of shapes}."""
+
+    def __enter__(self):
+        self.shapes = defaultdict(set)
+        super().__enter__()
+        return self.shapes
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if isinstance(out, torch.Tensor):
+            self.shapes[func].add(tuple(out.shape))
+        return out
 
 
 def weight_bytes(model):

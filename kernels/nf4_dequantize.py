@@ -1,0 +1,87 @@
+"""NF4 dequantization with double-quantized absmax scales, written straight into a given tensor.
+
+References: Dettmers et al. 2023 "QLoRA" (NF4, double quantization); bitsandbytes `functional.py`
+(`quantize_4bit`, `dequantize_4bit`, `dequantize_blockwise`) and its CUDA `kDequantizeBlockwise`.
+
+A weight of n values (row-major) is stored as bitsandbytes lays it out (kernels.references.NF4Data):
+4-bit codes q, two a byte with the first value in the high nibble; one 8-bit absmax code c_b per block
+of 64 values; one fp32 scale s_k per 256 absmax codes; their offset o (fp32); the 256 levels D of the
+absmax codes (bitsandbytes' signed dynamic map) and the 16 NF4 levels (NF4_LEVELS). Then
+
+    a_b = D[c_b] · s_{b // 256} + o          block b's absmax, fp32
+    W_i = NF4[q_i] · a_{i // 64}             fp32, rounded once to the output dtype
+
+These are bitsandbytes' operations in its order (dequantize_blockwise, += offset, dequantize_4bit),
+all in fp32, so the result is bit-equal to `dequantize_4bit`. The kernel is compiled with floating-
+point fusion off: a contracted D[c] · s + o (one FMA, one rounding) would differ in the last bit.
+
+One program dequantizes BLOCKS blocks of 64 values: it reads each block's absmax code, scale and level
+once, and each packed byte once, and writes each value once, into `out`, which may be the rows of a
+larger buffer (the packed [W_q; W_k; W_v] of model/lora.py): no copy follows.
+
+Reference: kernels.references.nf4_dequantize_reference.
+"""
+from functools import lru_cache
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.references import DTYPES, NF4_ABSMAX_BLOCK, NF4_BLOCK, NF4_LEVELS, NF4Data, check_nf4_args
+
+BLOCKS = 32  # 64-value blocks per program: 2048 values
+# Fusion off: a · s + o is rounded twice, as bitsandbytes rounds it (tests/test_kernels_compile.py checks the PTX).
+OPTIONS = {"num_warps": 4, "enable_fp_fusion": False}
+
+
+@triton.jit
+def _nf4_dequantize_kernel(packed_ptr, absmax_ptr, absmax_scale_ptr, absmax_offset_ptr, absmax_code_ptr, levels_ptr,
+                           out_ptr, n, BLOCKS: tl.constexpr, BLOCK: tl.constexpr, ABSMAX_BLOCK: tl.constexpr):
+    HALF: tl.constexpr = BLOCK // 2  # bytes per block
+    blocks = tl.program_id(0).to(tl.int64) * BLOCKS + tl.arange(0, BLOCKS)  # (BLOCKS,)
+    in_range = blocks < tl.cdiv(n, BLOCK)
+    c = tl.load(absmax_ptr + blocks, mask=in_range, other=0).to(tl.int32)
+    s = tl.load(absmax_scale_ptr + blocks // ABSMAX_BLOCK, mask=in_range, other=0.0)
+    a = tl.load(absmax_code_ptr + c) * s + tl.load(absmax_offset_ptr)  # (BLOCKS,) fp32
+
+    byte = blocks[:, None] * HALF + tl.arange(0, HALF)[None, :]  # (BLOCKS, HALF)
+    p = tl.load(packed_ptr + byte, mask=byte < n - n // 2, other=0)  # uint8
+    high = tl.load(levels_ptr + (p >> 4)) * a[:, None]  # value 2j
+    low = tl.load(levels_ptr + (p & 15)) * a[:, None]  # value 2j + 1
+    w = tl.reshape(tl.join(high, low), (BLOCKS, BLOCK))  # (BLOCKS, HALF, 2) -> values in order
+    i = blocks[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
+    if out_ptr.dtype.element_ty == tl.bfloat16:
+        tl.store(out_ptr + i, _to_bf16(w), mask=i < n)
+    else:
+        tl.store(out_ptr + i, w.to(out_ptr.dtype.element_ty), mask=i < n)
+
+
+@triton.jit
+def _to_bf16(x):
+    """Finite fp32 x rounded to the nearest bf16, ties to even, by integer arithmetic on its bits: what the GPU's
+    conversion gives, and what Triton's interpreter (the CPU tests) does not, as its cast truncates. It can go
+    when `x.to(tl.bfloat16)` rounds to nearest even in the interpreter (tests/test_nf4.py then passes without it)."""
+    bits = x.to(tl.uint32, bitcast=True)
+    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+    return bits.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+
+
+@lru_cache
+def _levels(device):
+    return torch.tensor(NF4_LEVELS, dtype=torch.float32, device=device)
+
+
+def nf4_dequantize(q: NF4Data, out):
+    """Dequantize `q` into `out`, a contiguous fp32/bf16/fp16 tensor of the weight's shape (e.g. a row slice
+    of a larger buffer), and return `out`."""
+    if out.dtype not in DTYPES or not out.is_contiguous() or out.device != q.packed.device:
+        raise ValueError(f"NF4 dequantize: out must be a contiguous fp32/bf16/fp16 tensor on {q.packed.device}; "
+                         f"got {out.dtype}, contiguous={out.is_contiguous()}, on {out.device}")
+    n = out.numel()
+    check_nf4_args(q, n)
+    if n > 0:
+        grid = (triton.cdiv(triton.cdiv(n, NF4_BLOCK), BLOCKS),)
+        _nf4_dequantize_kernel[grid](q.packed, q.absmax, q.absmax_scale, q.absmax_offset, q.absmax_code,
+                                     _levels(out.device), out, n, BLOCKS=BLOCKS, BLOCK=NF4_BLOCK,
+                                     ABSMAX_BLOCK=NF4_ABSMAX_BLOCK, **OPTIONS)
+    return out

@@ -1,0 +1,98 @@
+"""The NF4 dequantization kernel (kernels/nf4_dequantize.py) against bitsandbytes' `dequantize_4bit` and the
+pure-torch reference: bit for bit, in every output dtype, for odd shapes, into rows of a larger buffer. On CPU
+the kernel runs in Triton's interpreter (tests/conftest.py); `pytest -m gpu` repeats it at real sizes."""
+import pytest
+import torch
+from bitsandbytes.functional import get_4bit_type
+
+from kernels.nf4_dequantize import nf4_dequantize
+from kernels.references import NF4_LEVELS, nf4_dequantize_reference
+from model.qlora import NF4Weight
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+DTYPE_IDS = ["fp32", "bf16", "fp16"]
+BITS = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}
+# (5, 6): one partial block; (37, 74): blocks across rows, the last partial; (130, 130): more than 256 blocks, so
+# two absmax scales, the second partial. Real weights have an even width; bitsandbytes dequantizes an odd one
+# by a torch.compile'd function (seconds on CPU), so the odd ones are compared with the reference alone.
+SHAPES = [(3, 2), (5, 6), (37, 74), (64, 64), (130, 130)]
+ODD_SHAPES = [(1, 1), (37, 75)]
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)
+
+
+def assert_bit_equal(actual, expected, name):
+    assert actual.shape == expected.shape and actual.dtype == expected.dtype, (
+        f"{name}: {tuple(actual.shape)} {actual.dtype} != {tuple(expected.shape)} {expected.dtype}")
+    differ = actual.view(BITS[actual.dtype]) != expected.view(BITS[expected.dtype])
+    assert not differ.any(), (f"{name}: {differ.sum().item()} of {differ.numel()} values differ, max |diff| "
+                              f"{(actual.float() - expected.float()).abs().max().item():.3g}")
+
+
+def nf4_weight(shape, dtype, device=DEVICE):
+    """An NF4Weight of a random weight, with an outlier so that the absmax scales spread widely."""
+    w = torch.randn(shape, device=device)
+    w.view(-1)[w.numel() // 3] = 40.0
+    return NF4Weight(w.to(dtype))
+
+
+def test_levels_are_bitsandbytes_nf4():
+    assert torch.equal(torch.tensor(NF4_LEVELS), get_4bit_type("nf4", device="cpu"))
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_kernel_and_reference_equal_bitsandbytes(shape, dtype):
+    nf4 = nf4_weight(shape, dtype)
+    expected = nf4.dequantize(kernel=False)  # bitsandbytes
+    assert_bit_equal(nf4_dequantize(nf4.data(), torch.empty(shape, dtype=dtype, device=DEVICE)), expected, "kernel")
+    assert_bit_equal(nf4_dequantize_reference(nf4.data(), shape, dtype), expected, "reference")
+    assert_bit_equal(nf4.dequantize(kernel=True), expected, "NF4Weight.dequantize(kernel=True)")
+
+
+@pytest.mark.parametrize("shape", ODD_SHAPES, ids=str)
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_kernel_equals_reference_for_an_odd_number_of_values(shape, dtype):
+    nf4 = nf4_weight(shape, dtype)
+    out = torch.empty(shape, dtype=dtype, device=DEVICE)
+    assert_bit_equal(nf4_dequantize(nf4.data(), out), nf4_dequantize_reference(nf4.data(), shape, dtype), "kernel")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_kernel_writes_into_rows_of_a_buffer(dtype):
+    """Two weights into consecutive rows of one buffer: each its own rows, exactly, and nothing else written."""
+    weights = [nf4_weight((24, 70), dtype), nf4_weight((9, 70), dtype)]
+    buffer = torch.full((40, 70), 7.0, dtype=dtype, device=DEVICE)
+    nf4_dequantize(weights[0].data(), buffer[3:27])
+    nf4_dequantize(weights[1].data(), buffer[27:36])
+    assert_bit_equal(buffer[3:27], weights[0].dequantize(kernel=False), "first weight's rows")
+    assert_bit_equal(buffer[27:36], weights[1].dequantize(kernel=False), "second weight's rows")
+    assert (buffer[:3] == 7).all() and (buffer[36:] == 7).all(), "rows outside the slices were written"
+    for kernel in (False, True):  # NF4Weight.dequantize writes into the given rows by either path
+        out = buffer[3:27]
+        assert weights[0].dequantize(out=out, kernel=kernel) is out
+
+
+def test_kernel_refuses_a_mismatched_output():
+    nf4 = nf4_weight((8, 64), torch.float32)
+    with pytest.raises(ValueError, match="packed must be 224 .* for a weight of 448 values; got 256"):
+        nf4_dequantize(nf4.data(), torch.empty(8, 56, device=DEVICE))
+    with pytest.raises(ValueError, match="contiguous"):
+        nf4_dequantize(nf4.data(), torch.empty(64, 8, device=DEVICE).t())
+    with pytest.raises(ValueError, match="fp32/bf16/fp16"):
+        nf4_dequantize(nf4.data(), torch.empty(8, 64, dtype=torch.float64, device=DEVICE))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("shape", [(4096, 4096), (14336, 4096), (1027, 3583)], ids=str)
+def test_kernel_equals_bitsandbytes_on_gpu(shape, dtype):
+    nf4 = nf4_weight(shape, dtype, device="cuda")
+    expected = nf4.dequantize(kernel=False)
+    assert_bit_equal(nf4.dequantize(kernel=True), expected, "kernel")
+    assert_bit_equal(nf4_dequantize_reference(nf4.data(), shape, dtype), expected, "reference")
