@@ -22,8 +22,8 @@ from safetensors import SafetensorError
 from config import UserError, config_field
 from distributed import gather
 from model.adapters import ADAPTER_CONFIG, save_adapter
+from model.embeddings import trainable_parameters
 from model.files import remove_tree
-from model.lora import lora_parameters
 from runlog import nearest_existing
 from statefiles import (
     CHECKPOINT_KEYS,
@@ -39,7 +39,7 @@ from statefiles import (
 )
 
 # Options that decide what the saved weights are: a checkpoint cannot continue under other values.
-IDENTITY = ("model", "quantize", "lora_r", "lora_alpha", "lora_targets", "rslora")
+IDENTITY = ("model", "quantize", "lora_r", "lora_alpha", "lora_targets", "rslora", "train_embeddings", "add_tokens")
 # Options that, with the tokenized data and the process count, decide the rest of the trajectory: a resume
 # under other values does not reproduce the uninterrupted run, so it needs --resume-anyway.
 TRAJECTORY = ("batch_size", "grad_accum", "max_steps", "lr", "min_lr_ratio", "warmup_steps", "weight_decay",
@@ -59,9 +59,9 @@ def same_model(a, b):
 
 
 def nonfinite(model, optimizer=None):
-    """The names of the LoRA weights (and of their optimizer states) that hold NaN or inf."""
+    """The names of the trained weights (and of their optimizer states) that hold NaN or inf."""
     tensors = []
-    for name, p in lora_parameters(model):
+    for name, p in trainable_parameters(model):
         tensors.append((name, p))
         state = optimizer.state.get(p, {}) if optimizer is not None else {}
         tensors += [(f"{name} (optimizer {k})", v) for k, v in state.items() if torch.is_tensor(v)]
@@ -69,8 +69,8 @@ def nonfinite(model, optimizer=None):
 
 
 def lora_mismatch(lora, model):
-    """What differs between a checkpoint's LoRA tensors and the model's ('' when they fit)."""
-    want = {n: tuple(p.shape) for n, p in lora_parameters(model)}
+    """What differs between a checkpoint's trained tensors and the model's ('' when they fit)."""
+    want = {n: tuple(p.shape) for n, p in trainable_parameters(model)}
     have = {n: tuple(t.shape) for n, t in lora.items()}
     missing, extra = sorted(want.keys() - have.keys()), sorted(have.keys() - want.keys())
     shapes = [f"{n} {have[n]} (the model's is {want[n]})" for n in sorted(want.keys() & have.keys())
@@ -84,8 +84,9 @@ def lora_mismatch(lora, model):
 class Checkpoints:
     """The checkpoints of one run. Every rank builds one and reads checkpoints through it; only rank 0 writes."""
 
-    def __init__(self, cfg, rank=0, world=1, warn=None):
+    def __init__(self, cfg, rank=0, world=1, warn=None, tokenizer=None):
         self.cfg, self.rank, self.world = cfg, rank, world
+        self.tokenizer = tokenizer  # saved with each adapter: one that gained tokens (--add-tokens), else None
         self.root = os.path.join(cfg.out_dir, "checkpoints")
         self.last, self.saved_step = None, 0  # the newest checkpoint written or resumed from, and its step
         self.data_hash, self.eval_hash, self._candidates, self._damaged = None, None, iter(()), []
@@ -93,7 +94,7 @@ class Checkpoints:
         self.say = print if rank == 0 else (lambda *a, **k: None)
 
     def check_free_disk(self, model):
-        need = 3 * sum(p.numel() * 4 for _, p in lora_parameters(model)) + (64 << 20)  # weights + 2 Adam moments
+        need = 3 * sum(p.numel() * 4 for _, p in trainable_parameters(model)) + (64 << 20)  # weights + 2 Adam moments
         free = shutil.disk_usage(nearest_existing(self.cfg.out_dir)).free
         if free < 2 * need:
             raise UserError(f"only {free / 2**20:.0f} MiB free in {self.cfg.out_dir!r}, a checkpoint needs about "
@@ -159,7 +160,7 @@ class Checkpoints:
             raise UserError(f"--resume {self.cfg.resume}: no readable checkpoint: {'; '.join(self._damaged)}. "
                             "Checkpoints are written atomically, so something changed these files afterwards. Delete "
                             "them and resume from an earlier one (--resume PATH), or start again in a new --out-dir")
-        old = ck["config"]
+        old = {**{k: config_field(k).default for k in IDENTITY if k != "model"}, **ck["config"]}  # a newer option
         for key in IDENTITY:
             new = getattr(self.cfg, key)
             if not (same_model(old[key], new) if key == "model" else old[key] == new):
@@ -197,7 +198,7 @@ class Checkpoints:
         while problem := lora_mismatch(ck["lora"], model):
             self._skip(ck["path"], Damaged(f"its LoRA tensors do not fit the model: {problem}"))
             ck = self._next()
-        params = dict(lora_parameters(model))
+        params = dict(trainable_parameters(model))
         with torch.no_grad():
             for n, t in ck["lora"].items():
                 params[n].copy_(t)
@@ -266,7 +267,7 @@ class Checkpoints:
                 "world_size": self.world,
                 "data_hash": self.data_hash,  # the tokenized training data a resume must find again
                 "eval_hash": self.eval_hash,  # the eval data: a resume on other eval data is said
-                "lora": {n: p.detach().cpu() for n, p in lora_parameters(model)},
+                "lora": {n: p.detach().cpu() for n, p in trainable_parameters(model)},
                 "optimizer": optimizer.state_dict(),
                 "scaler": scaler.state_dict(),  # fp16 loss scale and good-step counter
                 "data": batches.state_dict(),  # the same on every rank: they step together
@@ -274,7 +275,7 @@ class Checkpoints:
             }
             assert ck.keys() == CHECKPOINT_KEYS, "CHECKPOINT_KEYS must name what a checkpoint holds"
             write_state(tmp, ck)
-            save_adapter(model, os.path.join(tmp, "adapter"), base_model=self.cfg.model)
+            save_adapter(model, os.path.join(tmp, "adapter"), base_model=self.cfg.model, tokenizer=self.tokenizer)
             write_manifest(tmp)
         except WRITE_ERRORS as e:  # disk full, quota, permissions
             shutil.rmtree(tmp, ignore_errors=True)
@@ -308,7 +309,8 @@ class Checkpoints:
             raise UserError(f"not writing the adapter: {bad[0]} holds NaN/inf. {self.next_steps('lower --lr')}")
         try:
             save_adapter(model, folder, base_model=self.cfg.model, dataset=self.cfg.data,
-                         options={k: getattr(self.cfg, k) for k in CARD_OPTIONS}, metrics=metrics)
+                         options={k: getattr(self.cfg, k) for k in CARD_OPTIONS}, metrics=metrics,
+                         tokenizer=self.tokenizer)
         except WRITE_ERRORS as e:
             raise UserError(f"cannot write the adapter to {folder} ({e}). Nothing is lost: the final checkpoint "
                             f"{self.last} holds the same weights, and {self.last}/adapter is this adapter") from e

@@ -23,6 +23,7 @@ import torch
 import tracking
 from cli import HelpFormatter, auto_device
 from model import LoRAConfig, check_quantize
+from model.embeddings import parse_tokens
 from model.hub import check_push
 from model.lora import ALL_TARGETS
 from preference import METHODS, Objective
@@ -63,6 +64,11 @@ class TrainConfig:
     lora_targets: str = field(default=",".join(ALL_TARGETS), metadata={"help": "comma-separated projections that "
                               "get adapters", "choices": ALL_TARGETS, "separator": ","})
     rslora: bool = field(default=False, metadata={"help": "rank-stabilized LoRA: scale alpha / sqrt(r)"})
+    train_embeddings: bool = field(default=False, metadata={"help": "train embed_tokens and lm_head (fp32) "
+                                   "alongside LoRA, saved as PEFT's modules_to_save; see docs/embeddings.md"})
+    add_tokens: str | None = field(default=None, metadata={"help": "comma-separated new tokens (e.g. '<tool>,</tool>')"
+                                   ": the tokenizer gains them, their embedding rows start at the mean row and "
+                                   "train (only they, without --train-embeddings)"})
     # --- data ---
     data: str = field(default="builtin", metadata={"help": "'builtin', a .jsonl/.json/.csv/.txt/.parquet file or a "
                       "folder of them (FOLDER:split), a datasets save_to_disk folder, or a hub dataset "
@@ -226,6 +232,7 @@ class TrainConfig:
             raise UserError(f"{e} (--lora-r, --lora-dropout)") from e
         try:
             check_quantize(self.quantize)
+            self.new_tokens()
             tracking.check_trackers(self.trackers())
             if self.push_to_hub:
                 check_push(self.push_to_hub)
@@ -255,6 +262,10 @@ class TrainConfig:
             return None
         return Objective(self.method, beta=self.beta, label_smoothing=self.label_smoothing, gamma=self.simpo_gamma,
                          lam=self.orpo_lambda)
+
+    def new_tokens(self) -> list[str]:
+        """The tokens of --add-tokens."""
+        return parse_tokens(self.add_tokens)
 
     def lora(self) -> LoRAConfig:
         return LoRAConfig(r=self.lora_r, alpha=self.lora_alpha, dropout=self.lora_dropout,
@@ -301,7 +312,7 @@ OPTION_GROUPS = {
     "model": ("model", "tokenizer", "quantize"),
     "data": ("data", "eval_data", "eval_fraction", "max_examples", "columns", "chat_template", "system_prompt",
              "max_len", "packing", "train_on_inputs", "num_proc"),
-    "LoRA": ("lora_r", "lora_alpha", "lora_dropout", "lora_targets", "rslora"),
+    "LoRA": ("lora_r", "lora_alpha", "lora_dropout", "lora_targets", "rslora", "train_embeddings", "add_tokens"),
     "training": ("method", "max_steps", "num_epochs", "batch_size", "grad_accum", "lr", "min_lr_ratio",
                  "warmup_steps", "weight_decay", "grad_clip", "seed", "device", "beta", "label_smoothing",
                  "simpo_gamma", "orpo_lambda"),

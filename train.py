@@ -37,6 +37,7 @@ from evaluation import Samples, evaluate, log_eval
 from lifecycle import StopSignals, interrupted, save_after_failure
 from memory import choose_checkpointing, memory_warning
 from model import load_model, load_tokenizer, read_config, resolve
+from model.embeddings import add_tokens, grown, param_groups, train_embeddings_, trainable_parameters
 from model.hub import push
 from model.lora import lora_parameters
 from precision import LossScaler, nonfinite_step
@@ -69,6 +70,8 @@ def main(cfg) -> int:
         path = resolve(cfg.model)  # a hub model is downloaded once, here
         tokenizer, mcfg = load_tokenizer(resolve(cfg.tokenizer) if cfg.tokenizer else path), read_config(path)
         check_model_fit(cfg, mcfg, tokenizer)
+        tokenizer, new_ids = add_tokens(tokenizer, cfg.new_tokens())  # --add-tokens (model/embeddings.py)
+        mcfg = grown(mcfg, tokenizer.vocab_size)  # a row for every token
         objective = cfg.objective()  # --method dpo, ipo, simpo, orpo: a preference loss; sft: None (loss_fn)
         step_loss, count = (objective, num_pairs) if objective else (loss_fn, data.num_targets)
         try:
@@ -90,7 +93,7 @@ def main(cfg) -> int:
         for line in lines:
             log(line)
         run_cfg = dataclasses.replace(cfg, max_steps=max_steps, num_epochs=None)  # what this run does
-        ckpts = Checkpoints(run_cfg, rank, world, warn=run.warn)
+        ckpts = Checkpoints(run_cfg, rank, world, warn=run.warn, tokenizer=tokenizer if new_ids else None)
         ck = ckpts.find(fingerprint(train_enc), fingerprint(eval_enc or []))  # verified before the slow work
 
         # ----------------------------------------------------------------------------- model
@@ -108,13 +111,18 @@ def main(cfg) -> int:
         model, mcfg = load_model(path, dtype=dtype, device=device, lora=cfg.lora(), quantize=cfg.quantize,
                                  use_kernels=use_kernels, lora_seed=cfg.seed,
                                  offload_activations=cfg.offload_activations)
-        params = [p for _, p in lora_parameters(model)]
-        assert all(p.dtype == torch.float32 for p in params), "LoRA master weights are fp32"
+        if cfg.train_embeddings or new_ids:  # fp32 embeddings, grown to the tokenizer, new rows at the mean row
+            mcfg = train_embeddings_(model, tokenizer.vocab_size, new_ids, all_rows=cfg.train_embeddings)
+            log(f"embeddings: {mcfg.vocab_size} rows ({len(new_ids)} new), training "
+                f"{'every row' if cfg.train_embeddings else 'the new rows'} in fp32")
+        params = [p for _, p in trainable_parameters(model)]
+        assert all(p.dtype == torch.float32 for p in params), "trained weights are fp32 masters"
         checkpointing, why = choose_checkpointing(cfg, mcfg, dtype, use_kernels, device, world)
         model.gradient_checkpointing = checkpointing
         log(f"gradient checkpointing {'on' if checkpointing else 'off'}: {why}")
         ckpts.check_free_disk(model)
-        log(f"model {cfg.model}: {mcfg.n_layers} layers, {sum(p.numel() for p in params) / 1e6:.2f}M trainable "
+        lora_count = sum(p.numel() for _, p in lora_parameters(model))
+        log(f"model {cfg.model}: {mcfg.n_layers} layers, {lora_count / 1e6:.2f}M trainable "
             f"LoRA parameters (r={cfg.lora_r} on {cfg.lora_targets}); {len(train_enc)} train / {len(eval_enc)} "
             f"eval examples, {len(batches)} batches per epoch{' (packed)' if cfg.packing else ' (padded)'}")
         if cfg.quantize:
@@ -126,7 +134,7 @@ def main(cfg) -> int:
                    if cfg.sample_every and not objective and rank == 0 else None)
 
         # ----------------------------------------------------------------------------- optimizer and scaler
-        optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.999),
+        optimizer = torch.optim.AdamW(param_groups(model, cfg.weight_decay), lr=cfg.lr, betas=(0.9, 0.999),
                                       fused=True)  # one kernel for all weights; skips NaN/inf steps on the device
         scaler = LossScaler(cfg.loss_scale, cfg.scale_growth_interval, enabled=dtype == torch.float16)
 
