@@ -312,3 +312,22 @@ def test_new_token_learns(run_model, tmp_path):
     base = load_file(os.path.join(run_model, "model.safetensors"))
     for n in EMBEDDINGS:
         assert torch.equal(saved["base_model.model." + n][:400], base[n]), n
+
+
+def test_gguf_export_of_an_adapter_with_new_tokens(run_model, tmp_path):
+    """export_gguf.py takes the adapter's grown tokenizer by default: the GGUF has the new tokens, every row, and
+    the adapted model's logits."""
+    pytest.importorskip("gguf")
+    from tests.helpers import run_script
+    tok, ids = add_tokens(load_tokenizer(run_model), NEW)
+    model = trained(run_model, ids, vocab=tok.vocab_size)
+    save_adapter(model, str(tmp_path / "adapter"), base_model=run_model, tokenizer=tok)
+    out = str(tmp_path / "tuned.gguf")
+    done = run_script("export_gguf.py", "--model", run_model, "--adapter", tmp_path / "adapter", "--out", out,
+                      "--ftype", "f32")
+    assert done.returncode == 0, done.stderr
+    assert [load_tokenizer(out).token_to_id(t) for t in NEW] == ids
+    exported, _ = load_model(out)
+    x = ids_for(402)
+    with torch.no_grad():
+        assert rel_err(exported(x), model(x)) < 1e-5
