@@ -43,7 +43,8 @@ from statefiles import (
 )
 
 # Options that decide what the saved weights are: a checkpoint cannot continue under other values.
-IDENTITY = ("model", "quantize", "lora_r", "lora_alpha", "lora_targets", "rslora", "full", "train_modules")
+IDENTITY = ("model", "quantize", "lora_r", "lora_alpha", "lora_targets", "rslora", "train_embeddings", "add_tokens",
+            "full", "train_modules")
 # Options that, with the tokenized data and the process count, decide the rest of the trajectory: a resume
 # under other values does not reproduce the uninterrupted run, so it needs --resume-anyway.
 TRAJECTORY = ("batch_size", "grad_accum", "max_steps", "lr", "min_lr_ratio", "warmup_steps", "weight_decay",
@@ -98,8 +99,9 @@ def lora_mismatch(lora, model):
 class Checkpoints:
     """The checkpoints of one run. Every rank builds one and reads checkpoints through it; only rank 0 writes."""
 
-    def __init__(self, cfg, rank=0, world=1, warn=None):
+    def __init__(self, cfg, rank=0, world=1, warn=None, tokenizer=None):
         self.cfg, self.rank, self.world = cfg, rank, world
+        self.tokenizer = tokenizer  # saved with each adapter: one that gained tokens (--add-tokens), else None
         self.root = os.path.join(cfg.out_dir, "checkpoints")
         self.last, self.saved_step = None, 0  # the newest checkpoint written or resumed from, and its step
         self.data_hash, self.eval_hash, self._candidates, self._damaged = None, None, iter(()), []
@@ -173,7 +175,7 @@ class Checkpoints:
             raise UserError(f"--resume {self.cfg.resume}: no readable checkpoint: {'; '.join(self._damaged)}. "
                             "Checkpoints are written atomically, so something changed these files afterwards. Delete "
                             "them and resume from an earlier one (--resume PATH), or start again in a new --out-dir")
-        old = ck["config"]
+        old = {**{k: config_field(k).default for k in IDENTITY if k != "model"}, **ck["config"]}  # a newer option
         for key in IDENTITY:
             new = getattr(self.cfg, key)
             if not (same_model(old[key], new) if key == "model" else old[key] == new):
@@ -290,7 +292,8 @@ class Checkpoints:
             assert ck.keys() == CHECKPOINT_KEYS, "CHECKPOINT_KEYS must name what a checkpoint holds"
             write_state(tmp, ck)
             if not self.cfg.full:
-                save_adapter(model, os.path.join(tmp, "adapter"), base_model=self.cfg.model)
+                save_adapter(model, os.path.join(tmp, "adapter"), base_model=self.cfg.model,
+                             tokenizer=self.tokenizer)
             write_manifest(tmp)
         except WRITE_ERRORS as e:  # disk full, quota, permissions
             shutil.rmtree(tmp, ignore_errors=True)
@@ -332,10 +335,10 @@ class Checkpoints:
                                   dataset=self.cfg.data, metrics=metrics,
                                   options={**options, "trained weights": self.cfg.train_modules or "all"})
                 merge_and_save(model, resolve(self.cfg.tokenizer or self.cfg.model), folder, card=card,
-                               marker="config.json")
+                               marker="config.json", tokenizer=self.tokenizer)
             else:
                 save_adapter(model, folder, base_model=self.cfg.model, dataset=self.cfg.data, options=options,
-                             metrics=metrics)
+                             metrics=metrics, tokenizer=self.tokenizer)
         except WRITE_ERRORS as e:
             kept = "its tensors.safetensors holds the trained weights" if self.cfg.full else \
                 f"{self.last}/adapter is this adapter"

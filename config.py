@@ -24,6 +24,7 @@ import tracking
 from cli import HelpFormatter, auto_device
 from full import parse_train_modules, train_filter
 from model import LoRAConfig, check_quantize
+from model.embeddings import parse_tokens
 from model.hub import check_push
 from model.lora import ALL_TARGETS
 from preference import METHODS, Objective
@@ -64,6 +65,11 @@ class TrainConfig:
     lora_targets: str = field(default=",".join(ALL_TARGETS), metadata={"help": "comma-separated projections that "
                               "get adapters", "choices": ALL_TARGETS, "separator": ","})
     rslora: bool = field(default=False, metadata={"help": "rank-stabilized LoRA: scale alpha / sqrt(r)"})
+    train_embeddings: bool = field(default=False, metadata={"help": "train embed_tokens and lm_head (fp32) "
+                                   "alongside LoRA, saved as PEFT's modules_to_save; see docs/embeddings.md"})
+    add_tokens: str | None = field(default=None, metadata={"help": "comma-separated new tokens (e.g. '<tool>,</tool>')"
+                                   ": the tokenizer gains them, their embedding rows start at the mean row and "
+                                   "train (only they, without --train-embeddings)"})
     # --- full fine-tuning (full.py, docs/full_finetuning.md) ---
     full: bool = field(default=False, metadata={"help": "train the model's own weights instead of LoRA adapters "
                        "(every weight, or --train-modules); the result is a Hugging Face model folder, out/model/"})
@@ -248,6 +254,7 @@ class TrainConfig:
             if self.train_modules is not None:
                 parse_train_modules(self.train_modules)
             check_quantize(self.quantize)
+            self.new_tokens()
             tracking.check_trackers(self.trackers())
             if self.push_to_hub:
                 check_push(self.push_to_hub)
@@ -282,6 +289,10 @@ class TrainConfig:
     def lora_options(self) -> list[str]:
         """The LoRA options set away from their defaults."""
         return [n for n in OPTION_GROUPS["LoRA"] if getattr(self, n) != config_field(n).default]
+
+    def new_tokens(self) -> list[str]:
+        """The tokens of --add-tokens."""
+        return parse_tokens(self.add_tokens)
 
     def lora(self) -> LoRAConfig | None:
         """The adapters' config; None with --full (no adapters)."""
@@ -331,7 +342,7 @@ OPTION_GROUPS = {
     "model": ("model", "tokenizer", "quantize"),
     "data": ("data", "eval_data", "eval_fraction", "max_examples", "columns", "chat_template", "system_prompt",
              "max_len", "packing", "train_on_inputs", "num_proc"),
-    "LoRA": ("lora_r", "lora_alpha", "lora_dropout", "lora_targets", "rslora"),
+    "LoRA": ("lora_r", "lora_alpha", "lora_dropout", "lora_targets", "rslora", "train_embeddings", "add_tokens"),
     "full fine-tuning": ("full", "train_modules"),
     "training": ("method", "max_steps", "num_epochs", "batch_size", "grad_accum", "lr", "min_lr_ratio",
                  "warmup_steps", "weight_decay", "grad_clip", "seed", "device", "beta", "label_smoothing",

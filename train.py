@@ -39,6 +39,7 @@ from lifecycle import StopSignals, interrupted, save_after_failure
 from masters import Masters
 from memory import choose_checkpointing, full_finetuning_fit, memory_warning
 from model import load_model, load_tokenizer, read_config, resolve
+from model.embeddings import add_tokens, grown, param_groups, train_embeddings_
 from model.hub import push
 from model.weights import trainable_parameters
 from precision import LossScaler, nonfinite_step
@@ -71,6 +72,8 @@ def main(cfg) -> int:
         path = resolve(cfg.model)  # a hub model is downloaded once, here
         tokenizer, mcfg = load_tokenizer(resolve(cfg.tokenizer) if cfg.tokenizer else path), read_config(path)
         check_model_fit(cfg, mcfg, tokenizer)
+        tokenizer, new_ids = add_tokens(tokenizer, cfg.new_tokens())  # --add-tokens (model/embeddings.py)
+        mcfg = grown(mcfg, tokenizer.vocab_size)  # a row for every token
         objective = cfg.objective(device)  # --method dpo, ipo, simpo, orpo: a preference loss; sft: None (loss_fn)
         step_loss, count = (objective, num_pairs) if objective else (loss_fn, data.num_targets)
         try:
@@ -92,7 +95,7 @@ def main(cfg) -> int:
         for line in lines:
             log(line)
         run_cfg = dataclasses.replace(cfg, max_steps=max_steps, num_epochs=None)  # what this run does
-        ckpts = Checkpoints(run_cfg, rank, world, warn=run.warn)
+        ckpts = Checkpoints(run_cfg, rank, world, warn=run.warn, tokenizer=tokenizer if new_ids else None)
         ck = ckpts.find(fingerprint(train_enc), fingerprint(eval_enc or []))  # verified before the slow work
 
         # ----------------------------------------------------------------------------- model
@@ -113,6 +116,10 @@ def main(cfg) -> int:
         model, mcfg = load_model(path, dtype=dtype, device=device, lora=cfg.lora(), quantize=cfg.quantize,
                                  use_kernels=use_kernels, lora_seed=cfg.seed,
                                  offload_activations=cfg.offload_activations, train=train)
+        if cfg.train_embeddings or new_ids:  # fp32 embeddings, grown to the tokenizer, new rows at the mean row
+            mcfg = train_embeddings_(model, tokenizer.vocab_size, new_ids, all_rows=cfg.train_embeddings)
+            log(f"embeddings: {mcfg.vocab_size} rows ({len(new_ids)} new), training "
+                f"{'every row' if cfg.train_embeddings else 'the new rows'} in fp32")
         masters = Masters(trainable_parameters(model))  # fp32 masters of bf16/fp16 weights; LoRA's are fp32 already
         params = masters.params  # what the optimizer steps
         checkpointing, why = choose_checkpointing(cfg, mcfg, dtype, use_kernels, device, world)
@@ -138,7 +145,7 @@ def main(cfg) -> int:
                    if cfg.sample_every and not objective and rank == 0 else None)
 
         # ----------------------------------------------------------------------------- optimizer and scaler
-        optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.999),
+        optimizer = torch.optim.AdamW(param_groups(masters.named(), cfg.weight_decay), lr=cfg.lr, betas=(0.9, 0.999),
                                       fused=True)  # one kernel for all weights; skips NaN/inf steps on the device
         scaler = LossScaler(cfg.loss_scale, cfg.scale_growth_interval, enabled=dtype == torch.float16)
 

@@ -41,6 +41,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from model.config import to_hf_config
+from model.embeddings import EMBEDDINGS, embedding_parameters, load_embeddings_
 from model.files import atomic_dir
 from model.hub import base_model_id, model_card, resolve
 from model.load import load_model, load_tokenizer
@@ -58,7 +59,9 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 # PEFT options nanotune's LoRALinear cannot express (all off by default): an adapter that
 # sets one would silently mean something else here, so it is refused.
 UNSUPPORTED = ("use_dora", "fan_in_fan_out", "layers_to_transform", "rank_pattern", "alpha_pattern",
-               "modules_to_save", "lora_bias")
+               "lora_bias")
+# The modules PEFT may save whole (`modules_to_save`) that nanotune trains: the embeddings (model/embeddings.py).
+MODULES_TO_SAVE = ("embed_tokens", "lm_head")
 # --base-precision of the tools that load an adapter (generate, export_gguf, merge).
 BASE_PRECISIONS = ("as-trained", "full")
 BASE_PRECISION_HELP = ("the base weights the adapter is applied to: as-trained (default) uses the ones it was "
@@ -119,9 +122,11 @@ def _lora_config(model) -> LoRAConfig:
     return lora
 
 
-def save_adapter(model, folder, base_model=None, dataset=None, options=None, metrics=None):
+def save_adapter(model, folder, base_model=None, dataset=None, options=None, metrics=None, tokenizer=None):
     """Write the LoRA weights (fp32), PEFT's adapter_config.json, nanotune.json and a model card
-    README.md into `folder`, atomically.
+    README.md into `folder`, atomically. Trained embeddings (model/embeddings.py) are saved whole, as
+    PEFT's modules_to_save; a tied pair as embed_tokens with ensure_weight_tying, which keeps PEFT's
+    lm_head tied to it. tokenizer: written beside them (a vocabulary with new tokens).
 
     base_model: the model as the user named it (short name, hub repo id, folder or .gguf), recorded
     as PEFT's base_model_name_or_path in a form that loads anywhere (`base_model_id`).
@@ -136,6 +141,13 @@ def save_adapter(model, folder, base_model=None, dataset=None, options=None, met
         "r": lora.r, "lora_alpha": lora.alpha, "lora_dropout": lora.dropout, "use_rslora": lora.rslora,
         "target_modules": sorted(lora.targets), "bias": "none", "inference_mode": True,
     }
+    embeddings = [(n, p) for n, p in embedding_parameters(model) if p.requires_grad]
+    if embeddings:
+        # PEFT looks up the tied lm_head's key too, so the tied pair is saved as PEFT saves it: twice.
+        saved = embeddings + ([("lm_head.weight", embeddings[0][1])] if model.config.tie_embeddings else [])
+        tensors.update({PEFT_PREFIX + n: p.detach().to("cpu", torch.float32, copy=True) for n, p in saved})
+        config["modules_to_save"] = [n.split(".")[-2] for n, _ in embeddings]
+        config["ensure_weight_tying"] = model.config.tie_embeddings
     quantize = quantization(model)
     precision = {None: "full precision", "nf4": "4-bit NF4 (QLoRA)"}[quantize]
     card = model_card(base, "adapter", library_name="peft", dataset=dataset,
@@ -150,6 +162,8 @@ def save_adapter(model, folder, base_model=None, dataset=None, options=None, met
             json.dump({"quantize": quantize}, f, indent=2)
         with open(os.path.join(tmp, "README.md"), "w") as f:
             f.write(card)
+        if tokenizer is not None:
+            save_tokenizer(tokenizer, tmp)
 
 
 def _adapter_usage(base):
@@ -191,6 +205,11 @@ def read_adapter_config(folder) -> LoRAConfig:
     for key in UNSUPPORTED:
         if cfg.get(key):
             raise ValueError(f"{path}: {key}={cfg[key]!r} is a PEFT option nanotune does not implement")
+    saved = cfg.get("modules_to_save") or []
+    if not isinstance(saved, list) or any(not isinstance(m, str) or m.split(".")[-1] not in MODULES_TO_SAVE
+                                          for m in saved):
+        raise ValueError(f"{path}: modules_to_save={saved!r}; nanotune trains and loads only "
+                         f"{' and '.join(MODULES_TO_SAVE)} whole")
     targets = cfg.get("target_modules")
     if not isinstance(targets, list) or any(t not in ALL_TARGETS for t in targets):
         raise ValueError(f"{path}: target_modules={targets!r}; nanotune expects a list of projection names "
@@ -206,7 +225,8 @@ def read_adapter_config(folder) -> LoRAConfig:
 
 
 def load_adapter(model, folder):
-    """Copy the adapter saved in `folder` into the model's LoRA weights (names and shapes checked)."""
+    """Copy the adapter saved in `folder` into the model's LoRA weights (names and shapes checked), and its
+    embeddings, if it has them, into the model's (grown to their rows: an adapter with new tokens)."""
     want, have = read_adapter_config(folder), _lora_config(model)
     if (want.r, want.scale, set(want.targets)) != (have.r, have.scale, set(have.targets)):
         raise ValueError(
@@ -215,6 +235,7 @@ def load_adapter(model, folder):
             f"model for it: load_model(..., lora=read_adapter_config({folder!r}))")
     path = os.path.join(folder, ADAPTER_WEIGHTS)
     tensors = load_file(path)
+    embeddings = {n: tensors.pop(PEFT_PREFIX + n) for n in EMBEDDINGS if PEFT_PREFIX + n in tensors}
     params = {adapter_key(n): p for n, p in lora_parameters(model)}
     unexpected, missing = sorted(set(tensors) - set(params)), sorted(set(params) - set(tensors))
     if unexpected or missing:
@@ -233,6 +254,8 @@ def load_adapter(model, folder):
     with torch.no_grad():
         for key, p in params.items():
             p.copy_(tensors[key])
+    if embeddings:
+        load_embeddings_(model, embeddings, path)
 
 
 def load_with_adapter(name_or_path, adapter=None, base_precision="as-trained", **load_options):
@@ -290,14 +313,22 @@ def save_tokenizer(tokenizer: Tokenizer, folder):
         json.dump(config, f, indent=2, ensure_ascii=False)
 
 
-def merge_and_save(model, tokenizer_from, out_folder, max_shard_bytes=2 << 30, dtype=None, card=None, marker=None):
+def adapter_tokenizer(folder):
+    """The folder that holds the tokenizer of the adapter in `folder`: the adapter's own, for one that added
+    tokens (it holds tokenizer.json), else None (the base's)."""
+    return folder if folder is not None and os.path.isfile(os.path.join(folder, "tokenizer.json")) else None
+
+
+def merge_and_save(model, tokenizer_from, out_folder, max_shard_bytes=2 << 30, dtype=None, card=None, marker=None,
+                   tokenizer=None):
     """Write a Hugging Face model folder with the adapter merged into the base weights, atomically.
 
     tokenizer_from: a model folder (or a name load_model accepts) whose tokenizer files and
     generation_config.json are copied, a .gguf file whose tokenizer is written out, or None.
     dtype: of the written weights (default: the model's); merges are summed in fp32 first.
-    card: the README.md to write, or None. out_folder must not exist, or be empty, or hold the file
-    `marker` (an earlier output that it replaces). The model itself is left unchanged.
+    card: the README.md to write, or None. tokenizer: a Tokenizer written over the copied tokenizer files
+    (one with added tokens). out_folder must not exist, or be empty, or hold the file `marker` (an earlier
+    output that it replaces). The model itself is left unchanged.
     """
     hf_config = getattr(model, "hf_config", None) or to_hf_config(model.config)  # a GGUF has no config.json
     dtype = dtype or model.model.embed_tokens.weight.dtype  # every base tensor was loaded in this dtype
@@ -332,6 +363,8 @@ def merge_and_save(model, tokenizer_from, out_folder, max_shard_bytes=2 << 30, d
             for fname in TOKENIZER_FILES:
                 if os.path.isfile(os.path.join(src, fname)):
                     shutil.copy(os.path.join(src, fname), os.path.join(tmp, fname))
+        if tokenizer is not None:
+            save_tokenizer(tokenizer, tmp)
         if card is not None:
             with open(os.path.join(tmp, "README.md"), "w") as f:
                 f.write(card)

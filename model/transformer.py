@@ -428,7 +428,8 @@ class Transformer(nn.Module):
         at = cache.at if cache is not None else None  # a static cache: positions and masks from its device tensor
         if position_ids is None:
             position_ids = (at if at is not None else torch.arange(start, start + T, device=dev)).expand(B, T)
-        x = self.model.embed_tokens(input_ids)  # (B, T, H)
+        # Trained embeddings are fp32 (model/embeddings.py): the activations stay in the model's dtype.
+        x = self.model.embed_tokens(input_ids).to(self.model.norm.weight.dtype)  # (B, T, H)
         if cfg.embed_scale != 1.0:  # Gemma; rounded to the activation dtype as in the reference
             x = x * torch.tensor(cfg.embed_scale, dtype=x.dtype)
         if docs is None and doc_ids is not None and start == 0 and self.varlen(dev, x.dtype):
@@ -463,7 +464,7 @@ class Transformer(nn.Module):
 
     def logits(self, h):
         """Logits (..., V) of final-norm hidden states h (..., H), softcapped where the model is."""
-        logits = self.lm_head(h)
+        logits = F.linear(h, self.lm_head.weight.to(h.dtype))  # a trained lm_head is fp32
         c = self.config.final_softcap
         return logits if c is None else c * torch.tanh(logits / c)
 
@@ -482,7 +483,7 @@ class Transformer(nn.Module):
         if targets is None:
             return self.logits(h)
         return self.ops.linear_cross_entropy(
-            h.reshape(-1, h.shape[-1]), self.lm_head.weight, targets.reshape(-1),
+            h.reshape(-1, h.shape[-1]), self.lm_head.weight.to(h.dtype), targets.reshape(-1),
             ignore_index=ignore_index, softcap=self.config.final_softcap, reduction=reduction, num_targets=num_targets)
 
     def score(self, input_ids, position_ids, doc_ids, targets, ignore_index=-100, chunk_bytes=1 << 28):

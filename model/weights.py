@@ -43,9 +43,11 @@ def expected_tensors(model, cfg, quantize):
 
 
 def trainable_parameters(model):
-    """(name, parameter) of every weight that trains: the LoRA weights, and base weights of full fine-tuning.
-    A tied head is the embedding's weight, listed once."""
-    return [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    """(name, parameter) of every weight that trains: the LoRA weights first, then the model's own weights that
+    train (the embeddings of --train-embeddings and --add-tokens, the base weights of --full). A tied head is the
+    embedding's weight, listed once. The optimizer and checkpoints hold the weights in this order."""
+    params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    return [(n, p) for n, p in params if is_lora_param(n)] + [(n, p) for n, p in params if not is_lora_param(n)]
 
 
 def set_tensor(model, name, tensor):

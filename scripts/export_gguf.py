@@ -25,7 +25,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 
 from cli import HelpFormatter, add_push_to_hub, add_tokenizer, run_tool  # noqa: E402
 from model import load_tokenizer  # noqa: E402
-from model.adapters import BASE_PRECISION_HELP, BASE_PRECISIONS, load_with_adapter  # noqa: E402
+from model.adapters import BASE_PRECISION_HELP, BASE_PRECISIONS, adapter_tokenizer, load_with_adapter  # noqa: E402
 from model.files import check_new_output  # noqa: E402
 from model.gguf import FILE_TYPES  # noqa: E402
 from model.gguf_export import gguf_vocab, save_gguf  # noqa: E402
@@ -34,8 +34,8 @@ from model.hub import base_model_id, check_push, model_card, push  # noqa: E402
 
 def export(model_path, out, adapter=None, ftype="f16", base_precision="as-trained", tokenizer=None):
     """Load `model_path` in fp32 (plus `adapter`), and write it merged to `out` as GGUF, with the tokenizer
-    of `tokenizer` (default: `model_path`'s). Returns `out`."""
-    tok = load_tokenizer(tokenizer or model_path)
+    of `tokenizer` (default: the adapter's own, when it added tokens, else `model_path`'s). Returns `out`."""
+    tok = load_tokenizer(tokenizer or adapter_tokenizer(adapter) or model_path)  # an adapter's own: new tokens
     gguf_vocab(tok)  # a tokenizer llama.cpp cannot reproduce is refused before the model loads
     model, _ = load_with_adapter(model_path, adapter, base_precision)  # fp32: the merge is summed in full precision
     return save_gguf(model, tok, out, ftype=ftype)

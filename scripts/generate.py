@@ -21,7 +21,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 
 from cli import HelpFormatter, add_tokenizer, auto_device, run_tool  # noqa: E402
 from model import load_tokenizer  # noqa: E402
-from model.adapters import BASE_PRECISION_HELP, BASE_PRECISIONS, load_with_adapter  # noqa: E402
+from model.adapters import BASE_PRECISION_HELP, BASE_PRECISIONS, adapter_tokenizer, load_with_adapter  # noqa: E402
 from model.generate import encode_prompt, generate, stop_ids  # noqa: E402
 
 
@@ -46,7 +46,7 @@ def main():
     device = torch.device(auto_device() if args.device == "auto" else args.device)
     dtype = torch.bfloat16 if device.type == "cuda" and torch.cuda.is_bf16_supported() else torch.float32
     model, cfg = load_with_adapter(args.model, args.adapter, args.base_precision, dtype=dtype, device=device)
-    tok = load_tokenizer(args.tokenizer or args.model)
+    tok = load_tokenizer(args.tokenizer or adapter_tokenizer(args.adapter) or args.model)  # new tokens: the adapter's
     ids = encode_prompt(tok, args.prompt, args.system, args.raw)
     gen = torch.Generator(device=device).manual_seed(args.seed)
     with tqdm(total=args.max_new_tokens, desc="generating", unit="tok", file=sys.stderr, disable=None,

@@ -21,9 +21,17 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root, for `model`
 
 from cli import HelpFormatter, add_push_to_hub, add_tokenizer, run_tool  # noqa: E402
-from model.adapters import BASE_PRECISION_HELP, BASE_PRECISIONS, check_replaceable, load_with_adapter, merge_and_save  # noqa: E402
+from model.adapters import (  # noqa: E402
+    BASE_PRECISION_HELP,
+    BASE_PRECISIONS,
+    adapter_tokenizer,
+    check_replaceable,
+    load_with_adapter,
+    merge_and_save,
+)
 from model.files import check_writable_parent  # noqa: E402
 from model.hub import base_model_id, check_push, model_card, push  # noqa: E402
+from model.load import load_tokenizer  # noqa: E402
 from model.lora import quantization  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -42,14 +50,16 @@ def checkpoint_dtype(model) -> str:
 
 def merge(model_path, adapter, out, dtype="auto", base_precision="as-trained", tokenizer=None):
     """Load `model_path` in fp32 with `adapter`, and write it merged to the folder `out` in `dtype`
-    ("auto": `checkpoint_dtype`), with the tokenizer files of `tokenizer` (default: `model_path`'s).
-    Returns the model card written with it."""
+    ("auto": `checkpoint_dtype`), with the tokenizer files of `tokenizer` (default: `model_path`'s, and over
+    them the adapter's own tokenizer, when it added tokens). Returns the model card written with it."""
     model, _ = load_with_adapter(model_path, adapter, base_precision)  # fp32: the merge is summed in full precision
     dtype = checkpoint_dtype(model) if dtype == "auto" else dtype
     base = {None: "full precision", "nf4": "dequantized NF4, as the adapter was trained"}[quantization(model)]
     card = model_card(base_model_id(model_path), "finetune", library_name="transformers",
                       options={"merged into": base, "dtype": dtype}, usage=USAGE)
-    merge_and_save(model, tokenizer or model_path, out, dtype=DTYPES[dtype], card=card)
+    added = adapter_tokenizer(adapter) if tokenizer is None else None
+    merge_and_save(model, tokenizer or model_path, out, dtype=DTYPES[dtype], card=card,
+                   tokenizer=load_tokenizer(added) if added else None)
     return card
 
 
