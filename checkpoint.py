@@ -39,7 +39,8 @@ from statefiles import (
 )
 
 # Options that decide what the saved weights are: a checkpoint cannot continue under other values.
-IDENTITY = ("model", "quantize", "lora_r", "lora_alpha", "lora_targets", "rslora")
+IDENTITY = ("model", "quantize", "lora_r", "lora_alpha", "lora_targets", "rslora", "dora", "lora_init",
+            "lora_plus_ratio")
 # Options that, with the tokenized data and the process count, decide the rest of the trajectory: a resume
 # under other values does not reproduce the uninterrupted run, so it needs --resume-anyway.
 TRAJECTORY = ("batch_size", "grad_accum", "max_steps", "lr", "min_lr_ratio", "warmup_steps", "weight_decay",
@@ -47,7 +48,7 @@ TRAJECTORY = ("batch_size", "grad_accum", "max_steps", "lr", "min_lr_ratio", "wa
               "label_smoothing", "simpo_gamma", "orpo_lambda")
 # The options an adapter's model card lists: those that decide what was trained, and how.
 CARD_OPTIONS = ("method", "max_steps", "batch_size", "grad_accum", "max_len", "packing", "train_on_inputs", "lr",
-                "warmup_steps", "lora_dropout", "rslora", "dtype", "seed")
+                "warmup_steps", "lora_dropout", "rslora", "dora", "lora_plus_ratio", "lora_init", "dtype", "seed")
 # What a failed write raises: OSError (open, write), SafetensorError (the tensors), ValueError (the adapter's
 # folder: model.files.write_error's one line for a full or read-only disk).
 WRITE_ERRORS = (OSError, SafetensorError, ValueError)
@@ -159,7 +160,7 @@ class Checkpoints:
             raise UserError(f"--resume {self.cfg.resume}: no readable checkpoint: {'; '.join(self._damaged)}. "
                             "Checkpoints are written atomically, so something changed these files afterwards. Delete "
                             "them and resume from an earlier one (--resume PATH), or start again in a new --out-dir")
-        old = ck["config"]
+        old = {**{k: config_field(k).default for k in IDENTITY}, **ck["config"]}  # an option newer than it: default
         for key in IDENTITY:
             new = getattr(self.cfg, key)
             if not (same_model(old[key], new) if key == "model" else old[key] == new):

@@ -39,6 +39,7 @@ from memory import choose_checkpointing, memory_warning
 from model import load_model, load_tokenizer, read_config, resolve
 from model.hub import push
 from model.lora import lora_parameters
+from model.variants import lora_plus_groups
 from precision import LossScaler, nonfinite_step
 from preference import num_pairs
 from runlog import Progress, RunLog, log_step, peak_memory
@@ -117,6 +118,8 @@ def main(cfg) -> int:
         log(f"model {cfg.model}: {mcfg.n_layers} layers, {sum(p.numel() for p in params) / 1e6:.2f}M trainable "
             f"LoRA parameters (r={cfg.lora_r} on {cfg.lora_targets}); {len(train_enc)} train / {len(eval_enc)} "
             f"eval examples, {len(batches)} batches per epoch{' (packed)' if cfg.packing else ' (padded)'}")
+        if cfg.dora:
+            log("DoRA runs on the unfused LoRA path (the fused LoRA Functions carry no magnitude)")
         if cfg.quantize:
             from model.qlora import nf4_bytes  # imports bitsandbytes: only for --quantize nf4
             log(f"base weights quantized to NF4 ({nf4_bytes(model) / 2**30:.2f} GiB)")
@@ -126,7 +129,8 @@ def main(cfg) -> int:
                    if cfg.sample_every and not objective and rank == 0 else None)
 
         # ----------------------------------------------------------------------------- optimizer and scaler
-        optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.999),
+        optimizer = torch.optim.AdamW(lora_plus_groups(model, cfg.lora_plus_ratio), lr=cfg.lr,  # LoRA+: B's lr x ratio
+                                      weight_decay=cfg.weight_decay, betas=(0.9, 0.999),
                                       fused=True)  # one kernel for all weights; skips NaN/inf steps on the device
         scaler = LossScaler(cfg.loss_scale, cfg.scale_growth_interval, enabled=dtype == torch.float16)
 
@@ -160,7 +164,7 @@ def main(cfg) -> int:
                 start = position(batches)  # where an out-of-memory step rewinds to
                 lr = lr_at(cfg, max_steps, step)
                 for group in optimizer.param_groups:
-                    group["lr"] = lr
+                    group["lr"] = lr * group["lr_scale"]
                 progress.pause()  # checkpoints, evals and samples are not training time
                 if cfg.save_every and step % cfg.save_every == 0 and step > ckpts.saved_step:
                     ckpts.save(step, model, optimizer, scaler, batches)

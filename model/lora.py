@@ -5,7 +5,16 @@
     A [r, in] kaiming-uniform, B [out, r] zeros: trained, fp32 master weights
     s = alpha / r, or alpha / sqrt(r) with rsLoRA
 
-References: Hu et al. 2021 "LoRA"; Kalajdzievski 2023 "rsLoRA"; torchtune
+DoRA (`dora=True`) scales each output row of the adapted weight to a trained magnitude m [out]:
+
+    Y = g ⊙ (X Wᵀ + s · (X Aᵀ) Bᵀ) + b,    g = m / ‖W + s·B·A‖ (the L2 norm of each output row)
+
+with the norm a constant in backward (no gradient flows through it: the DoRA paper's §4.3) and the
+bias outside the scaling, as PEFT's `tuners/lora/dora.py` computes it. m starts as ‖W + s·B·A‖, so
+the adapter starts as a no-op. With dropout on, the base term of g reads X̃ too, as PEFT's does:
+Y = X Wᵀ + b + (g - 1) ⊙ X̃ Wᵀ + g ⊙ s (X̃ Aᵀ) Bᵀ. DoRA runs on the unfused path only.
+
+References: Hu et al. 2021 "LoRA"; Kalajdzievski 2023 "rsLoRA"; Liu et al. 2024 "DoRA"; torchtune
 `modules/peft/lora.py` (LoRALinear owns the frozen weight, so checkpoint keys match);
 PEFT `tuners/lora/layer.py` (init, dropout on the LoRA input only); Unsloth
 `kernels/fast_lora.py` (one Function for the whole MLP, its backward written down).
@@ -96,6 +105,8 @@ import torch.nn.functional as F
 ALL_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 COMPUTE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)  # float64: gradcheck only
 MASTER_DTYPES = (torch.float32, torch.float64)
+LORA_INITS = ("default", "gaussian", "pissa", "olora")
+BASE_MOVING_INITS = ("pissa", "olora")  # inits that move s·B·A out of W: the base becomes W - s·B·A
 
 
 @dataclass
@@ -105,6 +116,8 @@ class LoRAConfig:
     dropout: float = 0.0  # dropout on the LoRA branch's input
     targets: tuple = ALL_TARGETS  # which projections get an adapter
     rslora: bool = False  # rank-stabilized scale alpha / sqrt(r)
+    dora: bool = False  # DoRA: a trained magnitude per output row (see the module docstring)
+    init: str = "default"  # how the adapter starts: one of LORA_INITS (model/variants.py)
 
     def __post_init__(self):
         self.targets = tuple(self.targets)
@@ -115,6 +128,11 @@ class LoRAConfig:
             raise ValueError(f"LoRA rank must be > 0, got {self.r}")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"LoRA dropout must be in [0, 1), got {self.dropout}")
+        if self.init not in LORA_INITS:
+            raise ValueError(f"LoRA init must be one of {', '.join(LORA_INITS)}, got {self.init!r}")
+        if self.dora and self.init in BASE_MOVING_INITS:
+            raise ValueError(f"DoRA with the {self.init} init is not supported: the {self.init} adapter is saved as "
+                             "the plain LoRA it converts to, which has no magnitude; use one of them")
 
     @property
     def scale(self):
@@ -133,11 +151,18 @@ class LoRALinear(nn.Module):
         self.r = lora.r if lora else 0
         self.scale = lora.scale if lora else 0.0
         self.dropout_p = lora.dropout if lora else 0.0
+        self.dora = bool(self.r and lora.dora)
+        self.init = lora.init if lora else "default"
         if self.r:
             self.lora_A = nn.Parameter(torch.empty(self.r, in_features, dtype=torch.float32))
             self.lora_B = nn.Parameter(torch.empty(out_features, self.r, dtype=torch.float32))
         else:
             self.lora_A = self.lora_B = None
+        # DoRA's magnitude m [out], named as PEFT names it, so that the adapter's keys are PEFT's.
+        self.lora_magnitude_vector = nn.Parameter(torch.empty(out_features)) if self.dora else None
+        # A and B as a base-moving init (PiSSA, OLoRA) made them: the saved adapter is the change from them.
+        self.register_buffer("lora_A0", None, persistent=False)
+        self.register_buffer("lora_B0", None, persistent=False)
         self.reset_parameters()
 
     @torch.no_grad()
@@ -151,6 +176,8 @@ class LoRALinear(nn.Module):
             nn.init.uniform_(self.bias, -self.in_features ** -0.5, self.in_features ** -0.5)
         if self.r:
             init_lora_(self.lora_A, self.lora_B)
+        if self.dora:
+            self.lora_magnitude_vector.copy_(self.weight_norm(self.weight))
 
     def base_weight(self):
         """W [out, in] in its stored dtype. An NF4 weight is dequantized into a new tensor:
@@ -164,8 +191,16 @@ class LoRALinear(nn.Module):
             return F.dropout(x, self.dropout_p, training=True)
         return None
 
+    @torch.no_grad()
+    def weight_norm(self, w):
+        """‖W + s·B·A‖ of each output row (out,) in fp32, for the base weight `w` (dequantized if NF4): DoRA's
+        denominator, computed without a graph, so that it is a constant in backward."""
+        return torch.linalg.vector_norm(w.float() + self.scale * (self.lora_B.float() @ self.lora_A.float()), dim=1)
+
     def forward(self, x):
         """The unfused reference, in plain autograd."""
+        if self.dora and self.r:
+            return self.dora_forward(x)
         y = F.linear(x, self.base_weight(), self.bias)
         if not self.r:
             return y
@@ -174,9 +209,23 @@ class LoRALinear(nn.Module):
         a, b = self.lora_A.to(x.dtype), self.lora_B.to(x.dtype)  # autograd returns their grads in fp32
         return y + (x_lora @ a.t() @ b.t()) * self.scale
 
+    def dora_forward(self, x):
+        """Y = X Wᵀ + (g - 1) ⊙ X̃ Wᵀ + g ⊙ s (X̃ Aᵀ) Bᵀ + b, g = m / ‖W + s·B·A‖ (see the module docstring);
+        without dropout X̃ = X, and Y = g ⊙ (X Wᵀ + s (X Aᵀ) Bᵀ) + b."""
+        w = self.base_weight()
+        x_lora = self.lora_input(x)
+        y = F.linear(x, w)  # (..., out); the bias is added last, unscaled
+        base = y if x_lora is None else F.linear(x_lora, w)
+        x_lora = x if x_lora is None else x_lora
+        a, b = self.lora_A.to(x.dtype), self.lora_B.to(x.dtype)  # autograd returns their grads in fp32
+        g = (self.lora_magnitude_vector / self.weight_norm(w)).to(x.dtype)  # (out,); m's grad returns in fp32
+        y = y + (g - 1) * base + g * ((x_lora @ a.t() @ b.t()) * self.scale)
+        return y if self.bias is None else y + self.bias
+
     def extra_repr(self):
         quant = ", nf4" if self.nf4 is not None else ""
-        return f"in={self.in_features}, out={self.out_features}, r={self.r}, scale={self.scale:g}{quant}"
+        dora = ", dora" if self.dora else ""
+        return f"in={self.in_features}, out={self.out_features}, r={self.r}, scale={self.scale:g}{dora}{quant}"
 
 
 @contextlib.contextmanager
@@ -203,7 +252,7 @@ def make_linear(in_features, out_features, bias, name, lora: LoRAConfig | None):
 
 def is_lora_param(name: str) -> bool:
     """Whether parameter `name` (as model.named_parameters() spells it) is a LoRA weight."""
-    return name.endswith((".lora_A", ".lora_B"))
+    return name.endswith((".lora_A", ".lora_B", ".lora_magnitude_vector"))
 
 
 def lora_parameters(model):
@@ -221,13 +270,16 @@ def init_lora_(a, b, generator=None):
 
 
 def merged_weight(linear: LoRALinear, dtype=None):
-    """W + s·B·A, summed in fp32 (an NF4 W is dequantized first), returned in `dtype` (default: W's)."""
+    """W + s·B·A, summed in fp32 (an NF4 W is dequantized first), returned in `dtype` (default: W's). With DoRA,
+    each row of it scaled to its magnitude: (m / ‖W + s·B·A‖) ⊙ (W + s·B·A)."""
     w = linear.base_weight()
     dtype = dtype or w.dtype
     if not linear.r:
         return w.to(dtype)
-    delta = linear.scale * (linear.lora_B.float() @ linear.lora_A.float())  # (out, in)
-    return (w.float() + delta).to(dtype)
+    merged = w.float() + linear.scale * (linear.lora_B.float() @ linear.lora_A.float())  # (out, in)
+    if linear.dora:
+        merged *= (linear.lora_magnitude_vector.float() / torch.linalg.vector_norm(merged, dim=1))[:, None]
+    return merged.to(dtype)
 
 
 def quantization(model) -> str | None:
@@ -236,8 +288,10 @@ def quantization(model) -> str | None:
 
 
 def fusable(projs):
-    """The fused Functions return no gradient for W and b: use them only while those are frozen."""
-    return not any(t is not None and t.requires_grad for p in projs for t in (p.weight, p.bias))
+    """The fused Functions return no gradient for W and b: use them only while those are frozen. They carry no
+    DoRA magnitude: DoRA projections run on the unfused path."""
+    return not any(t is not None and t.requires_grad for p in projs for t in (p.weight, p.bias)) and \
+        not any(p.dora and p.r for p in projs)
 
 
 # ----------------------------------------------------------------------------- gated activation
