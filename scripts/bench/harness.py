@@ -108,15 +108,18 @@ class Step:
         self.optimizer.param_groups[0]["lr"] = lr
 
 
-def nanotune_step(folder, device, ckpt="off", *, fused_lora=True, use_kernels=None, cuda_graphs="off") -> Step:
+def nanotune_step(folder, device, ckpt="off", *, fused_lora=True, use_kernels=None, cuda_graphs="off",
+                  dora=False) -> Step:
     """nanotune's step on the checkpoint in `folder`: bf16, LoRA r=16 alpha=16 on all 7 projections,
     activation checkpointing per `ckpt` (one of CKPT_MODES), the Triton kernels on CUDA unless
     use_kernels says otherwise, fused_lora=False for LoRA in plain autograd, cuda_graphs="on" for the
-    micro-step replayed from a CUDA graph per batch shape (step.py, as train.py's --cuda-graphs)."""
+    micro-step replayed from a CUDA graph per batch shape (step.py, as train.py's --cuda-graphs),
+    dora=True for DoRA adapters (train.py's --dora)."""
     device = torch.device(device)
     if ckpt not in CKPT_MODES:
         raise ValueError(f"ckpt={ckpt!r}; expected one of {CKPT_MODES}")
-    model, cfg = load_model(str(folder), dtype=DTYPE, device=device, lora=LoRAConfig(r=LORA_R, alpha=LORA_ALPHA),
+    lora = LoRAConfig(r=LORA_R, alpha=LORA_ALPHA, dora=dora)
+    model, cfg = load_model(str(folder), dtype=DTYPE, device=device, lora=lora,
                             use_kernels=device.type == "cuda" if use_kernels is None else use_kernels,
                             fused_lora=fused_lora, gradient_checkpointing=ckpt != "off",
                             offload_activations=ckpt == "on+offload")
