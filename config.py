@@ -64,7 +64,7 @@ class TrainConfig:
                               "get adapters", "choices": ALL_TARGETS, "separator": ","})
     rslora: bool = field(default=False, metadata={"help": "rank-stabilized LoRA: scale alpha / sqrt(r)"})
     dora: bool = field(default=False, metadata={"help": "DoRA: a trained magnitude per output row of W + (alpha/r) "
-                       "B A (docs/adapters.md); runs on the unfused LoRA path"})
+                       "B A (docs/adapters.md); with --lora-dropout it runs on the unfused LoRA path"})
     lora_plus_ratio: float = field(default=1.0, metadata={"help": "LoRA+: B (and DoRA's magnitude) learns at lr "
                                    "times this; 1 is plain LoRA, the LoRA+ paper uses 16"})
     lora_init: str = field(default="default", metadata={"help": "how the adapter starts: default (B = 0), "

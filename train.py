@@ -118,8 +118,8 @@ def main(cfg) -> int:
         log(f"model {cfg.model}: {mcfg.n_layers} layers, {sum(p.numel() for p in params) / 1e6:.2f}M trainable "
             f"LoRA parameters (r={cfg.lora_r} on {cfg.lora_targets}); {len(train_enc)} train / {len(eval_enc)} "
             f"eval examples, {len(batches)} batches per epoch{' (packed)' if cfg.packing else ' (padded)'}")
-        if cfg.dora:
-            log("DoRA runs on the unfused LoRA path (the fused LoRA Functions carry no magnitude)")
+        if cfg.dora and cfg.lora_dropout:
+            log("DoRA with --lora-dropout runs on the unfused LoRA path (the fused Functions carry DoRA without it)")
         if cfg.quantize:
             from model.qlora import nf4_bytes  # imports bitsandbytes: only for --quantize nf4
             log(f"base weights quantized to NF4 ({nf4_bytes(model) / 2**30:.2f} GiB)")

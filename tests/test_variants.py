@@ -15,6 +15,7 @@ from tests.tiny_models import FAMILIES, save_tiny
 
 B, T = 2, 12
 TOL = 1e-5  # fp32 relative error between nanotune and PEFT
+ALL = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
 def ids_for(model):
@@ -83,8 +84,7 @@ def test_dora_magnitude_starts_as_peft_does(dora):
     from peft import LoraConfig, get_peft_model
     family, folder, _, _ = dora
     fresh, _ = load_model(folder, lora=LoRAConfig(r=4, alpha=8.0, dora=True))
-    peft = get_peft_model(hf_from(folder), LoraConfig(r=4, lora_alpha=8, use_dora=True, target_modules=[
-        "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]))
+    peft = get_peft_model(hf_from(folder), LoraConfig(r=4, lora_alpha=8, use_dora=True, target_modules=list(ALL)))
     want = {ours(n): p for n, p in peft.named_parameters() if "lora_magnitude_vector" in n}
     have = {n: p for n, p in lora_parameters(fresh) if n.endswith("lora_magnitude_vector")}
     assert have.keys() == want.keys() and len(have) == 7 * fresh.config.n_layers
@@ -98,7 +98,7 @@ def test_dora_magnitude_starts_as_peft_does(dora):
 def test_dora_logits_and_gradients_equal_peft(dora):
     """The saved DoRA adapter loads in PEFT (use_dora, PEFT's key names) and gives nanotune's logits, and one
     backward gives the same gradients of A, B and the magnitudes (the norm a constant in backward, the bias
-    unscaled: Qwen2). nanotune's model runs its default (fused) path, which DoRA projections leave."""
+    unscaled: Qwen2). nanotune's model runs its default path, the fused LoRA Functions."""
     from peft import PeftModel
     family, folder, model, adapter = dora
     with open(os.path.join(adapter, "adapter_config.json")) as f:
@@ -128,6 +128,48 @@ def test_dora_round_trip_and_merge(dora, tmp_path):
     with torch.no_grad():
         assert torch.equal(back(ids), model(ids))
         assert rel_err(hf_from(str(tmp_path / "merged"))(ids).logits, merged(input_ids=ids).logits) < TOL
+
+
+def dora_run(folder, lora, fused, dtype=torch.float32, **options):
+    """(logits, {name: gradient}) of a DoRA model with random B and magnitudes, in train mode."""
+    model, _ = load_model(folder, lora=lora, fused_lora=fused, dtype=dtype, **options)
+    randomize_lora_b(model, std=0.1)
+    randomize_magnitudes(model)
+    model.train()
+    return grads_of(model, lora_parameters(model), ids_for(model))
+
+
+@pytest.mark.parametrize("family,kernels,checkpointing", [(f, False, False) for f in FAMILIES] + [
+    ("qwen2", False, True), ("llama", True, True)])
+def test_dora_fused_path_equals_unfused(family, kernels, checkpointing, base, monkeypatch):
+    """The fused LoRA Functions carry DoRA (without dropout): logits and every adapter gradient (A, B, magnitudes)
+    equal the unfused reference's, with some projections unadapted (llama: a q/k/v and a gate/up group with
+    DoRA and plain members), with biases (Qwen2), under a checkpointed layer's recompute (output=False) and
+    with the Triton kernels' in-place activation backward."""
+    folder = base(family)
+    targets = ("q_proj", "v_proj", "o_proj", "up_proj", "down_proj") if family == "llama" else ALL
+    lora = LoRAConfig(r=4, alpha=8.0, dora=True, targets=targets)
+    options = dict(use_kernels=kernels, gradient_checkpointing=checkpointing)
+    ref_logits, ref = dora_run(folder, lora, fused=False, **options)
+    monkeypatch.setattr(LoRALinear, "dora_forward", lambda *a: pytest.fail("DoRA left the fused path"))
+    logits, grads = dora_run(folder, lora, fused=True, **options)
+    assert rel_err(logits, ref_logits) < TOL
+    assert grads.keys() == ref.keys()
+    for n, g in grads.items():
+        assert rel_err(g, ref[n]) < 1e-5, n
+
+
+def test_dora_fused_path_in_bf16(base):
+    """In bf16 the fused DoRA path is as close to the fp32 reference as the unfused path is (the two round at
+    different places), and its gradients are fp32, for the fp32 masters."""
+    folder, lora = base("qwen2"), LoRAConfig(r=4, alpha=8.0, dora=True)
+    ref_logits, ref = dora_run(folder, lora, fused=False)
+    runs = {fused: dora_run(folder, lora, fused, dtype=torch.bfloat16) for fused in (False, True)}
+    (plain_logits, plain), (logits, grads) = runs[False], runs[True]
+    assert rel_err(logits, ref_logits) < 2 * rel_err(plain_logits, ref_logits) + 1e-3
+    for n, g in grads.items():
+        assert g.dtype == torch.float32, n
+        assert rel_err(g, ref[n]) < 2 * rel_err(plain[n], ref[n]) + 1e-3, n
 
 
 def test_dora_with_dropout_reads_the_dropped_input():
@@ -250,13 +292,11 @@ def test_dora_lora_plus_run_resumes_exactly(run_model, tmp_path):
 
 # ----------------------------------------------------------------------------- PiSSA, OLoRA, gaussian
 
-ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-
 
 def peft_init(folder, init, r=4, alpha=8):
     from peft import LoraConfig, get_peft_model
     return get_peft_model(hf_from(folder), LoraConfig(r=r, lora_alpha=alpha, init_lora_weights=init,
-                                                      target_modules=ALL))
+                                                      target_modules=list(ALL)))
 
 
 @pytest.mark.parametrize("init,family", [("pissa", f) for f in FAMILIES] + [("olora", "llama"), ("olora", "qwen2"),
@@ -319,7 +359,7 @@ def test_converted_adapter_on_the_original_base(init, family, rslora, base, tmp_
     # PEFT's own conversion of the same trained weights.
     from peft import LoraConfig, get_peft_model
     peft = get_peft_model(hf_from(folder), LoraConfig(r=4, lora_alpha=8, init_lora_weights=init, use_rslora=rslora,
-                                                      target_modules=ALL))
+                                                      target_modules=list(ALL)))
     peft.peft_config["default"].init_lora_weights = True
     peft.save_pretrained(str(tmp_path / "peft-init"))
     trained = dict(lora_parameters(model))
