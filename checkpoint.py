@@ -43,8 +43,8 @@ from statefiles import (
 )
 
 # Options that decide what the saved weights are: a checkpoint cannot continue under other values.
-IDENTITY = ("model", "quantize", "lora_r", "lora_alpha", "lora_targets", "rslora", "train_embeddings", "add_tokens",
-            "full", "train_modules")
+IDENTITY = ("model", "quantize", "lora_r", "lora_alpha", "lora_targets", "rslora", "dora", "lora_init",
+            "lora_plus_ratio", "train_embeddings", "add_tokens", "full", "train_modules")
 # Options that, with the tokenized data and the process count, decide the rest of the trajectory: a resume
 # under other values does not reproduce the uninterrupted run, so it needs --resume-anyway.
 TRAJECTORY = ("batch_size", "grad_accum", "max_steps", "lr", "min_lr_ratio", "warmup_steps", "weight_decay",
@@ -52,7 +52,7 @@ TRAJECTORY = ("batch_size", "grad_accum", "max_steps", "lr", "min_lr_ratio", "wa
               "label_smoothing", "simpo_gamma", "orpo_lambda")
 # The options an adapter's model card lists: those that decide what was trained, and how.
 CARD_OPTIONS = ("method", "max_steps", "batch_size", "grad_accum", "max_len", "packing", "train_on_inputs", "lr",
-                "warmup_steps", "lora_dropout", "rslora", "dtype", "seed")
+                "warmup_steps", "lora_dropout", "rslora", "dora", "lora_plus_ratio", "lora_init", "dtype", "seed")
 # What a failed write raises: OSError (open, write), SafetensorError (the tensors), ValueError (the adapter's
 # folder: model.files.write_error's one line for a full or read-only disk).
 WRITE_ERRORS = (OSError, SafetensorError, ValueError)
@@ -64,12 +64,12 @@ def same_model(a, b):
 
 
 def trained_weights(model, optimizer):
-    """(name, tensor) of the weights the optimizer steps: the LoRA weights, or with --full the fp32 masters
-    (masters.py), named after the model's trainable parameters, in whose order the optimizer holds them."""
-    named = trainable_parameters(model)
-    params = [p for group in optimizer.param_groups for p in group["params"]]
-    assert [p.shape for _, p in named] == [p.shape for p in params], "the optimizer steps the trainable weights"
-    return [(n, p) for (n, _), p in zip(named, params)]
+    """(name, tensor) of the weights the optimizer steps, by the names its groups carry (masters.py,
+    `param_groups`): the LoRA weights and embeddings themselves, and the fp32 masters of --full's weights."""
+    named = [(n, p) for group in optimizer.param_groups for n, p in zip(group["param_names"], group["params"])]
+    assert sorted(n for n, _ in named) == sorted(n for n, _ in trainable_parameters(model)), \
+        "the optimizer steps the trainable weights"
+    return named
 
 
 def nonfinite(model, optimizer=None):
@@ -218,7 +218,10 @@ class Checkpoints:
             for n, t in ck["lora"].items():
                 masters[n].copy_(t)
                 weights[n].copy_(t)  # the same tensor, or with --full the model's weight, rounded from its master
+        scales = [g["lr_scale"] for g in optimizer.param_groups]
         optimizer.load_state_dict(ck["optimizer"])
+        for g, s in zip(optimizer.param_groups, scales):  # a checkpoint from before LoRA+ has none; else the same
+            g["lr_scale"] = s
         scaler.load_state_dict(ck["scaler"])
         if ck["data"]["rows"] == batches.n_rows:
             batches.load_state_dict(ck["data"])

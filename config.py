@@ -26,7 +26,7 @@ from full import parse_train_modules, train_filter
 from model import LoRAConfig, check_quantize
 from model.embeddings import parse_tokens
 from model.hub import check_push
-from model.lora import ALL_TARGETS
+from model.lora import ALL_TARGETS, BASE_MOVING_INITS, LORA_INITS
 from preference import METHODS, Objective
 
 USAGE = """nanotune: LoRA / QLoRA fine-tuning of Llama, Qwen and Gemma.
@@ -65,6 +65,13 @@ class TrainConfig:
     lora_targets: str = field(default=",".join(ALL_TARGETS), metadata={"help": "comma-separated projections that "
                               "get adapters", "choices": ALL_TARGETS, "separator": ","})
     rslora: bool = field(default=False, metadata={"help": "rank-stabilized LoRA: scale alpha / sqrt(r)"})
+    dora: bool = field(default=False, metadata={"help": "DoRA: a trained magnitude per output row of W + (alpha/r) "
+                       "B A (docs/adapters.md); with --lora-dropout it runs on the unfused LoRA path"})
+    lora_plus_ratio: float = field(default=1.0, metadata={"help": "LoRA+: B (and DoRA's magnitude) learns at lr "
+                                   "times this; 1 is plain LoRA, the LoRA+ paper uses 16"})
+    lora_init: str = field(default="default", metadata={"help": "how the adapter starts: default (B = 0), "
+                           "gaussian, or pissa / olora (from W's SVD / QR, moved out of the base; saved as a plain "
+                           "LoRA of rank 2r on the original base)", "choices": LORA_INITS})
     train_embeddings: bool = field(default=False, metadata={"help": "train embed_tokens and lm_head (fp32) "
                                    "alongside LoRA, saved as PEFT's modules_to_save; see docs/embeddings.md"})
     add_tokens: str | None = field(default=None, metadata={"help": "comma-separated new tokens (e.g. '<tool>,</tool>')"
@@ -201,6 +208,14 @@ class TrainConfig:
                            f"1e-5 to 1e-3), got {self.lr:g}"),
             (self.lora_alpha > 0, f"--lora-alpha must be > 0 (the update is scaled by alpha / r), "
                                   f"got {self.lora_alpha}"),
+            (self.lora_plus_ratio > 0, f"--lora-plus-ratio must be > 0 (B's lr is lr times it), got "
+                                       f"{self.lora_plus_ratio}"),
+            (self.lora_init not in BASE_MOVING_INITS or not self.quantize, f"--lora-init {self.lora_init} with "
+             f"--quantize {self.quantize}: {self.lora_init} moves its init out of the base weight, which must be "
+             f"quantized after that, but NF4 weights are quantized as they load. Train {self.lora_init} on the "
+             f"full-precision base (leave out --quantize), or use --lora-init default or gaussian with NF4"),
+            (not (self.dora and self.lora_init in BASE_MOVING_INITS), f"--dora with --lora-init {self.lora_init}: "
+             f"a {self.lora_init} adapter is saved as a plain LoRA, which has no DoRA magnitude; pass one of them"),
             (0 <= self.eval_fraction < 1, f"--eval-fraction must be at least 0 and below 1 (the share of a user "
                                           f"dataset held out for eval), got {self.eval_fraction}"),
             (0 <= self.min_lr_ratio <= 1, f"--min-lr-ratio must be between 0 and 1 (the cosine decays to lr times "
@@ -235,7 +250,7 @@ class TrainConfig:
         for holds, error in checks:
             if not holds:
                 raise UserError(error)
-        for name in ("quantize", "dtype", "cuda_graphs", "method"):
+        for name in ("quantize", "dtype", "cuda_graphs", "method", "lora_init"):
             value = getattr(self, name)
             if value is not None and value not in choices_of(name):
                 optional = " (or left out)" if value_kinds(name)[1] else ""
@@ -299,7 +314,8 @@ class TrainConfig:
         if self.full:
             return None
         return LoRAConfig(r=self.lora_r, alpha=self.lora_alpha, dropout=self.lora_dropout,
-                          targets=tuple(t for t in self.lora_targets.split(",") if t), rslora=self.rslora)
+                          targets=tuple(t for t in self.lora_targets.split(",") if t), rslora=self.rslora,
+                          dora=self.dora, init=self.lora_init)
 
 
 # ----------------------------------------------------------------------------- options
@@ -342,7 +358,8 @@ OPTION_GROUPS = {
     "model": ("model", "tokenizer", "quantize"),
     "data": ("data", "eval_data", "eval_fraction", "max_examples", "columns", "chat_template", "system_prompt",
              "max_len", "packing", "train_on_inputs", "num_proc"),
-    "LoRA": ("lora_r", "lora_alpha", "lora_dropout", "lora_targets", "rslora", "train_embeddings", "add_tokens"),
+    "LoRA": ("lora_r", "lora_alpha", "lora_dropout", "lora_targets", "rslora", "dora", "lora_plus_ratio",
+             "lora_init", "train_embeddings", "add_tokens"),
     "full fine-tuning": ("full", "train_modules"),
     "training": ("method", "max_steps", "num_epochs", "batch_size", "grad_accum", "lr", "min_lr_ratio",
                  "warmup_steps", "weight_decay", "grad_clip", "seed", "device", "beta", "label_smoothing",

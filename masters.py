@@ -17,8 +17,14 @@ take_grads and copy_back do nothing for it. Memory per trained bf16 weight: 2 by
 
 The masters are what the optimizer and a checkpoint hold (`named`): a resume restores them, and rounds them into
 the model's weights again, so it continues exactly as the uninterrupted run.
+
+The optimizer's parameter groups (`param_groups`) are made of the masters, with their names (`param_names`, which
+checkpoints read) and a learning-rate multiplier each (`lr_scale`; the loop sets every group's lr to the schedule's
+lr × lr_scale).
 """
 import torch
+
+from model.lora import is_lora_param
 
 
 class Masters:
@@ -63,3 +69,19 @@ class Masters:
                 w.grad.zero_()
         for _, m in self._low:
             m.grad = None
+
+
+def param_groups(named, weight_decay, lora_plus_ratio=1.0):
+    """AdamW's parameter groups of the trained weights `named` ((name, fp32 tensor), `Masters.named`):
+    - LoRA+ (Hayes et al. 2024): B and DoRA's magnitudes learn at lr × lora_plus_ratio, A at lr (as PEFT's
+      create_loraplus_optimizer; model/variants.py);
+    - weight decay on the LoRA weights and on --full's weights, none on embeddings trained beside LoRA: decay would
+      pull every embedding row, also the rows a mask keeps from learning (model/embeddings.py), towards zero.
+    Each group holds (name, tensor) pairs, so that it carries the names (`param_names`) in its state."""
+    beside_lora = any(is_lora_param(n) for n, _ in named)
+    groups = {}
+    for n, p in named:
+        fast = is_lora_param(n) and not n.endswith(".lora_A")
+        key = (lora_plus_ratio if fast else 1.0, weight_decay if not beside_lora or is_lora_param(n) else 0.0)
+        groups.setdefault(key, []).append((n, p))
+    return [{"params": ps, "lr_scale": float(scale), "weight_decay": decay} for (scale, decay), ps in groups.items()]

@@ -36,10 +36,10 @@ from distributed import any_rank, distributed, sum_over_ranks
 from evaluation import Samples, evaluate, log_eval
 from full import train_filter, weight_counts
 from lifecycle import StopSignals, interrupted, save_after_failure
-from masters import Masters
+from masters import Masters, param_groups
 from memory import choose_checkpointing, full_finetuning_fit, memory_warning
 from model import load_model, load_tokenizer, read_config, resolve
-from model.embeddings import add_tokens, grown, param_groups, train_embeddings_
+from model.embeddings import add_tokens, grown, train_embeddings_
 from model.hub import push
 from model.weights import trainable_parameters
 from precision import LossScaler, nonfinite_step
@@ -132,6 +132,8 @@ def main(cfg) -> int:
         log(f"model {cfg.model}: {mcfg.n_layers} layers, {sum(p.numel() for p in params) / 1e6:.2f}M trainable "
             f"{trained}; {len(train_enc)} train / {len(eval_enc)} "
             f"eval examples, {len(batches)} batches per epoch{' (packed)' if cfg.packing else ' (padded)'}")
+        if cfg.dora and cfg.lora_dropout:
+            log("DoRA with --lora-dropout runs on the unfused LoRA path (the fused Functions carry DoRA without it)")
         if cfg.quantize:
             from model.qlora import nf4_bytes  # imports bitsandbytes: only for --quantize nf4
             log(f"base weights quantized to NF4 ({nf4_bytes(model) / 2**30:.2f} GiB)")
@@ -145,7 +147,8 @@ def main(cfg) -> int:
                    if cfg.sample_every and not objective and rank == 0 else None)
 
         # ----------------------------------------------------------------------------- optimizer and scaler
-        optimizer = torch.optim.AdamW(param_groups(masters.named(), cfg.weight_decay), lr=cfg.lr, betas=(0.9, 0.999),
+        groups = param_groups(masters.named(), cfg.weight_decay, cfg.lora_plus_ratio)  # LoRA+: B's lr x ratio
+        optimizer = torch.optim.AdamW(groups, lr=cfg.lr, betas=(0.9, 0.999),
                                       fused=True)  # one kernel for all weights; skips NaN/inf steps on the device
         scaler = LossScaler(cfg.loss_scale, cfg.scale_growth_interval, enabled=dtype == torch.float16)
 
@@ -179,7 +182,7 @@ def main(cfg) -> int:
                 start = position(batches)  # where an out-of-memory step rewinds to
                 lr = lr_at(cfg, max_steps, step)
                 for group in optimizer.param_groups:
-                    group["lr"] = lr
+                    group["lr"] = lr * group["lr_scale"]
                 progress.pause()  # checkpoints, evals and samples are not training time
                 if cfg.save_every and step % cfg.save_every == 0 and step > ckpts.saved_step:
                     ckpts.save(step, model, optimizer, scaler, batches)

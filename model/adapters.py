@@ -15,6 +15,10 @@ adapter PEFT trained loads here. Tensor keys are the nanotune parameter names un
 prefix, e.g.
 
     model.layers.0.self_attn.q_proj.lora_A  ->  base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight
+    model.layers.0.self_attn.q_proj.lora_magnitude_vector  ->  (the same prefix, no .weight: DoRA, use_dora true)
+
+An adapter whose init moved the base (PiSSA, OLoRA: model/variants.py) is saved in PEFT's converted form, a
+plain LoRA of rank 2r on the original base, so that it loads wherever the original base does.
 
 Beside PEFT's files, `nanotune.json` records how the base was stored while training
 ({"quantize": "nf4"} for QLoRA). PEFT warns about keys it does not know in
@@ -47,6 +51,7 @@ from model.hub import base_model_id, model_card, resolve
 from model.load import load_model, load_tokenizer
 from model.lora import ALL_TARGETS, LoRAConfig, LoRALinear, lora_parameters, merged_weight, quantization
 from model.tokenizer import Tokenizer
+from model.variants import converted_adapter, moves_base
 from model.weights import check_quantize, is_gguf
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -58,10 +63,11 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
                    "chat_template.jinja", "generation_config.json")
 # PEFT options nanotune's LoRALinear cannot express (all off by default): an adapter that
 # sets one would silently mean something else here, so it is refused.
-UNSUPPORTED = ("use_dora", "fan_in_fan_out", "layers_to_transform", "rank_pattern", "alpha_pattern",
-               "lora_bias")
+UNSUPPORTED = ("fan_in_fan_out", "layers_to_transform", "rank_pattern", "alpha_pattern", "lora_bias")
 # The modules PEFT may save whole (`modules_to_save`) that nanotune trains: the embeddings (model/embeddings.py).
 MODULES_TO_SAVE = ("embed_tokens", "lm_head")
+# PEFT inits that move the base weight: an adapter saved with one of them (not converted) needs that moved base.
+BASE_MOVING_PEFT_INITS = ("pissa", "olora", "corda", "loftq", "lora_ga")
 # --base-precision of the tools that load an adapter (generate, export_gguf, merge).
 BASE_PRECISIONS = ("as-trained", "full")
 BASE_PRECISION_HELP = ("the base weights the adapter is applied to: as-trained (default) uses the ones it was "
@@ -111,8 +117,8 @@ def atomic_folder(folder, marker=None):
 
 
 def adapter_key(name):
-    """The PEFT key of nanotune's LoRA parameter `name`."""
-    return PEFT_PREFIX + name + ".weight"
+    """The PEFT key of nanotune's LoRA parameter `name` (PEFT's DoRA magnitude is a tensor without `.weight`)."""
+    return PEFT_PREFIX + name + ("" if name.endswith(".lora_magnitude_vector") else ".weight")
 
 
 def _lora_config(model) -> LoRAConfig:
@@ -135,11 +141,15 @@ def save_adapter(model, folder, base_model=None, dataset=None, options=None, met
     lora = _lora_config(model)
     base = base_model_id(base_model) if base_model is not None else None
     # Copies: a LoRA weight may view a shared storage (`pack_adapters_`), which safetensors refuses to write.
-    tensors = {adapter_key(n): p.detach().to("cpu", torch.float32, copy=True) for n, p in lora_parameters(model)}
+    tensors = {n: p.detach().to("cpu", torch.float32, copy=True) for n, p in lora_parameters(model)}
+    r, alpha = lora.r, lora.alpha
+    if moves_base(model):  # PiSSA, OLoRA: the rank-2r plain LoRA on the original base (model/variants.py)
+        tensors, r, alpha = converted_adapter(model), 2 * r, alpha * (2 ** 0.5 if lora.rslora else 2)
+    tensors = {adapter_key(n): t for n, t in tensors.items()}
     config = {
         "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base,
-        "r": lora.r, "lora_alpha": lora.alpha, "lora_dropout": lora.dropout, "use_rslora": lora.rslora,
-        "target_modules": sorted(lora.targets), "bias": "none", "inference_mode": True,
+        "r": r, "lora_alpha": alpha, "lora_dropout": lora.dropout, "use_rslora": lora.rslora,
+        "use_dora": lora.dora, "target_modules": sorted(lora.targets), "bias": "none", "inference_mode": True,
     }
     embeddings = [(n, p) for n, p in embedding_parameters(model) if p.requires_grad]
     if embeddings:
@@ -210,6 +220,11 @@ def read_adapter_config(folder) -> LoRAConfig:
                                           for m in saved):
         raise ValueError(f"{path}: modules_to_save={saved!r}; nanotune trains and loads only "
                          f"{' and '.join(MODULES_TO_SAVE)} whole")
+    init = str(cfg.get("init_lora_weights", True)).lower()
+    if init.startswith(BASE_MOVING_PEFT_INITS):
+        raise ValueError(f"{path}: init_lora_weights={cfg['init_lora_weights']!r}: this adapter belongs to a base "
+                         "that its init changed, not to the original one. Save it from PEFT with save_pretrained(..., "
+                         "path_initial_model_for_weight_conversion=...), which converts it to a plain LoRA")
     targets = cfg.get("target_modules")
     if not isinstance(targets, list) or any(t not in ALL_TARGETS for t in targets):
         raise ValueError(f"{path}: target_modules={targets!r}; nanotune expects a list of projection names "
@@ -221,17 +236,19 @@ def read_adapter_config(folder) -> LoRAConfig:
             what = "a positive whole number" if key == "r" else "a positive number"
             raise ValueError(f"{path}: {key} is {'missing' if key not in cfg else repr(value)}; it must be {what}")
     return LoRAConfig(r=cfg["r"], alpha=cfg["lora_alpha"], dropout=cfg.get("lora_dropout", 0.0),
-                      targets=tuple(t for t in ALL_TARGETS if t in targets), rslora=cfg.get("use_rslora", False))
+                      targets=tuple(t for t in ALL_TARGETS if t in targets), rslora=cfg.get("use_rslora", False),
+                      dora=bool(cfg.get("use_dora", False)))
 
 
 def load_adapter(model, folder):
     """Copy the adapter saved in `folder` into the model's LoRA weights (names and shapes checked), and its
     embeddings, if it has them, into the model's (grown to their rows: an adapter with new tokens)."""
     want, have = read_adapter_config(folder), _lora_config(model)
-    if (want.r, want.scale, set(want.targets)) != (have.r, have.scale, set(have.targets)):
+    if (want.r, want.scale, set(want.targets), want.dora) != (have.r, have.scale, set(have.targets), have.dora):
         raise ValueError(
-            f"adapter in {folder!r} has r={want.r}, scale={want.scale:g}, targets={list(want.targets)}, but the "
-            f"model was built with r={have.r}, scale={have.scale:g}, targets={list(have.targets)}. Build the "
+            f"adapter in {folder!r} has r={want.r}, scale={want.scale:g}, targets={list(want.targets)}, "
+            f"dora={want.dora}, but the model was built with r={have.r}, scale={have.scale:g}, "
+            f"targets={list(have.targets)}, dora={have.dora}. Build the "
             f"model for it: load_model(..., lora=read_adapter_config({folder!r}))")
     path = os.path.join(folder, ADAPTER_WEIGHTS)
     tensors = load_file(path)

@@ -2,7 +2,6 @@
 
     tokenizer, new_ids = add_tokens(tokenizer, ["<tool>", "</tool>"])  the tokenizer gains them
     train_embeddings_(model, tokenizer.vocab_size, new_ids, all_rows)  grow, initialize, make trainable
-    param_groups(masters.named(), weight_decay)                        AdamW's groups: no decay on them
 
 The trained embeddings are fp32 parameters, whatever the model's dtype: the forward casts them to the
 activations' dtype (`Transformer.hidden_states`, `Transformer.forward`), so AdamW updates one fp32 copy and
@@ -19,7 +18,7 @@ base to before it loads the adapter; a model whose embedding already has spare r
 row count, and the new tokens take the first spare rows, as in transformers.
 
 Without --train-embeddings only the new rows train: a mask on the embedding's gradient zeroes the other
-rows, which AdamW (without weight decay on embeddings, see `param_groups`) then leaves exactly as they were.
+rows, which AdamW (without weight decay on embeddings: masters.py, `param_groups`) then leaves exactly as they were.
 Either way the whole matrices are saved, so PEFT loads them as `modules_to_save` with nothing else to know.
 """
 import dataclasses
@@ -28,8 +27,6 @@ import torch
 import torch.nn as nn
 from tokenizers import AddedToken
 from tokenizers import Tokenizer as _HFTokenizer
-
-from model.lora import is_lora_param
 
 EMBEDDINGS = ("model.embed_tokens.weight", "lm_head.weight")  # parameter names, which are also PEFT's keys
 
@@ -113,18 +110,6 @@ def train_embeddings_(model, vocab_size, new_ids, all_rows):
     if model.config.tie_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     return model.config
-
-
-def param_groups(named, weight_decay):
-    """AdamW's parameter groups of the trained weights `named` ((name, tensor) as the optimizer holds them, in
-    `trainable_parameters` order): weight decay on the LoRA weights and on --full's weights, none on embeddings
-    trained beside LoRA. Decay would pull every embedding row, also the rows a mask keeps from learning
-    (`train_embeddings_`), towards zero."""
-    beside_lora = any(is_lora_param(n) for n, _ in named)
-    decays = [not beside_lora or is_lora_param(n) for n, _ in named]
-    groups = [{"params": [p for (_, p), d in zip(named, decays) if d], "weight_decay": weight_decay},
-              {"params": [p for (_, p), d in zip(named, decays) if not d], "weight_decay": 0.0}]
-    return [g for g in groups if g["params"]]
 
 
 @torch.no_grad()

@@ -5,7 +5,23 @@
     A [r, in] kaiming-uniform, B [out, r] zeros: trained, fp32 master weights
     s = alpha / r, or alpha / sqrt(r) with rsLoRA
 
-References: Hu et al. 2021 "LoRA"; Kalajdzievski 2023 "rsLoRA"; torchtune
+DoRA (`dora=True`) scales each output row of the adapted weight to a trained magnitude m [out]:
+
+    Y = g ⊙ (X Wᵀ + s · (X Aᵀ) Bᵀ) + b,    g = m / ‖W + s·B·A‖ (the L2 norm of each output row)
+
+with the norm a constant in backward (no gradient flows through it: the DoRA paper's §4.3) and the
+bias outside the scaling, as PEFT's `tuners/lora/dora.py` computes it. m starts as ‖W + s·B·A‖, so
+the adapter starts as a no-op. With dropout on, the base term of g reads X̃ too, as PEFT's does:
+Y = X Wᵀ + b + (g - 1) ⊙ X̃ Wᵀ + g ⊙ s (X̃ Aᵀ) Bᵀ (the unfused path only: it costs a GEMM more).
+
+The fused Functions carry DoRA without dropout: with P = X Wᵀ + s (X Aᵀ) Bᵀ (N, out) they return
+Y = g ⊙ P + b and save P (for the MLP's gate and up, P in place of [G | U], which backward scales
+again), and backward starts from dY with
+
+    dm = Σ_n dY ⊙ P / ‖W + s·B·A‖      [out]     (the norm a constant)
+    dP = g ⊙ dY                                    (then the LoRA backward below, with dP for dY)
+
+References: Hu et al. 2021 "LoRA"; Kalajdzievski 2023 "rsLoRA"; Liu et al. 2024 "DoRA"; torchtune
 `modules/peft/lora.py` (LoRALinear owns the frozen weight, so checkpoint keys match);
 PEFT `tuners/lora/layer.py` (init, dropout on the LoRA input only); Unsloth
 `kernels/fast_lora.py` (one Function for the whole MLP, its backward written down).
@@ -96,6 +112,8 @@ import torch.nn.functional as F
 ALL_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 COMPUTE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)  # float64: gradcheck only
 MASTER_DTYPES = (torch.float32, torch.float64)
+LORA_INITS = ("default", "gaussian", "pissa", "olora")
+BASE_MOVING_INITS = ("pissa", "olora")  # inits that move s·B·A out of W: the base becomes W - s·B·A
 
 
 @dataclass
@@ -105,6 +123,8 @@ class LoRAConfig:
     dropout: float = 0.0  # dropout on the LoRA branch's input
     targets: tuple = ALL_TARGETS  # which projections get an adapter
     rslora: bool = False  # rank-stabilized scale alpha / sqrt(r)
+    dora: bool = False  # DoRA: a trained magnitude per output row (see the module docstring)
+    init: str = "default"  # how the adapter starts: one of LORA_INITS (model/variants.py)
 
     def __post_init__(self):
         self.targets = tuple(self.targets)
@@ -115,6 +135,11 @@ class LoRAConfig:
             raise ValueError(f"LoRA rank must be > 0, got {self.r}")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"LoRA dropout must be in [0, 1), got {self.dropout}")
+        if self.init not in LORA_INITS:
+            raise ValueError(f"LoRA init must be one of {', '.join(LORA_INITS)}, got {self.init!r}")
+        if self.dora and self.init in BASE_MOVING_INITS:
+            raise ValueError(f"DoRA with the {self.init} init is not supported: the {self.init} adapter is saved as "
+                             "the plain LoRA it converts to, which has no magnitude; use one of them")
 
     @property
     def scale(self):
@@ -133,11 +158,18 @@ class LoRALinear(nn.Module):
         self.r = lora.r if lora else 0
         self.scale = lora.scale if lora else 0.0
         self.dropout_p = lora.dropout if lora else 0.0
+        self.dora = bool(self.r and lora.dora)
+        self.init = lora.init if lora else "default"
         if self.r:
             self.lora_A = nn.Parameter(torch.empty(self.r, in_features, dtype=torch.float32))
             self.lora_B = nn.Parameter(torch.empty(out_features, self.r, dtype=torch.float32))
         else:
             self.lora_A = self.lora_B = None
+        # DoRA's magnitude m [out], named as PEFT names it, so that the adapter's keys are PEFT's.
+        self.lora_magnitude_vector = nn.Parameter(torch.empty(out_features)) if self.dora else None
+        # A and B as a base-moving init (PiSSA, OLoRA) made them: the saved adapter is the change from them.
+        self.register_buffer("lora_A0", None, persistent=False)
+        self.register_buffer("lora_B0", None, persistent=False)
         self.reset_parameters()
 
     @torch.no_grad()
@@ -151,6 +183,8 @@ class LoRALinear(nn.Module):
             nn.init.uniform_(self.bias, -self.in_features ** -0.5, self.in_features ** -0.5)
         if self.r:
             init_lora_(self.lora_A, self.lora_B)
+        if self.dora:
+            self.lora_magnitude_vector.copy_(self.weight_norm(self.weight))
 
     def base_weight(self):
         """W [out, in] in its stored dtype. An NF4 weight is dequantized into a new tensor:
@@ -164,8 +198,16 @@ class LoRALinear(nn.Module):
             return F.dropout(x, self.dropout_p, training=True)
         return None
 
+    @torch.no_grad()
+    def weight_norm(self, w):
+        """‖W + s·B·A‖ of each output row (out,) in fp32, for the base weight `w` (dequantized if NF4): DoRA's
+        denominator, computed without a graph, so that it is a constant in backward."""
+        return torch.linalg.vector_norm(w.float() + self.scale * (self.lora_B.float() @ self.lora_A.float()), dim=1)
+
     def forward(self, x):
         """The unfused reference, in plain autograd."""
+        if self.dora and self.r:
+            return self.dora_forward(x)
         y = F.linear(x, self.base_weight(), self.bias)
         if not self.r:
             return y
@@ -174,9 +216,23 @@ class LoRALinear(nn.Module):
         a, b = self.lora_A.to(x.dtype), self.lora_B.to(x.dtype)  # autograd returns their grads in fp32
         return y + (x_lora @ a.t() @ b.t()) * self.scale
 
+    def dora_forward(self, x):
+        """Y = X Wᵀ + (g - 1) ⊙ X̃ Wᵀ + g ⊙ s (X̃ Aᵀ) Bᵀ + b, g = m / ‖W + s·B·A‖ (see the module docstring);
+        without dropout X̃ = X, and Y = g ⊙ (X Wᵀ + s (X Aᵀ) Bᵀ) + b."""
+        w = self.base_weight()
+        x_lora = self.lora_input(x)
+        y = F.linear(x, w)  # (..., out); the bias is added last, unscaled
+        base = y if x_lora is None else F.linear(x_lora, w)
+        x_lora = x if x_lora is None else x_lora
+        a, b = self.lora_A.to(x.dtype), self.lora_B.to(x.dtype)  # autograd returns their grads in fp32
+        g = (self.lora_magnitude_vector / self.weight_norm(w)).to(x.dtype)  # (out,); m's grad returns in fp32
+        y = y + (g - 1) * base + g * ((x_lora @ a.t() @ b.t()) * self.scale)
+        return y if self.bias is None else y + self.bias
+
     def extra_repr(self):
         quant = ", nf4" if self.nf4 is not None else ""
-        return f"in={self.in_features}, out={self.out_features}, r={self.r}, scale={self.scale:g}{quant}"
+        dora = ", dora" if self.dora else ""
+        return f"in={self.in_features}, out={self.out_features}, r={self.r}, scale={self.scale:g}{dora}{quant}"
 
 
 @contextlib.contextmanager
@@ -203,7 +259,7 @@ def make_linear(in_features, out_features, bias, name, lora: LoRAConfig | None):
 
 def is_lora_param(name: str) -> bool:
     """Whether parameter `name` (as model.named_parameters() spells it) is a LoRA weight."""
-    return name.endswith((".lora_A", ".lora_B"))
+    return name.endswith((".lora_A", ".lora_B", ".lora_magnitude_vector"))
 
 
 def lora_parameters(model):
@@ -221,13 +277,16 @@ def init_lora_(a, b, generator=None):
 
 
 def merged_weight(linear: LoRALinear, dtype=None):
-    """W + s·B·A, summed in fp32 (an NF4 W is dequantized first), returned in `dtype` (default: W's)."""
+    """W + s·B·A, summed in fp32 (an NF4 W is dequantized first), returned in `dtype` (default: W's). With DoRA,
+    each row of it scaled to its magnitude: (m / ‖W + s·B·A‖) ⊙ (W + s·B·A)."""
     w = linear.base_weight()
     dtype = dtype or w.dtype
     if not linear.r:
         return w.to(dtype)
-    delta = linear.scale * (linear.lora_B.float() @ linear.lora_A.float())  # (out, in)
-    return (w.float() + delta).to(dtype)
+    merged = w.float() + linear.scale * (linear.lora_B.float() @ linear.lora_A.float())  # (out, in)
+    if linear.dora:
+        merged *= (linear.lora_magnitude_vector.float() / torch.linalg.vector_norm(merged, dim=1))[:, None]
+    return merged.to(dtype)
 
 
 def quantization(model) -> str | None:
@@ -236,8 +295,10 @@ def quantization(model) -> str | None:
 
 
 def fusable(projs):
-    """The fused Functions return no gradient for W and b: use them only while those are frozen."""
-    return not any(t is not None and t.requires_grad for p in projs for t in (p.weight, p.bias))
+    """The fused Functions return no gradient for W and b: use them only while those are frozen. They carry DoRA
+    without dropout; DoRA with dropout runs on the unfused path."""
+    return not any(t is not None and t.requires_grad for p in projs for t in (p.weight, p.bias)) and \
+        not any(p.dora and p.r and p.dropout_p > 0 for p in projs)
 
 
 # ----------------------------------------------------------------------------- gated activation
@@ -385,20 +446,63 @@ def _base_weights(projs, dtype):
     return w.to(dtype)
 
 
-def _base(projs, x, dtype, transposed=False):
+def _base(projs, x, dtype, transposed=False, bias=True):
     """X [W_1; W_2; ...]ᵀ + [b_1 | b_2 | ...], the projections' outputs side by side (N, Σout) in `dtype`, as one
     GEMM. transposed: computed as the contiguous (Σout, N) product [W_1; W_2; ...] Xᵀ and returned transposed, so
     that each projection's output, transposed back, is contiguous (the MLP's G and U, for the elementwise
     kernels). One row (a decoding step) is computed plainly: its plain product already has that layout, and
     its transposed one would carry the row stride 1, which cuBLAS takes as the leading dimension of the
     column slices that the adapters add into, and refuses. A dequantized, concatenated or cast weight is
-    freed on return."""
+    freed on return. bias=False: without the biases (DoRA adds them after its scaling, `_dora_output`)."""
     assert len({p.bias is None for p in projs}) == 1, "fused LoRA: projections of one input all have a bias or none"
     w = _base_weights(projs, dtype)
-    b = None if projs[0].bias is None else _packed([p.bias for p in projs]).to(dtype)
+    b = _bias(projs, dtype) if bias else None
     if not transposed or len(x) == 1:
         return F.linear(x, w, b)
     return (torch.mm(w, x.t()) if b is None else torch.addmm(b[:, None], w, x.t())).t()
+
+
+def _bias(projs, dtype):
+    """[b_1 | b_2 | ...] (Σout,) in `dtype`, or None when the projections have no bias."""
+    return None if projs[0].bias is None else _packed([p.bias for p in projs]).to(dtype)
+
+
+def _dora_scales(projs, mags, dtype):
+    """DoRA's g = m / ‖W + s·B·A‖ for the projections side by side (Σout,) in `dtype`, and the norms (Σout,) in fp32
+    (both 1 for a projection without DoRA); None when none of them has DoRA. The norms are constants in backward."""
+    present = [m for m in mags if m is not None]
+    if not present:
+        return None
+    gs, norms = [], []
+    for p, m in zip(projs, mags):
+        if m is None:
+            gs.append(torch.ones(p.out_features, device=present[0].device))
+            norms.append(gs[-1])
+        else:
+            norms.append(p.weight_norm(p.base_weight()))
+            gs.append(m.detach() / norms[-1])
+    return torch.cat(gs).to(dtype), torch.cat(norms)
+
+
+def _dora_output(pre, g, b, transposed=False):
+    """Y = g ⊙ P + b (columns scaled), a new tensor, from DoRA's P = X Wᵀ + s (X Aᵀ) Bᵀ (N, Σout). transposed: P is
+    stored as the contiguous (Σout, N), and Y is returned in that layout too (the MLP's [G | U])."""
+    if transposed:
+        y = pre.t() * g[:, None]
+        return (y if b is None else y.add_(b[:, None])).t()
+    y = pre * g
+    return y if b is None else y.add_(b)
+
+
+def _dora_backward(projs, m_dtypes, dy, pre, g, norms, need_m, dms):
+    """DoRA's part of backward, from dY (N, Σout) of Y = g ⊙ P + b: each magnitude's gradient Σ_n dY ⊙ P / ‖W + s·B·A‖
+    (in its master's dtype, m_dtypes[i], into dms[i] where need_m[i]), and dP = g ⊙ dY, returned: what the base
+    and the adapters backpropagate."""
+    dm = (dy * pre).sum(0, dtype=torch.float32) / norms  # (Σout,)
+    for i, (dtype, cols) in enumerate(zip(m_dtypes, _spans(projs))):
+        if dtype is not None and need_m[i]:
+            dms[i] = dm[cols].to(dtype)
+    return dy * g
 
 
 def _base_backward(projs, dy, transposed=False):
@@ -526,25 +630,33 @@ class _LoRAProjections(torch.autograd.Function):
     """[Y_1 | Y_2 | ...] (N, Σout), Y_i = X W_iᵀ + b_i + s_i (X̃_i A_iᵀ) B_iᵀ, for projections i that share the
     input X [N, in].
 
-    Inputs after X: (X̃_i, A_i, B_i) per projection. A_i, B_i are None without an adapter;
-    X̃_i is None unless that adapter's dropout is on (the adapter then reads X).
+    Inputs after X: (X̃_i, A_i, B_i) per projection, then m_i per projection. A_i, B_i are None without an
+    adapter; X̃_i is None unless that adapter's dropout is on (the adapter then reads X); m_i, DoRA's magnitude,
+    is None without DoRA. With DoRA (no dropout), Y_i = g_i ⊙ P_i + b_i, P_i = X W_iᵀ + s_i (X A_iᵀ) B_iᵀ, and
+    backward starts with dm_i = Σ_n dY_i ⊙ P_i / ‖W_i + s_i B_i A_i‖ and dP_i = g_i ⊙ dY_i (`_dora_backward`).
     """
 
     @staticmethod
-    def forward(ctx, projs, x, *lora):
-        dtype = compute_dtype(x)
-        names = ["x"] + [f"{n} of {p.name}" for p in projs for n in ("dropout(x)", "lora_A", "lora_B")]
-        _check_inputs(ctx, names, (x, *lora), x)
+    def forward(ctx, projs, x, *inputs):
+        dtype, n = compute_dtype(x), len(projs)
+        lora, mags = inputs[:3 * n], inputs[3 * n:]
+        names = ["x"] + [f"{n} of {p.name}" for p in projs for n in ("dropout(x)", "lora_A", "lora_B")] + [
+            f"lora_magnitude_vector of {p.name}" for p in projs]
+        _check_inputs(ctx, names, (x, *inputs), x)
         a_masters, b_masters = lora[1::3], lora[2::3]
         with torch.autocast(x.device.type, enabled=False):
             xc = x.to(dtype)
             x_loras = [_to(t, dtype) for t in lora[0::3]]
-            y = _base(projs, xc, dtype)
+            dora = _dora_scales(projs, mags, dtype)  # (g, norms), or None
+            y = _base(projs, xc, dtype, bias=dora is None)
             groups = _adapter_groups(projs, x_loras)
             saved = _adapt_groups(y, projs, groups, x_loras, xc, a_masters, b_masters, dtype)
+            if dora is not None:
+                saved += [y, *dora]  # P, g, norms
+                y = _dora_output(y, dora[0], _bias(projs, dtype))
         _expect(y, dtype, "output of " + "/".join(p.name for p in projs))
         ctx.save_for_backward(xc, *x_loras, *saved)
-        ctx.projs, ctx.groups = projs, groups
+        ctx.projs, ctx.groups, ctx.dora = projs, groups, dora is not None
         return y
 
     @staticmethod
@@ -552,17 +664,21 @@ class _LoRAProjections(torch.autograd.Function):
         projs, n = ctx.projs, len(ctx.projs)
         xc, *saved = ctx.saved_tensors
         x_loras, saved = saved[:n], saved[n:]
-        need = ctx.needs_input_grad[1:]  # x, then (X̃_i, A_i, B_i) per projection
-        masters = ctx.dtypes[2::3]  # lora_A's dtype per projection (lora_B's is asserted equal by _check_grads)
-        da, db = [None] * n, [None] * n
+        need = ctx.needs_input_grad[1:]  # x, then (X̃_i, A_i, B_i) per projection, then m_i per projection
+        need_lora, need_m = need[:3 * n + 1], need[3 * n + 1:]
+        masters = ctx.dtypes[2:3 * n:3]  # lora_A's dtype per projection (lora_B's is asserted equal by _check_grads)
+        da, db, dm = [None] * n, [None] * n, [None] * n
         _expect(dy, xc.dtype, "gradient of the " + "/".join(p.name for p in projs) + " output")
         with torch.autocast(xc.device.type, enabled=False):
+            if ctx.dora:
+                *saved, pre, g, norms = saved
+                dy = _dora_backward(projs, ctx.dtypes[3 * n + 1:], dy, pre, g, norms, need_m, dm)
             dx = _base_backward(projs, dy) if need[0] else None
-            dx_loras = _adapt_groups_backward(projs, ctx.groups, saved, dy, x_loras, xc, dx, need[1::3], need[2::3],
-                                              need[3::3], masters, da, db)
+            dx_loras = _adapt_groups_backward(projs, ctx.groups, saved, dy, x_loras, xc, dx, need_lora[1::3],
+                                              need_lora[2::3], need_lora[3::3], masters, da, db)
         x_dtype = ctx.dtypes[0]  # X's, and every X̃_i's (asserted in forward)
         grads = [t for i in range(n) for t in (_to(dx_loras[i], x_dtype), da[i], db[i])]
-        return (None, *_check_grads(ctx, [_to(dx, x_dtype)] + grads))
+        return (None, *_check_grads(ctx, [_to(dx, x_dtype)] + grads + dm))
 
 
 def _halves(gu):
@@ -580,39 +696,54 @@ class _LoRAMLP(torch.autograd.Function):
     layer, whose output nothing reads. Gate and up run as one projection (`_base`) whose
     output [G | U] is stored transposed, so that Gᵀ and Uᵀ are contiguous for the elementwise
     kernels; H and dH are handled transposed likewise, which the GEMMs take at no cost.
+
+    Last inputs: m of gate, up and down (None without DoRA). With DoRA on gate/up, what is saved is their P
+    = [G | U] before DoRA's scaling, and backward scales it again; with DoRA on down, its P (N, H) is saved,
+    and computed also when output=False (see `_LoRAProjections` for DoRA's backward).
     """
 
     @staticmethod
-    def forward(ctx, projs, glu, output, x, x_gate, x_up, *ab):
+    def forward(ctx, projs, glu, output, x, x_gate, x_up, *inputs):
         gate, up, down = projs
         dtype = compute_dtype(x)
+        ab, mags = inputs[:6], inputs[6:]
         names = ["x", "dropout(x) of gate_proj", "dropout(x) of up_proj"] + [
-            f"{n} of {p.name}" for p in projs for n in ("lora_A", "lora_B")]
-        _check_inputs(ctx, names, (x, x_gate, x_up, *ab), x)
+            f"{n} of {p.name}" for p in projs for n in ("lora_A", "lora_B")] + [
+            f"lora_magnitude_vector of {p.name}" for p in projs]
+        _check_inputs(ctx, names, (x, x_gate, x_up, *inputs), x)
         a_masters, b_masters = ab[0::2], ab[1::2]  # of gate, up, down
         p_drop = down.dropout_p if down.r and down.training else 0.0
         with torch.autocast(x.device.type, enabled=False):
             xc = x.to(dtype)
             x_loras = [_to(x_gate, dtype), _to(x_up, dtype)]
-            gu = _base(projs[:2], xc, dtype, transposed=True)  # [G | U] (N, 2I)
+            dora_gu, dora_d = _dora_scales(projs[:2], mags[:2], dtype), _dora_scales(projs[2:], mags[2:], dtype)
+            gu = _base(projs[:2], xc, dtype, transposed=True, bias=dora_gu is None)  # [G | U] (N, 2I)
             groups = _adapter_groups(projs[:2], x_loras)
             saved = _adapt_groups(gu, projs[:2], groups, x_loras, xc, a_masters, b_masters, dtype)
+            pre_gu = gu  # what is saved: [G | U], or DoRA's P before its scaling
+            if dora_gu is not None:
+                gu = _dora_output(pre_gu, dora_gu[0], _bias(projs[:2], dtype), transposed=True)
             h = glu.forward(*_halves(gu)).t()  # (N, I)
             keep, h_lora = None, None
             if p_drop > 0:
                 mask = F.dropout(h.new_ones(h.shape), p_drop)  # 0 or 1/(1-p), drawn as F.dropout(h) draws
                 keep, h_lora = mask != 0, h * mask
                 del mask
-            y = _base((down,), h, dtype) if output else None
+            y = _base((down,), h, dtype, bias=dora_d is None) if output or dora_d is not None else None
             if down.r:
                 saved += _adapt(y, (down,), [0], h if h_lora is None else h_lora, a_masters[2:], b_masters[2:], dtype)
+            dora = [*dora_gu] if dora_gu is not None else []  # g, norms of gate/up; then P, g, norms of down
+            if dora_d is not None:
+                dora += [y, *dora_d]
+                y = _dora_output(y, dora_d[0], _bias((down,), dtype)) if output else None
             if y is None:
                 y = xc.new_zeros(xc.shape[0], down.out_features)
-            del h, h_lora
-        for t, name in ((gu, "gate/up"), (y, "output")):
+            del h, h_lora, gu
+        for t, name in ((pre_gu, "gate/up"), (y, "output")):
             _expect(t, dtype, f"MLP {name}")
-        ctx.save_for_backward(xc, *x_loras, gu, keep, *saved)
+        ctx.save_for_backward(xc, *x_loras, pre_gu, keep, *dora, *saved)
         ctx.projs, ctx.glu, ctx.p_drop, ctx.groups = projs, glu, p_drop, groups
+        ctx.dora_gu, ctx.dora_d = dora_gu is not None, dora_d is not None
         return y
 
     @staticmethod
@@ -626,13 +757,22 @@ class _LoRAMLP(torch.autograd.Function):
                                    "Build the model with fused_lora=False to backpropagate twice")
             ctx.consumed = True
         xc, x_gate, x_up, gu, keep, *saved = ctx.saved_tensors
+        dora_gu, saved = (saved[:2], saved[2:]) if ctx.dora_gu else (None, saved)  # g, norms
+        dora_d, saved = (saved[:3], saved[3:]) if ctx.dora_d else (None, saved)  # P, g, norms
         x_loras, projs, down = [x_gate, x_up], ctx.projs, ctx.projs[2]
-        need = ctx.needs_input_grad[3:]  # x, X̃_gate, X̃_up, A_g, B_g, A_u, B_u, A_d, B_d
-        need_a, need_b = need[3::2], need[4::2]  # of gate, up, down
-        masters = ctx.dtypes[3::2]  # lora_A's dtype of gate, up, down
-        da, db = [None] * 3, [None] * 3
+        need = ctx.needs_input_grad[3:]  # x, X̃_gate, X̃_up, A_g, B_g, A_u, B_u, A_d, B_d, m_g, m_u, m_d
+        need_a, need_b, need_m = need[3:9:2], need[4:9:2], need[9:]  # of gate, up, down
+        masters, m_dtypes = ctx.dtypes[3:9:2], ctx.dtypes[9:]  # lora_A's and m's dtypes of gate, up, down
+        da, db, dm = [None] * 3, [None] * 3, [None] * 3
         _expect(dy, xc.dtype, "gradient of the MLP output")
         with torch.autocast(xc.device.type, enabled=False):
+            pre_gu = gu
+            if dora_gu is not None:  # [G | U] again from the saved P: a new tensor, which the kernels may overwrite
+                gu = _dora_output(pre_gu, dora_gu[0], _bias(projs[:2], xc.dtype), transposed=True)
+            if dora_d is not None:
+                dm_d = [None]
+                dy = _dora_backward((down,), m_dtypes[2:], dy, *dora_d, need_m[2:], dm_d)
+                dm[2] = dm_d[0]
             g, u = _halves(gu)
             h = ctx.glu.forward(g, u).t()  # (N, I), recomputed: never saved
             dh = _base_backward((down,), dy, transposed=True)  # (N, I), stored as (I, N) like Gᵀ and Uᵀ
@@ -649,12 +789,20 @@ class _LoRAMLP(torch.autograd.Function):
             dg, du = ctx.glu.backward(dh.t(), g, u)  # with the kernels: written over Gᵀ and Uᵀ, i.e. into gu
             del dh
             dgu = gu if ctx.glu.inplace else torch.cat([dg, du]).t()  # [dG | dU] (N, 2I)
+            del gu, dg, du
+            if dora_gu is not None:
+                dgu = _dora_backward(projs[:2], m_dtypes[:2], dgu, pre_gu, *dora_gu, need_m[:2], dm)
             dx = _base_backward(projs[:2], dgu) if need[0] else None
             dx_loras = _adapt_groups_backward(projs[:2], ctx.groups, saved, dgu, x_loras, xc, dx, need[1:3], need_a,
                                               need_b, masters, da, db)
         x_dtype = ctx.dtypes[0]  # X's, and X̃_gate's and X̃_up's (asserted in forward)
         dxs = [_to(t, x_dtype) for t in (dx, *dx_loras)]
-        return (None, None, None, *_check_grads(ctx, dxs + [da[0], db[0], da[1], db[1], da[2], db[2]]))
+        return (None, None, None, *_check_grads(ctx, dxs + [da[0], db[0], da[1], db[1], da[2], db[2]] + dm))
+
+
+def _magnitudes(projs):
+    """Each projection's DoRA magnitude, None where it has no DoRA adapter (or its adapters are off)."""
+    return [p.lora_magnitude_vector if p.dora and p.r else None for p in projs]
 
 
 def lora_projections(x, projs):
@@ -663,7 +811,7 @@ def lora_projections(x, projs):
     (..., Σout) tensor."""
     x2 = x.reshape(-1, x.shape[-1])  # (N, in)
     lora = [t for p in projs for t in (p.lora_input(x2), p.lora_A, p.lora_B)]
-    y = _LoRAProjections.apply(projs, x2, *lora)
+    y = _LoRAProjections.apply(projs, x2, *lora, *_magnitudes(projs))
     y = y.view(*x.shape[:-1], y.shape[-1])
     return (y,) if len(projs) == 1 else y.split([p.out_features for p in projs], dim=-1)
 
@@ -674,5 +822,5 @@ def lora_mlp(x, projs, glu: GLU, output=True):
     gate, up, down = projs
     x2 = x.reshape(-1, x.shape[-1])  # (N, H)
     y = _LoRAMLP.apply(projs, glu, output, x2, gate.lora_input(x2), up.lora_input(x2),
-                       gate.lora_A, gate.lora_B, up.lora_A, up.lora_B, down.lora_A, down.lora_B)
+                       gate.lora_A, gate.lora_B, up.lora_A, up.lora_B, down.lora_A, down.lora_B, *_magnitudes(projs))
     return y.view(*x.shape[:-1], y.shape[-1])

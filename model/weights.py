@@ -12,6 +12,7 @@ import torch
 import torch.nn as nn
 
 from model.lora import LoRALinear, init_lora_, is_lora_param
+from model.variants import init_adapter_
 
 QUANTIZE_CHOICES = (None, "nf4")
 
@@ -75,9 +76,10 @@ def check_complete(expected, seen, where):
 
 
 def finish_model(model, cfg, device, lora_seed, train=None):
-    """Tie embeddings, create the fp32 LoRA weights on `device`, freeze the base (but for the base weights whose
-    names the predicate `train` holds for: full fine-tuning, full.py), and pack the base weights of projections
-    that share an input where they stay frozen (`Transformer.pack_weights_`)."""
+    """Tie embeddings, create the fp32 LoRA weights on `device` (the init of each adapter: `init_adapter_`, which
+    may move its base weight), freeze the base (but for the base weights whose names the predicate `train` holds
+    for: full fine-tuning, full.py), and pack the base weights of projections that share an input where they stay
+    frozen (`Transformer.pack_weights_`)."""
     if cfg.tie_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     gen = torch.Generator().manual_seed(lora_seed)
@@ -87,6 +89,9 @@ def finish_model(model, cfg, device, lora_seed, train=None):
             a, b = (torch.empty(p.shape, dtype=torch.float32) for p in (m.lora_A, m.lora_B))
             init_lora_(a, b, generator=gen)
             m.lora_A, m.lora_B = nn.Parameter(a.to(device)), nn.Parameter(b.to(device))
+            if m.dora:
+                m.lora_magnitude_vector = nn.Parameter(torch.empty(m.out_features, device=device))
+            init_adapter_(m, generator=gen)
     for n, p in model.named_parameters():
         p.requires_grad_(is_lora_param(n) or (train is not None and train(n)))
     model.pack_weights_()

@@ -161,10 +161,13 @@ def test_adapter_with_wrong_tensors(llama_adapter):
 
 def test_unsupported_adapter_config(llama_adapter, tmp_path):
     folder, adapter = llama_adapter
-    _edit_config(adapter, use_dora=True)
-    with pytest.raises(ValueError, match="use_dora=True is a PEFT option nanotune does not implement"):
+    _edit_config(adapter, fan_in_fan_out=True)
+    with pytest.raises(ValueError, match="fan_in_fan_out=True is a PEFT option nanotune does not implement"):
         read_adapter_config(adapter)
-    _edit_config(adapter, use_dora=False, target_modules="all-linear")
+    _edit_config(adapter, fan_in_fan_out=False, init_lora_weights="pissa_niter_4")
+    with pytest.raises(ValueError, match="init_lora_weights='pissa_niter_4'.*path_initial_model_for_weight_conversion"):
+        read_adapter_config(adapter)
+    _edit_config(adapter, init_lora_weights=True, target_modules="all-linear")
     with pytest.raises(ValueError, match="target_modules='all-linear'"):
         read_adapter_config(adapter)
     with pytest.raises(FileNotFoundError, match="no adapter_config.json"):

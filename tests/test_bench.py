@@ -79,6 +79,19 @@ def test_bench_step_opts_become_keyword_arguments():
         "use_kernels": False, "fused_lora": True}
 
 
+def test_nanotune_step_with_dora_trains_the_magnitudes(tmp_path):
+    """--step-opts dora=true times a DoRA step: the magnitudes are among the weights the step trains."""
+    from tests.tiny_models import save_tiny
+    save_tiny("llama", str(tmp_path))
+    assert bench.parse_args(["--step-opts", "dora=true"]).step_opts == {"dora": True}
+    step = harness.nanotune_step(str(tmp_path), "cpu", dora=True)
+    magnitudes = [p for n, p in step.model.named_parameters() if n.endswith("lora_magnitude_vector")]
+    assert len(magnitudes) == 7 * step.model.config.n_layers
+    before = [m.detach().clone() for m in magnitudes]
+    step(harness.fixed_batch(step.vocab_size, 2, 9, "cpu"))
+    assert all(not torch.equal(m, b) for m, b in zip(magnitudes, before))
+
+
 def test_peers_table_puts_peer_rows_beside_nanotune(tmp_path):
     def peer(**kw):
         return {"config": "D", "name": "SmolLM2-135M", "ckpt": True, "batch": 8, "status": "ok", "attn": "sdpa",

@@ -12,7 +12,7 @@ import full
 import memory
 import train
 from checkpoint import trained_weights
-from masters import Masters
+from masters import Masters, param_groups
 from model import load_model, read_config
 from model.weights import trainable_parameters
 from tests.helpers import assert_close, read_metrics, refused
@@ -226,6 +226,6 @@ def test_checkpoint_names_the_masters(run_model):
     """trained_weights pairs the optimizer's tensors (the fp32 masters) with the model's parameter names."""
     model, mcfg = load_model(run_model, dtype=torch.bfloat16, train=full.train_filter("norm", read_config(run_model)))
     masters = Masters(trainable_parameters(model))
-    optimizer = torch.optim.AdamW(masters.params)
+    optimizer = torch.optim.AdamW(param_groups(masters.named(), 0.0))
     named = trained_weights(model, optimizer)
     assert [n for n, _ in named] == masters.names and all(t.dtype == torch.float32 for _, t in named)

@@ -35,6 +35,7 @@ import runlog
 import statefiles
 import step
 import train
+from masters import param_groups
 from model import LoRAConfig, load_model, read_config
 from model.lora import lora_parameters
 from tests.helpers import builtin_jsonl, read_metrics, refused, signal_after_line, untimed
@@ -591,7 +592,7 @@ def test_nan_weights_are_never_saved(run_model, dataset, tmp_path, capsys, monke
 def test_nonfinite_optimizer_state_is_found(run_model):
     model, _ = load_model(run_model, lora=LoRAConfig(r=2))
     params = dict(lora_parameters(model))
-    optimizer = torch.optim.AdamW(params.values())
+    optimizer = torch.optim.AdamW(param_groups(list(params.items()), 0.0))
     for p in params.values():
         p.grad = torch.ones_like(p)
     optimizer.step()

@@ -59,7 +59,8 @@ recomputation: MFU counts useful work only, so checkpointing lowers it.
 
 Cases. `nanotune`: harness.nanotune_step (`load_model(..., use_kernels=True)`),
 checkpointing off / on / on+offload (layer inputs kept in pinned CPU memory); --step-opts
-passes keyword arguments to it. `nanotune-unfused` (not run unless named in --cases): the
+passes keyword arguments to it (dora=true: DoRA adapters, PEFT's in the hf and liger cases).
+`nanotune-unfused` (not run unless named in --cases): the
 same with `fused_lora=False`, LoRA in plain autograd. `hf`: transformers + PEFT with SDPA
 attention; for models with an attention softcap (Gemma 2) also eager attention: the
 transformers versions that accept SDPA for Gemma 2 silently drop the softcap (that row then
@@ -248,8 +249,8 @@ class Skip(Exception):
     """A case that cannot run here (not an error of the code under test)."""
 
 
-def hf_step(case, folder, attn, ckpt, device) -> harness.Step:
-    """transformers + PEFT (case "hf"), with Liger Kernel's patches first (case "liger")."""
+def hf_step(case, folder, attn, ckpt, device, dora=False) -> harness.Step:
+    """transformers + PEFT (case "hf"), with Liger Kernel's patches first (case "liger"); dora: PEFT's DoRA."""
     import torch
     import transformers
     from peft import LoraConfig, get_peft_model
@@ -271,7 +272,7 @@ def hf_step(case, folder, attn, ckpt, device) -> harness.Step:
     model.config.use_cache = False
     if ckpt == "on":
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    model = get_peft_model(model, LoraConfig(r=LORA_R, lora_alpha=LORA_ALPHA, lora_dropout=0.0,
+    model = get_peft_model(model, LoraConfig(r=LORA_R, lora_alpha=LORA_ALPHA, lora_dropout=0.0, use_dora=dora,
                                              target_modules=TARGETS, task_type="CAUSAL_LM"))
     model.train()
 
@@ -291,7 +292,7 @@ def build(case, folder, attn, ckpt, device, step_opts) -> harness.Step:
     if case in ("nanotune", "nanotune-unfused"):
         unfused = {"fused_lora": False} if case == "nanotune-unfused" else {}  # the plain-autograd LoRA reference
         return harness.nanotune_step(folder, device, ckpt, **{**step_opts, **unfused})
-    return hf_step(case, folder, attn, ckpt, device)
+    return hf_step(case, folder, attn, ckpt, device, dora=step_opts.get("dora", False))  # the same adapters
 
 
 def run_case(args) -> dict:
