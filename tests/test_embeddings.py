@@ -10,9 +10,10 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 
 import train
+from masters import param_groups
 from model import LoRAConfig, load_model, load_tokenizer
 from model.adapters import load_with_adapter, merge_and_save, save_adapter
-from model.embeddings import EMBEDDINGS, add_tokens, param_groups, parse_tokens, train_embeddings_
+from model.embeddings import EMBEDDINGS, add_tokens, parse_tokens, train_embeddings_
 from model.weights import trainable_parameters
 from tests.helpers import assert_close, randomize_lora_b, read_metrics, refused, rel_err
 from tests.test_train import cfg_for
