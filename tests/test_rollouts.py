@@ -3,6 +3,8 @@
 import pytest
 import torch
 
+from data.batches import IGNORE_INDEX
+from data.rollouts import Rollout, collate
 from model import LoRAConfig, load_model
 from model.generate import generate, sample_groups, sample_tokens
 from tests.helpers import assert_close, randomize_lora_b
@@ -84,6 +86,50 @@ def test_top_k_and_top_p_cut_the_distribution():
         assert_close(logps, torch.log_softmax(logits / 2.0, -1)[[0, 1], [1, 3]], atol=1e-6, rtol=1e-6)
     draws = {tuple(sample_tokens(logits, 1.0, top_k=2, generator=g)[0].tolist()) for _ in range(40)}
     assert {t[0] for t in draws} == {1, 2} and {t[1] for t in draws} <= {3, 0}
+
+
+def training_logps(model, batch):
+    """The training forward's log-prob of each target token (B, T), from the fused head, 0 where none."""
+    with torch.no_grad():
+        losses = model(batch["input_ids"], batch["position_ids"], batch["doc_ids"], targets=batch["targets"],
+                       reduction="none")
+    return -losses.view(batch["targets"].shape)
+
+
+def sampled_rollouts(model, G=3, max_new_tokens=9, seed=0):
+    out, logps = sample_groups(model, PROMPTS, G, max_new_tokens, temperature=1.0,
+                               generator=torch.Generator().manual_seed(seed))
+    return [Rollout(PROMPTS[i // G], c, advantage=i - 4.0, old_logps=lp)
+            for i, (c, lp) in enumerate(zip(out, logps, strict=True))]
+
+
+@pytest.mark.parametrize("packing", [True, False], ids=["packed", "padded"])
+def test_collated_logps_equal_the_training_forward(tiny, packing):
+    """The sampler's log-probs, placed by the collation at the target positions, equal the training forward's over
+    the collated batch (packed rows with several rollouts each, or padded), in fp32; every completion token and
+    only those are targets, each under its rollout's seq_id, length and advantage."""
+    rollouts = sampled_rollouts(tiny)
+    batches = collate(rollouts, max_len=40, pad_id=0, packing=packing, rows=2)
+    n = 0
+    for batch in batches:
+        is_target = batch["targets"] != IGNORE_INDEX
+        assert_close(batch["old_logps"], training_logps(tiny, batch) * is_target, atol=1e-5, rtol=1e-5,
+                     name="old_logps")
+        N = len(batch["seq_lengths"])
+        assert torch.bincount(batch["seq_ids"][is_target], minlength=N).tolist() == batch["seq_lengths"].tolist()
+        assert batch["seq_lengths"].tolist() == [len(r.completion) for r in rollouts[n:n + N]]
+        assert batch["advantages"].tolist() == [r.advantage for r in rollouts[n:n + N]]
+        assert batch["targets"][is_target].tolist() == sum((r.completion for r in rollouts[n:n + N]), [])
+        assert "ref_logps" not in batch
+        n += N
+    assert n == len(rollouts)
+    if packing:
+        assert max(len(b["seq_lengths"]) for b in batches) > len(batches[0]["input_ids"]), "several per row"
+
+
+def test_collation_refuses_a_rollout_longer_than_max_len():
+    with pytest.raises(ValueError, match="does not fit --max-len 6; raise --max-len or lower --max-new-tokens"):
+        collate([Rollout([1, 2, 3, 4], [5, 6, 7])], max_len=6, pad_id=0)
 
 
 @pytest.mark.gpu
