@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+import grpo
 from data.batches import IGNORE_INDEX
 from data.rollouts import Rollout, collate
 from model import LoRAConfig, load_model
@@ -88,32 +89,31 @@ def test_top_k_and_top_p_cut_the_distribution():
     assert {t[0] for t in draws} == {1, 2} and {t[1] for t in draws} <= {3, 0}
 
 
-def training_logps(model, batch):
-    """The training forward's log-prob of each target token (B, T), from the fused head, 0 where none."""
+def training_logps(model, batch, temperature):
+    """The training forward's log-prob of each target token (B, T) at `temperature` (grpo.token_logps)."""
     with torch.no_grad():
-        losses = model(batch["input_ids"], batch["position_ids"], batch["doc_ids"], targets=batch["targets"],
-                       reduction="none")
-    return -losses.view(batch["targets"].shape)
+        return grpo.token_logps(model, batch, temperature).view(batch["targets"].shape)
 
 
-def sampled_rollouts(model, G=3, max_new_tokens=9, seed=0):
-    out, logps = sample_groups(model, PROMPTS, G, max_new_tokens, temperature=1.0,
+def sampled_rollouts(model, G=3, max_new_tokens=9, seed=0, temperature=1.0):
+    out, logps = sample_groups(model, PROMPTS, G, max_new_tokens, temperature=temperature,
                                generator=torch.Generator().manual_seed(seed))
     return [Rollout(PROMPTS[i // G], c, advantage=i - 4.0, old_logps=lp)
             for i, (c, lp) in enumerate(zip(out, logps, strict=True))]
 
 
 @pytest.mark.parametrize("packing", [True, False], ids=["packed", "padded"])
-def test_collated_logps_equal_the_training_forward(tiny, packing):
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_collated_logps_equal_the_training_forward(tiny, packing, temperature):
     """The sampler's log-probs, placed by the collation at the target positions, equal the training forward's over
     the collated batch (packed rows with several rollouts each, or padded), in fp32; every completion token and
     only those are targets, each under its rollout's seq_id, length and advantage."""
-    rollouts = sampled_rollouts(tiny)
+    rollouts = sampled_rollouts(tiny, temperature=temperature)
     batches = collate(rollouts, max_len=40, pad_id=0, packing=packing, rows=2)
     n = 0
     for batch in batches:
         is_target = batch["targets"] != IGNORE_INDEX
-        assert_close(batch["old_logps"], training_logps(tiny, batch) * is_target, atol=1e-5, rtol=1e-5,
+        assert_close(batch["old_logps"], training_logps(tiny, batch, temperature), atol=1e-5, rtol=1e-5,
                      name="old_logps")
         N = len(batch["seq_lengths"])
         assert torch.bincount(batch["seq_ids"][is_target], minlength=N).tolist() == batch["seq_lengths"].tolist()
@@ -130,6 +130,28 @@ def test_collated_logps_equal_the_training_forward(tiny, packing):
 def test_collation_refuses_a_rollout_longer_than_max_len():
     with pytest.raises(ValueError, match="does not fit --max-len 6; raise --max-len or lower --max-new-tokens"):
         collate([Rollout([1, 2, 3, 4], [5, 6, 7])], max_len=6, pad_id=0)
+
+
+@pytest.mark.parametrize("loss_type", ["dapo", "grpo"])
+def test_packed_and_padded_batches_give_the_same_loss(tiny, loss_type):
+    """GRPOLoss over the packed batches equals its value over the padded ones, and so do the LoRA gradients: the
+    layout changes nothing but the cost (old log-probs shifted so that the ratios are not all 1)."""
+    rollouts = [r._replace(old_logps=[lp + 0.05 * (j % 3) for j, lp in enumerate(r.old_logps)])
+                for r in sampled_rollouts(tiny)]
+    results = []
+    for packing in (True, False):
+        objective = grpo.GRPOLoss(loss_type)
+        batches = collate(rollouts, max_len=40, pad_id=0, packing=packing, rows=2)
+        count = torch.tensor(sum(objective.count(b) for b in batches))
+        tiny.zero_grad()
+        loss = sum(objective(tiny, b, count) for b in batches)
+        loss.backward()
+        grads = torch.cat([p.grad.flatten() for p in tiny.parameters() if p.grad is not None])
+        results.append((loss.detach(), grads, objective.take(count)))
+    tiny.zero_grad()
+    assert_close(results[0][0], results[1][0], atol=1e-6, rtol=1e-5, name="loss")
+    assert_close(results[0][1], results[1][1], atol=1e-6, rtol=1e-4, name="LoRA gradients")
+    assert results[0][2] == pytest.approx(results[1][2])
 
 
 @pytest.mark.gpu
