@@ -2,6 +2,8 @@
 
     rollouts = [Rollout(prompt_ids, completion_ids, advantage, old_logps), ...]
     batches = collate(rollouts, max_len=1024, pad_id=0, rows=8)
+    train, held_out = load_prompts(tokenizer, data="builtin", ...)   # Prompt(question, ids, answer) lists
+    prompts = PromptBatches(train, batch_size=4, seed=0)            # P prompts per step, resumable
 
 A rollout (prompt + completion) is one document, laid out as SFT lays out an example whose completion is its
 answer (data/batches.py): packed rows of max_len tokens with per-document positions (the same packer, `layout`),
@@ -18,7 +20,60 @@ from typing import NamedTuple
 
 import torch
 
-from data.batches import IGNORE_INDEX, layout, pack, pad_batch
+from data.batches import IGNORE_INDEX, Batches, layout, pack, pad_batch
+from data.formats import held_out_prompt, use_chat_template
+from data.sources import _is_builtin, _records, parse_columns
+
+
+class Prompt(NamedTuple):
+    question: str  # the text the answer replies to (the last user turn), as reward functions get it
+    ids: list  # the prompt's token ids, rendered as SFT renders the row, up to where its answer starts
+    answer: str | None  # the row's answer (its completion or last assistant turn): the reference
+
+
+def load_prompts(tokenizer, *, data="builtin", eval_data=None, eval_fraction=0.02, max_examples=None, columns=None,
+                 chat_template=None, system_prompt=None, seed=1337, max_prompt_len=None, log=print, **_):
+    """(train, eval): the Prompts of the rows of `data` (any source SFT reads: prompt/completion, Alpaca or
+    messages rows), held out as data.load_datasets holds them out (`eval_data`, builtin's eval split, or
+    `eval_fraction` of the rows). A row with no prompt before its answer (plain text) is skipped, and so is one
+    whose prompt is longer than max_prompt_len, saying how many. ValueError when no training prompt is left."""
+    from data import _split  # the held-out split of data.load_datasets, which imports this module's package
+    tokenizer = use_chat_template(tokenizer, chat_template)
+    mapping = parse_columns(columns)
+    records = _records(data, mapping, max_examples)
+    eval_records = (_records(eval_data, mapping, None) if eval_data is not None
+                    else _records("builtin:eval", {}, None) if _is_builtin(data) else None)
+    if eval_records is None:
+        train_rows, eval_rows = _split(len(records), eval_fraction, seed)
+        records, eval_records = [records[i] for i in train_rows], [records[i] for i in eval_rows]
+
+    def prompts(rows, what):
+        cases = [held_out_prompt(row, tokenizer, system_prompt) for _, row in rows]
+        out = [Prompt(*c) for c in cases if c is not None and (max_prompt_len is None or len(c[1]) <= max_prompt_len)]
+        if len(out) < len(rows):
+            log(f"data: {len(rows) - len(out)} of {len(rows)} {what} rows have no prompt before their answer or a "
+                f"prompt longer than {max_prompt_len} tokens (--max-len - --max-new-tokens); skipped")
+        return out
+    train = prompts(records, "training")
+    if not train:
+        raise ValueError("no training prompt is left: the rows need a prompt (a prompt/completion, Alpaca or "
+                         "messages row) that fits --max-len with --max-new-tokens")
+    return train, prompts(eval_records, "eval")
+
+
+class PromptBatches(Batches):
+    """The prompts of each step, batch_size at a time, in data.Batches' order: shuffled every epoch by (seed,
+    epoch), resumable from (epoch, index)."""
+
+    def __init__(self, prompts, *, batch_size, seed=0):
+        super().__init__(prompts, batch_size=batch_size, max_len=None, pad_id=None, packing=False, seed=seed)
+
+    def _lay_out(self, prompts, max_len):
+        self.prompts, self.truncated = prompts, 0
+        return len(prompts)
+
+    def _batch(self, rows):
+        return [self.prompts[i] for i in rows]
 
 
 class Rollout(NamedTuple):
