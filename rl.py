@@ -17,6 +17,7 @@ sampled: the checkpoint holds the weights, the optimizer and the prompts' positi
 """
 import signal
 import sys
+from functools import partial
 
 import torch
 from tqdm import tqdm
@@ -120,8 +121,8 @@ def main(cfg) -> int:
         # ----------------------------------------------------------------------------- the loop
         progress = Progress(step, max_steps, log, bar=sys.stdout.isatty())
         train_step = EagerStep(model, device, objective)
-        evaluate = lambda: evaluate_rewards(model, eval_prompts, cfg, tokenizer, stops, pad_id,  # noqa: E731
-                                            reward_fns, weights, log)
+        evaluate = partial(evaluate_rewards, model, eval_prompts, cfg, tokenizer, stops, pad_id, reward_fns, weights,
+                           log)
         signals.step, signals.stage, start = step, "training", None
         try:
             while step < max_steps:

@@ -88,3 +88,57 @@ def test_bad_reward_is_one_error_line(setup, tmp_path, capsys, reward, match):
     err = capsys.readouterr().err
     assert err.startswith("error: --reward") and err.count("\n") == 1 and match in err, err
     assert not os.path.exists(out)
+
+
+def test_help_lists_the_rl_options_and_not_the_preference_ones(capsys):
+    """rl.py --help has train.py's shared options and the RL group; --method and the other SFT-only options are
+    not options of rl.py."""
+    with pytest.raises(SystemExit):
+        rl.cli(["--help"])
+    text = capsys.readouterr().out
+    for option in ("--model", "--batch-size", "--num-generations", "--loss-type", "--scale-rewards", "--beta",
+                   "--reward-weights", "RL (GRPO)"):
+        assert option in text, option
+    for option in ("--method", "--orpo-lambda", "--sample-every", "--simpo-gamma"):
+        assert option not in text, option
+    with pytest.raises(SystemExit):
+        rl.cli(["--method", "dpo"])
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["--num-generations", "1"], "--num-generations must be at least 2"),
+    (["--loss-type", "ppo"], "--loss-type must be one of dapo, grpo, dr_grpo"),
+    (["--reward-weights", "1,x"], "--reward-weights: not a number"),
+    (["--reward-weights", "1,2"], "--reward-weights has 2 weights for 1 rewards"),
+])
+def test_bad_rl_options_are_one_error_line(setup, tmp_path, capsys, argv, match):
+    out = tmp_path / "run"
+    assert rl.cli(args(setup, out, "--max-steps", "1", *argv)) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1 and match in err, err
+    assert not os.path.exists(out)
+
+
+SMOLLM2 = os.path.join(os.environ.get("NANOTUNE_CACHE", os.path.expanduser("~/.cache/nanotune")), "smollm2",
+                       "SmolLM2-135M-Instruct.Q4_1.gguf")
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not os.path.isfile(SMOLLM2), reason=f"no SmolLM2-135M-Instruct GGUF at {SMOLLM2} (python "
+                    "scripts/fetch_smollm2.py fetches it)")
+def test_smollm2_learns_an_exact_answer_task(tmp_path):
+    """The real SmolLM2-135M-Instruct with LoRA, 16 steps of 4 prompts x G = 4, 8 new tokens, lr 2e-3, β = 0, μ = 1,
+    on one-digit sums ("What is 3 + 4?"), which it answers by restating the sum ("3 + 4 = 7") and so starts out
+    poor at under the exact-answer reward (the first number must be the sum): the mean reward of the last 5 steps
+    is clearly above the first 5's."""
+    gguf = SMOLLM2
+    rows = [{"prompt": f"What is {a} + {b}?", "completion": str(a + b)} for a in range(1, 10) for b in range(1, 10)]
+    data = tmp_path / "sums.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "run"
+    assert rl.cli(["--model", gguf, "--data", str(data), "--out-dir", str(out), "--max-steps", "16",
+                   "--batch-size", "4", "--num-generations", "4", "--max-new-tokens", "8", "--lr", "2e-3",
+                   "--eval-every", "0", "--save-every", "0", "--max-len", "128"]) == 0
+    steps = [r for r in read_metrics(out) if "loss" in r]
+    first, last = (sum(r["reward"] for r in rs) / 5 for rs in (steps[:5], steps[-5:]))
+    assert last > first + 0.15, (first, last)
