@@ -21,6 +21,8 @@ HIDDEN = ("method", "label_smoothing", "simpo_gamma", "orpo_lambda", "num_epochs
 class RLConfig(TrainConfig):
     beta: float | None = field(default=None, metadata={"help": "the weight of the KL to the reference (the base "
                                "model: the adapters off); left out: no KL, and no reference pass"})
+    warmup_steps: int = field(default=0, metadata={"help": "linear warm-up steps before the cosine (RL runs are "
+                              "short, and the first rollouts are the base model's anyway)"})
     num_generations: int = field(default=8, metadata={"help": "G: completions sampled per prompt; a step has "
                                  "--batch-size prompts x G completions"})
     max_new_tokens: int = field(default=64, metadata={"help": "the longest completion, in tokens"})

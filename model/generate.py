@@ -112,9 +112,12 @@ class DecodeGraph:
         self.graph, self.logits, self.failed, self.graphed = None, None, False, graphed
 
     def __call__(self, tokens, slot, positions=None):
-        """Logits (B, V) after tokens (B,) at cache slot `slot`, whose keys and values go into the cache;
-        positions (B,): the tokens' RoPE positions (default: the slot)."""
-        self.token.copy_(tokens.view(-1, 1))
+        """Logits (B, V) after tokens (B,) (or one int, for every row) at cache slot `slot`, whose keys and values
+        go into the cache; positions (B,): the tokens' RoPE positions (default: the slot)."""
+        if isinstance(tokens, int):  # a fill needs no copy from the host
+            self.token.fill_(tokens)
+        else:
+            self.token.copy_(tokens.view(-1, 1))
         self.at.fill_(slot)
         if positions is None:
             self.position.fill_(slot)
@@ -197,7 +200,7 @@ def generate(model, prompt_ids, max_new_tokens=128, temperature=0.0, top_p=1.0, 
         if token in stop_ids:
             break
         if decode is not None:
-            logits = decode(torch.tensor([token], device=ids.device), len(prompt_ids) + len(out) - 1)[0]
+            logits = decode(token, len(prompt_ids) + len(out) - 1)[0]
             continue
         ids = torch.cat([ids, torch.tensor([[token]], device=ids.device)], dim=1)
         logits = model(ids[:, -1:], cache=cache)[0, -1] if use_cache else model(ids)[0, -1]
