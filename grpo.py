@@ -49,10 +49,11 @@ than the sum.
 """
 import torch
 
+from data.batches import IGNORE_INDEX
+
 LOSS_TYPES = ("dapo", "grpo", "dr_grpo")
 IMPORTANCE = ("token", "sequence")
 SCALES = ("group", "none")
-IGNORE_INDEX = -100
 METRICS = ("kl", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean")
 
 
@@ -162,7 +163,7 @@ class GRPOLoss:
             total = (per_sequence(token_loss, seq, n) / lengths.clamp(min=1)).sum()
         else:
             total = token_loss.sum()
-        counts = torch.stack([mask.sum(), torch.tensor(n, device=mask.device)]).float()
+        counts = torch.stack([mask.sum().float(), torch.full((), float(n), device=logps.device)])
         return total, torch.cat([kl_sum[None], clip_sums, counts])  # (6,): see `take`
 
     def clip_counts(self, ratio, advantages):
@@ -181,10 +182,11 @@ class GRPOLoss:
         if sums is None or not count:
             return {}
         kl, low, high, region, tokens, rollouts = reduce(sums).tolist()
-        clip_over = rollouts if self.importance == "sequence" else tokens
-        out = {"kl": kl / max(tokens, 1)} if self.beta > 0 else {}
-        return {**out, "clip_ratio/low_mean": low / max(clip_over, 1), "clip_ratio/high_mean": high / max(clip_over, 1),
-                "clip_ratio/region_mean": region / max(clip_over, 1)}
+        clip_over = max(rollouts if self.importance == "sequence" else tokens, 1)
+        metrics = dict(zip(METRICS, (kl / max(tokens, 1), low / clip_over, high / clip_over, region / clip_over)))
+        if self.beta == 0:
+            del metrics["kl"]
+        return metrics
 
 
 def per_sequence(values, seq, n):

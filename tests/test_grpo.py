@@ -93,7 +93,7 @@ def test_loss_and_gradients_match_a_float64_reference(loss_type, importance, bet
     assert not logps.grad[~mask].any()
     metrics = objective.take(count)
     assert (metrics["clip_ratio/region_mean"] > 0) == clipping
-    assert ("kl" in metrics) == (beta > 0)
+    assert set(metrics) == set(grpo.METRICS[beta == 0:])  # kl only with the KL term
 
 
 def test_group_advantages():
