@@ -21,8 +21,12 @@ of o_i, and every probability taken over logits / temperature (as the sampler's)
     advantage    A_i = (r_i - mean(r)) / (std(r) + 1e-4)   (unbiased std over the group; "none": r_i - mean(r))
     ratio        w_it = π_θ(o_it | q, o_i<t) / π_old(o_it | q, o_i<t)                          ("token")
                  w_it = exp(Σ_t log w_it / |o_i|), one value for all of o_i's tokens            ("sequence", GSPO)
-    token loss   ℓ_it = -min(w_it A_i, clip(w_it, 1 - ε_low, 1 + ε_high) A_i) + β k3_it
+    token loss   ℓ_it = -min(w_it A_i, clip(w_it, 1 - ε_low, 1 + ε_high) A_i) + β w_it k3_it
     KL (k3)      k3_it = exp(log π_ref - log π_θ) - (log π_ref - log π_θ) - 1   (Schulman's unbiased estimator)
+                 The factor w_it (TRL's use_bias_correction_kl, its default; DeepSeek-V3.2) makes the term an
+                 estimate of KL(π_θ || π_ref) from tokens that π_old sampled, unbiased in value and gradient (w
+                 is 1 on policy, but its gradient is not 0); use_bias_correction_kl=False gives the GRPO
+                 paper's β k3_it.
     loss         "dapo"     Σ_i Σ_t ℓ_it / Σ_i |o_i|                   token-level over the whole step
                  "grpo"     (1/N) Σ_i (Σ_t ℓ_it / |o_i|)                 the mean over each sequence, then over them
                  "dr_grpo"  Σ_i Σ_t ℓ_it / (N × max_completion_length)  a constant normalizer
@@ -35,19 +39,21 @@ Training" (no std scaling, the constant normalizer); GSPO, Zheng et al. 2025 (th
 much smaller clip range, about 3e-4 / 4e-4). The conventions (what each loss type divides by, the clip metrics,
 the KL term inside the clipped loss) are those of TRL's GRPOTrainer, which the tests use as an oracle.
 
-Metrics, as TRL names them: kl (β > 0: the mean k3 over the step's completion tokens), clip_ratio/low_mean (the
-share of completion tokens whose ratio is below 1 - ε_low with A < 0: the clipped ones), clip_ratio/high_mean (above
-1 + ε_high with A > 0), clip_ratio/region_mean (either); under "sequence" the clip shares are over rollouts, as in
-TRL. They are step-wide means (TRL averages its micro-batches' means, which equals this when they hold the same
-number of tokens). TRL's entropy and the per-sequence clip_ratio/low_min and /high_max are not computed: the fused
-head gives no entropy, and a min or max over ranks needs a collective other than the sum.
+Metrics, as TRL names them: kl (β > 0: the mean of the KL term, w k3 or k3, over the step's completion tokens),
+clip_ratio/low_mean (the share of completion tokens whose ratio is below 1 - ε_low with A < 0: the clipped ones),
+clip_ratio/high_mean (above 1 + ε_high with A > 0), clip_ratio/region_mean (either); under "sequence" the clip
+shares are over rollouts, as in TRL. They are step-wide means (TRL averages its micro-batches' means, which
+equals this when they hold the same number of tokens). TRL's entropy and the per-sequence clip_ratio/low_min and
+/high_max are not computed: the fused head gives no entropy, and a min or max over ranks needs a collective other
+than the sum.
 """
 import torch
+
+from data.batches import IGNORE_INDEX
 
 LOSS_TYPES = ("dapo", "grpo", "dr_grpo")
 IMPORTANCE = ("token", "sequence")
 SCALES = ("group", "none")
-IGNORE_INDEX = -100
 METRICS = ("kl", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean")
 
 
@@ -81,10 +87,11 @@ class GRPOLoss:
     loss_type: "dapo" (the default, as TRL's), "grpo" or "dr_grpo"; epsilon_low / epsilon_high: the clip range
     (DAPO's clip-higher 0.2 / 0.28); beta: the weight of the KL to the reference (0: none, and no ref_logps);
     importance: "token" or "sequence" (GSPO); max_completion_length: Dr. GRPO's constant (its loss only);
-    temperature: the sampler's, which the log-probs divide the logits by."""
+    temperature: the sampler's, which the log-probs divide the logits by; use_bias_correction_kl: weight the KL
+    term by the ratio w (TRL's default), else the plain k3 of the GRPO paper."""
 
     def __init__(self, loss_type="dapo", *, epsilon_low=0.2, epsilon_high=0.28, beta=0.0, importance="token",
-                 max_completion_length=None, temperature=1.0):
+                 max_completion_length=None, temperature=1.0, use_bias_correction_kl=True):
         if loss_type not in LOSS_TYPES:
             raise ValueError(f"unknown GRPO loss type {loss_type!r}; the loss types are {', '.join(LOSS_TYPES)}")
         if importance not in IMPORTANCE:
@@ -101,6 +108,7 @@ class GRPOLoss:
         self.loss_type, self.importance = loss_type, importance
         self.epsilon_low, self.epsilon_high, self.beta = epsilon_low, epsilon_high, beta
         self.max_completion_length, self.temperature = max_completion_length, temperature
+        self.use_bias_correction_kl = use_bias_correction_kl
         self.sums = None  # the step's metric sums and their denominators, (6,) on the device: see `take`
 
     def count(self, batch):
@@ -128,53 +136,57 @@ class GRPOLoss:
         seq = batch["seq_ids"].reshape(-1)  # (B*T,)
         lengths = batch["seq_lengths"].to(logps.device, torch.float32)  # (N,)
         n = len(lengths)
-        advantages = batch["advantages"].float()[seq]  # (B*T,)
+        seq_advantages = batch["advantages"].to(logps.device, torch.float32)  # (N,)
+        advantages = seq_advantages[seq]  # (B*T,)
         # Where there is no target every term is 0, so exp and the clip see finite values and the gradient there
         # is 0, never NaN (a 0 upstream gradient times exp(inf) would be).
         log_ratio = torch.where(mask, logps - batch["old_logps"].reshape(-1).float(), 0.0)  # (B*T,)
         if self.importance == "sequence":
-            seq_log_ratio = per_sequence(log_ratio, seq, n) / lengths.clamp(min=1)  # (N,)
-            log_ratio = seq_log_ratio[seq]
-        ratio = torch.exp(log_ratio)
+            seq_ratio = torch.exp(per_sequence(log_ratio, seq, n) / lengths.clamp(min=1))  # (N,)
+            ratio = seq_ratio[seq]
+            clip_sums = self.clip_counts(seq_ratio.detach(), seq_advantages).sum(dim=1)  # over the rollouts
+        else:
+            ratio = torch.exp(log_ratio)
+            clip_sums = (self.clip_counts(ratio.detach(), advantages) * mask).sum(dim=1)  # over the tokens
         clipped = ratio.clamp(1 - self.epsilon_low, 1 + self.epsilon_high)
         token_loss = -torch.minimum(ratio * advantages, clipped * advantages)  # (B*T,)
-        kl = None
+        kl_sum = torch.zeros((), device=logps.device)
         if self.beta > 0:
             d = torch.where(mask, batch["ref_logps"].reshape(-1).float() - logps, 0.0)
             kl = torch.exp(d) - d - 1  # (B*T,) k3, 0 where there is no target
+            if self.use_bias_correction_kl:
+                kl = kl * ratio
             token_loss = token_loss + self.beta * kl
+            kl_sum = torch.where(mask, kl.detach(), 0.0).sum()
         token_loss = torch.where(mask, token_loss, 0.0)
         if self.loss_type == "grpo":
             total = (per_sequence(token_loss, seq, n) / lengths.clamp(min=1)).sum()
         else:
             total = token_loss.sum()
-        return total, self.metric_sums(ratio.detach(), advantages, mask, seq, n, None if kl is None else kl.detach())
+        counts = torch.stack([mask.sum().float(), torch.full((), float(n), device=logps.device)])
+        return total, torch.cat([kl_sum[None], clip_sums, counts])  # (6,): see `take`
 
-    def metric_sums(self, ratio, advantages, mask, seq, n, kl):
-        """(6,): Σ k3, Σ low-clipped, Σ high-clipped, Σ either, over the completion tokens (the clip counts over
-        rollouts under "sequence"), then the completion tokens and the rollouts (the means' denominators)."""
+    def clip_counts(self, ratio, advantages):
+        """(3, *ratio.shape) fp32: 1 where the clip is active, as TRL counts it: low (ratio < 1 - ε_low, A < 0),
+        high (ratio > 1 + ε_high, A > 0), and either (the region)."""
         low = (ratio < 1 - self.epsilon_low) & (advantages < 0)
         high = (ratio > 1 + self.epsilon_high) & (advantages > 0)
-        tokens = mask.float()
-        clips = torch.stack([low, high, low | high]).float() * tokens  # (3, B*T)
-        if self.importance == "sequence":  # one value per rollout: read it at any of its tokens
-            clips = torch.zeros(3, n, device=ratio.device).index_reduce_(1, seq, clips, "amax", include_self=True)
-        kl_sum = (kl * tokens).sum() if kl is not None else torch.zeros((), device=ratio.device)
-        return torch.stack([kl_sum, *clips.sum(dim=1), tokens.sum(), torch.tensor(float(n), device=ratio.device)])
+        return torch.stack([low, high, low | high]).float()
 
     def take(self, count, reduce=lambda t: t):
         """{metric: the step's mean}, and the sums start again from 0 for the next step. count: the step's
         normalizer, as passed to __call__ (the metrics are means over their own denominators, so it only tells
         whether the step had anything to count: a loop reads every objective alike, see preference.Objective).
         reduce: sums the metrics over the ranks (distributed.sum_over_ranks)."""
-        sums, self.sums = self.sums, None
+        sums, self.sums = self.sums, None  # Σ kl, Σ clipped low, high, region, completion tokens, rollouts
         if sums is None or not count:
             return {}
         kl, low, high, region, tokens, rollouts = reduce(sums).tolist()
-        clip_over = rollouts if self.importance == "sequence" else tokens
-        out = {"kl": kl / max(tokens, 1)} if self.beta > 0 else {}
-        return {**out, "clip_ratio/low_mean": low / max(clip_over, 1), "clip_ratio/high_mean": high / max(clip_over, 1),
-                "clip_ratio/region_mean": region / max(clip_over, 1)}
+        clip_over = max(rollouts if self.importance == "sequence" else tokens, 1)
+        metrics = dict(zip(METRICS, (kl / max(tokens, 1), low / clip_over, high / clip_over, region / clip_over)))
+        if self.beta == 0:
+            del metrics["kl"]
+        return metrics
 
 
 def per_sequence(values, seq, n):

@@ -103,7 +103,7 @@ def load_reward(spec):
         raise ValueError(f"--reward {spec!r}: {path} has no function {name!r}; it has "
                          f"{', '.join(found) or 'no public function'}")
     if not callable(fn):
-        raise ValueError(f"--reward {spec!r}: {name} in {path} is a {type(fn).__name__}, not a function")
+        raise ValueError(f"--reward {spec!r}: {name} in {path} is of type {type(fn).__name__}, not a function")
     return fn
 
 
