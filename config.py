@@ -326,8 +326,9 @@ def flag(name):
     return "--" + name.replace("_", "-")
 
 
-def config_field(name):
-    return next(f for f in dataclasses.fields(TrainConfig) if f.name == name)
+def config_field(name, cls=None):
+    """The dataclass field `name` of TrainConfig, or of `cls` (rl.py's RLConfig, a subclass)."""
+    return next(f for f in dataclasses.fields(cls or TrainConfig) if f.name == name)
 
 
 def choices_of(name):
@@ -335,9 +336,9 @@ def choices_of(name):
     return config_field(name).metadata["choices"]
 
 
-def value_kinds(name):
+def value_kinds(name, cls=None):
     """(the field's type: bool, int, float or str; whether it may be None)."""
-    f = config_field(name)
+    f = config_field(name, cls)
     kinds = typing.get_args(f.type) or (f.type,)
     return next(k for k in kinds if k is not type(None)), type(None) in kinds
 
@@ -373,21 +374,25 @@ OPTION_GROUPS = {
 }
 
 
-def build_parser(defaults=True):
-    """The command line of TrainConfig, plus --config. defaults=False: the options not given stay out of the
-    parsed namespace, which then holds only what the command line says."""
-    p = argparse.ArgumentParser(description=USAGE, formatter_class=HelpFormatter,
+def build_parser(defaults=True, cls=None, groups=None, usage=USAGE):
+    """The command line of TrainConfig (or of `cls`, with its --help `groups`; a field in no group is not an
+    option there), plus --config. defaults=False: the options not given stay out of the parsed namespace, which
+    then holds only what the command line says."""
+    cls, option_groups = cls or TrainConfig, groups or OPTION_GROUPS
+    p = argparse.ArgumentParser(description=usage, formatter_class=HelpFormatter,
                                 argument_default=None if defaults else argparse.SUPPRESS)
     p.add_argument("--config", metavar="FILE", help="read options from a .yaml or .json file "
                    "(docs/example-config.yaml; a run's train_config.json repeats that run); options on the command "
                    "line override it. "
                    f"{', '.join(map(flag, FOLDER_ACTIONS))} come from the command line only")
     groups = {}  # field name -> its --help group
-    for title, names in OPTION_GROUPS.items():
+    for title, names in option_groups.items():
         group = p.add_argument_group(title)
         groups.update(dict.fromkeys(names, group))
-    for f in dataclasses.fields(TrainConfig):
-        kind, _ = value_kinds(f.name)
+    for f in dataclasses.fields(cls):
+        if f.name not in groups:
+            continue
+        kind, _ = value_kinds(f.name, cls)
         choices = f.metadata.get("choices")
         metavar = "{" + ",".join(choices) + "}" if choices and not f.metadata.get("separator") else None
         default = f.default if defaults else argparse.SUPPRESS
@@ -399,17 +404,19 @@ def build_parser(defaults=True):
     return p
 
 
-def parse_args(argv=None) -> TrainConfig:
-    """The TrainConfig of a command line: --config's file, then the options given on the command line over it.
-    Of --max-steps and --num-epochs, one given on the command line replaces both of the file's."""
-    config = build_parser().parse_args(argv).config  # also --help, and argparse's errors (an unknown flag)
-    given = vars(build_parser(defaults=False).parse_args(argv))  # only what the command line says
+def parse_args(argv=None, cls=None, groups=None, usage=USAGE) -> TrainConfig:
+    """The TrainConfig (or `cls`, with its --help `groups`: see build_parser) of a command line: --config's file,
+    then the options given on the command line over it. Of --max-steps and --num-epochs, one given on the command
+    line replaces both of the file's."""
+    cls = cls or TrainConfig
+    config = build_parser(True, cls, groups, usage).parse_args(argv).config  # also --help, and argparse's errors
+    given = vars(build_parser(False, cls, groups, usage).parse_args(argv))  # only what the command line says
     given.pop("config", None)
-    values = read_config_file(config) if config else {}
+    values = read_config_file(config, cls) if config else {}
     if given.keys() & {"max_steps", "num_epochs"}:
         values.pop("max_steps", None)
         values.pop("num_epochs", None)
-    return TrainConfig(**{**values, **given})
+    return cls(**{**values, **given})
 
 
 # What to do with a run folder that holds a run: asked on the command line each time, never taken from a
@@ -417,7 +424,7 @@ def parse_args(argv=None) -> TrainConfig:
 FOLDER_ACTIONS = ("resume", "resume_anyway", "overwrite")
 
 
-def read_config_file(path):
+def read_config_file(path, cls=None):
     """The options of a .yaml/.yml or .json file, as TrainConfig keyword arguments. Keys are the option names
     with - or _ (max-len, max_len); each value is checked against its option's type. FOLDER_ACTIONS are
     skipped."""
@@ -446,7 +453,7 @@ def read_config_file(path):
         raw = {}
     if not isinstance(raw, dict):
         raise UserError(f"--config {path}: expected option: value pairs at the top level, got a {type(raw).__name__}")
-    names = {f.name for f in dataclasses.fields(TrainConfig)}
+    names = {f.name for f in dataclasses.fields(cls or TrainConfig)}
     values = {}
     for key, value in raw.items():
         name = str(key).replace("-", "_")
@@ -454,14 +461,15 @@ def read_config_file(path):
             raise UserError(f"--config {path}: unknown option {short(key)}; the options are those of train.py --help, "
                             "written max_len or max-len")
         if name not in FOLDER_ACTIONS:
-            values[name] = config_value(name, value, f"--config {path}: {key}")
+            values[name] = config_value(name, value, f"--config {path}: {key}", cls)
     return values
 
 
-def config_value(name, value, where):
-    """`value` (from a config file) as field `name` takes it: bool, int, float or str, or None where the field
-    may be None. A number written as a string ("2e-4", which YAML reads as one) is converted."""
-    kind, optional = value_kinds(name)
+def config_value(name, value, where, cls=None):
+    """`value` (from a config file) as field `name` (of TrainConfig, or `cls`) takes it: bool, int, float or str,
+    or None where the field may be None. A number written as a string ("2e-4", which YAML reads as one) is
+    converted."""
+    kind, optional = value_kinds(name, cls)
     if value is None:
         if optional:
             return None

@@ -40,16 +40,22 @@ def pack(encoded, max_len, *, pad_id):
     """
     encoded, n_truncated = truncate(encoded, max_len)
     piece = max([PAD_PIECE] + [len(ids) for ids, _ in encoded])
-    rows, docs, used = [], [], 0
-    for ids, mask in encoded:
-        if used + len(ids) > max_len:
-            rows.append(_row(docs, max_len, pad_id, piece))
-            docs, used = [], 0
-        docs.append((ids, mask))
-        used += len(ids)
-    if docs:
-        rows.append(_row(docs, max_len, pad_id, piece))
+    rows = [_row([encoded[i] for i in row], max_len, pad_id, piece)
+            for row in layout([len(ids) for ids, _ in encoded], max_len)]
     return _stack(rows, max_len), n_truncated
+
+
+def layout(lengths, max_len):
+    """Which examples `pack` puts in each row: lists of indices, greedily in order, each row's lengths (each at
+    most max_len) summing to at most max_len."""
+    rows, row, used = [], [], 0
+    for i, n in enumerate(lengths):
+        if used + n > max_len:
+            rows.append(row)
+            row, used = [], 0
+        row.append(i)
+        used += n
+    return rows + [row] if row else rows
 
 
 def pad_batch(encoded, *, pad_id, max_len=None):

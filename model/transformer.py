@@ -469,7 +469,7 @@ class Transformer(nn.Module):
         return logits if c is None else c * torch.tanh(logits / c)
 
     def forward(self, input_ids, position_ids=None, doc_ids=None, targets=None, num_targets=None,
-                ignore_index=-100, cache=None, docs=None, reduction="mean"):
+                ignore_index=-100, cache=None, docs=None, reduction="mean", temperature=1.0):
         """Logits (B, T, V) when `targets` is None.
 
         With `targets` (B, T), already shifted (targets[b, t] is the token that position t
@@ -478,13 +478,20 @@ class Transformer(nn.Module):
         "mean" that sum / num_targets (default: the count in this batch), "none" the losses
         (B * T,), 0 where ignored (not with a trainable lm_head: see the kernel).
         cache, docs: see `hidden_states` (generation, model/generate.py; the training step).
+        temperature: the losses are those of the logits divided by it, after the final softcap (as a sampler
+        divides them: RL's log-probs). The kernel scales before it caps, and c·tanh(x/c)/T is the cap c/T of
+        x/T, so it gets scale 1/T and softcap c/T.
         """
         h = self.hidden_states(input_ids, position_ids, doc_ids, cache, docs)
         if targets is None:
             return self.logits(h)
+        c = self.config.final_softcap
+        scale, softcap = None, c
+        if temperature != 1.0:
+            scale, softcap = 1.0 / temperature, None if c is None else c / temperature
         return self.ops.linear_cross_entropy(
-            h.reshape(-1, h.shape[-1]), self.lm_head.weight.to(h.dtype), targets.reshape(-1),
-            ignore_index=ignore_index, softcap=self.config.final_softcap, reduction=reduction, num_targets=num_targets)
+            h.reshape(-1, h.shape[-1]), self.lm_head.weight.to(h.dtype), targets.reshape(-1), ignore_index=ignore_index,
+            softcap=softcap, scale=scale, reduction=reduction, num_targets=num_targets)
 
     def score(self, input_ids, position_ids, doc_ids, targets, ignore_index=-100, chunk_bytes=1 << 28):
         """(token_loss (B, T) fp32, hit (B, T) bool) for evaluation, without B×T×V logits.

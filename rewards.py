@@ -1,0 +1,143 @@
+"""Reward functions for RL with verifiable rewards: the built-in ones, a user's own, and their weighted total.
+
+A reward function is a plain Python function, called positionally with three lists of equal length N (one entry
+per completion: the prompt as the model saw it rendered, the completion's text, the reference answer or None
+where the row has none) and returning N floats, higher for better completions:
+
+    def short_answer(prompts, completions, references):
+        return [1.0 if len(c.split()) <= 3 else 0.0 for c in completions]
+
+Built in:
+    exact_answer   1.0 when the completion's first number equals the reference's first number (as numbers:
+                   "42" == "42.0", thousands separators ignored); when the reference holds no number, when the
+                   whole completion equals the whole reference, trimmed of spaces and of the punctuation around
+                   them and case-folded ("Paris." == "paris"); else 0.0
+    format_reward  1.0 when the completion is the answer alone: a bare number, or a short answer of at most
+                   FORMAT_MAX_WORDS words on one line with no sentence punctuation (. ! ? ; : inside it, a
+                   number's decimal point aside); else 0.0
+`load_reward("path/to/file.py:function")` imports a user's file and returns its function. That runs the code in
+the file, by the user's explicit choice on the command line (--reward), as `python file.py` would: it is the
+user's own program, not data, and never a downloaded checkpoint. `score` calls each function and checks what it
+returns (a list of N finite numbers), so that a broken reward fails on its first call with its name.
+"""
+import importlib.util
+import math
+import numbers
+import os
+import re
+
+import torch
+
+FORMAT_MAX_WORDS = 3
+# A number: a sign, digits with optional thousands separators, an optional decimal part ("-1,234.5", ".5").
+NUMBER = re.compile(r"[-+]?(?:\d{1,3}(?:,\d{3})+(?!\d)|\d+)(?:\.\d+)?|[-+]?\.\d+")
+SENTENCE_PUNCTUATION = re.compile(r"[.!?;:]")
+AROUND = " \t\n\r.,;:!?\"'`()[]"  # trimmed from both ends of a whole answer before comparing
+
+
+def first_number(text):
+    """The first number in text as a float, or None when it holds none."""
+    m = NUMBER.search(text)
+    return None if m is None else float(m.group().replace(",", ""))
+
+
+def exact_answer(prompts, completions, references):
+    """1.0 per completion whose answer equals the reference's (see the module docstring), else 0.0. A reference
+    of None is an error: exact_answer needs data with answers."""
+    out = []
+    for i, (completion, reference) in enumerate(zip(completions, references, strict=True)):
+        if reference is None:
+            raise ValueError(f"exact_answer needs a reference answer for every prompt, and prompt {i} has none: "
+                             "use data whose rows have a completion (or an assistant turn), or give --reward")
+        expected = first_number(reference)
+        if expected is None:
+            out.append(float(completion.strip(AROUND).casefold() == reference.strip(AROUND).casefold()))
+        else:
+            out.append(float(first_number(completion) == expected))
+    return out
+
+
+def format_reward(prompts, completions, references):
+    """1.0 per completion that is the answer alone (see the module docstring), else 0.0."""
+    return [float(is_answer_alone(c)) for c in completions]
+
+
+def is_answer_alone(completion):
+    """A bare number, or at most FORMAT_MAX_WORDS words on one line without sentence punctuation."""
+    text = completion.strip()
+    if not text:
+        return False
+    if NUMBER.fullmatch(text):
+        return True
+    return ("\n" not in text and len(text.split()) <= FORMAT_MAX_WORDS
+            and not SENTENCE_PUNCTUATION.search(NUMBER.sub("0", text)))
+
+
+BUILTIN = {"exact_answer": exact_answer, "format_reward": format_reward}
+
+
+def load_reward(spec):
+    """The function named by "path/to/file.py:function" (imports the file: it runs the user's code, by the user's
+    choice), or a built-in reward by its name alone. A ValueError of one line when the form is wrong, the file is
+    missing, the function is not in it or is not callable."""
+    if spec in BUILTIN:
+        return BUILTIN[spec]
+    path, sep, name = spec.rpartition(":")
+    if not sep or not path or not name:
+        raise ValueError(f"--reward {spec!r}: expected path/to/file.py:function, or a built-in reward "
+                         f"({', '.join(BUILTIN)})")
+    if not os.path.isfile(path):
+        raise ValueError(f"--reward {spec!r}: no file {path!r}; give the path of a Python file, then :function")
+    module_name = "nanotune_reward_" + re.sub(r"\W", "_", os.path.splitext(os.path.basename(path))[0])
+    module_spec = importlib.util.spec_from_file_location(module_name, path)
+    if module_spec is None:
+        raise ValueError(f"--reward {spec!r}: {path!r} cannot be imported as Python; give a .py file")
+    module = importlib.util.module_from_spec(module_spec)
+    try:
+        module_spec.loader.exec_module(module)
+    except Exception as e:  # the user's code: any error it raises is reported as the reward's
+        raise ValueError(f"--reward {spec!r}: importing {path} failed: {type(e).__name__}: {e}") from e
+    fn = getattr(module, name, None)
+    if fn is None:
+        found = sorted(k for k, v in vars(module).items() if callable(v) and not k.startswith("_"))
+        raise ValueError(f"--reward {spec!r}: {path} has no function {name!r}; it has "
+                         f"{', '.join(found) or 'no public function'}")
+    if not callable(fn):
+        raise ValueError(f"--reward {spec!r}: {name} in {path} is of type {type(fn).__name__}, not a function")
+    return fn
+
+
+def reward_name(fn):
+    """The name a reward's metrics use: rewards/<name>/mean."""
+    return getattr(fn, "__name__", type(fn).__name__)
+
+
+def score(reward_fns, weights, prompts, completions, references):
+    """(total, {name: rewards}): each function's rewards (lists of N floats) and their weighted sum (N floats).
+    weights: one per function, or None for 1.0 each. A function that returns something other than N finite
+    numbers is an error naming it."""
+    n = len(completions)
+    if not (len(prompts) == len(references) == n):
+        raise ValueError(f"score needs one prompt, completion and reference per completion; got {len(prompts)}, "
+                         f"{n} and {len(references)}")
+    weights = [1.0] * len(reward_fns) if weights is None else list(weights)
+    if len(weights) != len(reward_fns):
+        raise ValueError(f"--reward-weights has {len(weights)} weights for {len(reward_fns)} reward functions; "
+                         "give one weight per --reward")
+    per_fn, total = {}, torch.zeros(n, dtype=torch.float32)
+    for fn, w in zip(reward_fns, weights):
+        name = reward_name(fn)
+        values = fn(list(prompts), list(completions), list(references))
+        if not isinstance(values, (list, tuple)) or len(values) != n:
+            got = f"{len(values)} values" if isinstance(values, (list, tuple)) else f"a {type(values).__name__}"
+            raise ValueError(f"reward {name} returned {got} for {n} completions; it must return a list of "
+                             f"{n} floats, one per completion")
+        for v in values:
+            if isinstance(v, bool) or not isinstance(v, numbers.Real) or not math.isfinite(v):
+                raise ValueError(f"reward {name} returned {v!r} among its values; it must return finite floats "
+                                 "(not NaN, inf, None or bool)")
+        t = torch.tensor([float(v) for v in values], dtype=torch.float32)
+        key = name if name not in per_fn else f"{name}_{len(per_fn)}"
+        per_fn[key] = t
+        total += w * t
+    return total, per_fn

@@ -1,0 +1,91 @@
+"""What rl.py's loop calls for one GRPO step besides the update: the rollouts and their rewards, the old and
+reference log-probs of the collated batches, the step's console line, and the held-out reward evaluation.
+
+    rollouts, stats = roll_out(model, prompts, cfg, tokenizer, stops, pad_id, reward_fns, weights, generator)
+    old_and_ref_logps(model, batches, objective)      # fills batch["old_logps"] (and "ref_logps" for β > 0)
+    result = evaluate_rewards(model, eval_prompts, cfg, tokenizer, stops, pad_id, reward_fns, weights, log)
+"""
+import torch
+
+import grpo
+import rewards
+from data.rollouts import Rollout
+from evaluation import one_line
+from model.generate import sample_groups
+from model.lora import adapters_disabled
+
+SHOWN = 3  # greedy held-out samples printed at each evaluation
+
+
+def completions(model, prompts, cfg, tokenizer, stops, pad_id, G, generator=None, temperature=None):
+    """(completion ids, their log-probs, their texts) of G samples of each prompt (row p*G + g), the model in eval
+    mode (no LoRA dropout) while it samples. The text leaves out a final stop token."""
+    model.eval()
+    ids, logps = sample_groups(model, [p.ids for p in prompts], G, cfg.max_new_tokens,
+                               cfg.temperature if temperature is None else temperature, cfg.top_p, cfg.top_k,
+                               stop_ids=stops, generator=generator, pad_id=pad_id)
+    model.train()
+    texts = [tokenizer.decode(c[:-1] if c and c[-1] in stops else c) for c in ids]
+    return ids, logps, texts
+
+
+def roll_out(model, prompts, cfg, tokenizer, stops, pad_id, reward_fns, weights, generator):
+    """(the step's rollouts with their advantages, the step's TRL-named reward statistics)."""
+    G = cfg.num_generations
+    ids, _, texts = completions(model, prompts, cfg, tokenizer, stops, pad_id, G, generator)
+    total, per_fn = rewards.score(reward_fns, weights, [p.question for p in prompts for _ in range(G)], texts,
+                                  [p.answer for p in prompts for _ in range(G)])
+    advantages = grpo.group_advantages(total, G, cfg.scale_rewards)
+    groups = total.view(-1, G)
+    stats = {"reward": float(total.mean()), "reward_std": float(total.std()) if len(total) > 1 else 0.0,
+             **{f"rewards/{name}/mean": float(r.mean()) for name, r in per_fn.items()},
+             "frac_reward_zero_std": float((groups.std(dim=1) == 0).float().mean()),
+             "completions/mean_length": sum(map(len, ids)) / len(ids)}
+    rollouts = [Rollout(prompts[i // G].ids, c, float(a)) for i, (c, a) in enumerate(zip(ids, advantages,
+                                                                                          strict=True))]
+    return rollouts, stats
+
+
+@torch.no_grad()
+def old_and_ref_logps(model, batches, objective):
+    """batch["old_logps"]: the current policy's log-probs of the target tokens (the sampling policy's, which every
+    one of the μ updates divides by; under μ = 1 the ratio's value is 1 and its gradient the policy gradient), and
+    batch["ref_logps"] with the adapters off where the loss has a KL term (β > 0)."""
+    for batch in batches:
+        shape = batch["targets"].shape
+        batch["old_logps"] = grpo.token_logps(model, batch, objective.temperature).view(shape)
+        if objective.beta > 0:
+            with adapters_disabled(model):
+                batch["ref_logps"] = grpo.token_logps(model, batch, objective.temperature).view(shape)
+
+
+def log_rl_step(run, progress, rec, max_steps):
+    """The step's console line (or the progress bar's postfix) with the metrics' names, and its metrics.jsonl
+    record."""
+    rec = {**rec, "tokens_per_s": 0.0}  # Progress.show's bar reads it; an RL step's rate is its rollouts'
+    names = ["loss", "reward", "reward_std", "frac_reward_zero_std", "completions/mean_length", "kl"]
+    names += [k for k in rec if k.startswith("rewards/")]
+    line = " | ".join(f"{k} {rec[k]:.4g}" for k in names if k in rec)
+    progress.show(rec, f"step {rec['step']}/{max_steps} | {line} | lr {rec['lr']:.2e}{progress.eta(rec['step'])}")
+    del rec["tokens_per_s"]
+    run.log(rec)
+
+
+def evaluate_rewards(model, prompts, cfg, tokenizer, stops, pad_id, reward_fns, weights, log):
+    """{"eval_reward", "eval_pass@1"}: the mean reward of the greedy answers to the held-out prompts, and the share
+    of them that exact_answer counts right (where every prompt has a reference); the first SHOWN are printed."""
+    rows = cfg.batch_size * cfg.num_generations
+    texts = []
+    for i in range(0, len(prompts), rows):  # decoded in batches the size of a training step's
+        texts += completions(model, prompts[i:i + rows], cfg, tokenizer, stops, pad_id, 1, temperature=0.0)[2]
+    questions, answers = [p.question for p in prompts], [p.answer for p in prompts]
+    total, _ = rewards.score(reward_fns, weights, questions, texts, answers)
+    result = {"eval_reward": float(total.mean())}
+    if all(a is not None for a in answers):
+        result["eval_pass@1"] = sum(rewards.exact_answer(questions, texts, answers)) / len(prompts)
+    log(f"eval: reward {result['eval_reward']:.4f}" + (f", pass@1 {result['eval_pass@1']:.1%}"
+                                                       if "eval_pass@1" in result else "") + " (greedy)")
+    for q, t, a in list(zip(questions, texts, answers, strict=True))[:SHOWN]:
+        log(f"sample: {one_line(q)} -> {one_line(t)} (expected: {one_line(a, 40)})")
+    return result
+

@@ -1,0 +1,169 @@
+"""RL rollouts: batched sampling of G completions per prompt (model/generate.py `sample_groups`) against greedy
+`generate` and the full forward, and their collation into training batches (data/rollouts.py)."""
+import pytest
+import torch
+
+import grpo
+from data.batches import IGNORE_INDEX
+from data.rollouts import Rollout, collate
+from model import LoRAConfig, load_model
+from model.generate import generate, sample_groups, sample_tokens
+from tests.helpers import assert_close, randomize_lora_b
+from tests.tiny_models import save_tiny
+
+PROMPTS = [[3, 17, 9, 40, 2], [5, 6], [7, 100, 21, 8, 99, 31, 4, 12]]  # different lengths: left padding
+
+
+@pytest.fixture(scope="module", params=["llama", "gemma2"])
+def tiny(request, tmp_path_factory):
+    """A tiny model with random LoRA adapters (the rollouts run under them); gemma2: softcaps and a window (8)
+    shorter than prompt + completion."""
+    folder = str(tmp_path_factory.mktemp(request.param))
+    save_tiny(request.param, folder)
+    model, _ = load_model(folder, lora=LoRAConfig(r=4, alpha=8))
+    randomize_lora_b(model)
+    return model.eval()
+
+
+def reference_logps(model, prompt, completion, temperature):
+    """log_softmax(logits / T) of each completion token, from one full forward of prompt + completion alone."""
+    ids = torch.tensor([prompt + completion])
+    with torch.no_grad():
+        logits = model(ids)[0, len(prompt) - 1:-1].float() / temperature  # (n, V)
+    return torch.log_softmax(logits, -1).gather(1, torch.tensor(completion)[:, None])[:, 0]
+
+
+def test_temperature_zero_is_greedy_generate(tiny):
+    """At temperature 0 every sample of a prompt is greedy `generate`'s answer to that prompt alone."""
+    out, logps = sample_groups(tiny, PROMPTS, 2, max_new_tokens=10, temperature=0.0)
+    assert len(out) == 6 and all(len(lp) == len(c) for c, lp in zip(out, logps, strict=True))
+    for i, prompt in enumerate(PROMPTS):
+        want = generate(tiny, prompt, max_new_tokens=10)
+        assert out[2 * i] == out[2 * i + 1] == want
+
+
+def test_same_seed_same_samples(tiny):
+    """A seeded generator gives the same samples; another seed others; the G samples of a prompt differ."""
+    def draw(seed):
+        return sample_groups(tiny, PROMPTS, 4, max_new_tokens=8, temperature=1.0, top_k=50, top_p=0.95,
+                             generator=torch.Generator().manual_seed(seed))
+    first = draw(0)
+    assert draw(0) == first
+    assert draw(1)[0] != first[0]
+    assert len({tuple(c) for c in first[0][:4]}) > 1
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_logps_equal_the_full_forward(tiny, temperature):
+    """Each sampled token's log-prob from the decoder (left-padded batched prefill, static cache) equals
+    log_softmax(logits / T) of a full forward of its prompt and completion alone, in fp32."""
+    out, logps = sample_groups(tiny, PROMPTS, 3, max_new_tokens=12, temperature=temperature,
+                               generator=torch.Generator().manual_seed(0))
+    for i, (completion, lp) in enumerate(zip(out, logps, strict=True)):
+        want = reference_logps(tiny, PROMPTS[i // 3], completion, temperature)
+        assert_close(torch.tensor(lp), want, atol=1e-5, rtol=1e-5, name=f"row {i} log-probs")
+
+
+def test_rows_stop_at_a_stop_id(tiny):
+    """Each row ends at its first stop id, or runs to max_new_tokens; the rows after it are unchanged (the same
+    draws), so each stopped row is the free row cut after its first stop id."""
+    free, _ = sample_groups(tiny, PROMPTS, 4, max_new_tokens=10, temperature=1.0,
+                            generator=torch.Generator().manual_seed(5))
+    stop = free[0][2]
+    out, logps = sample_groups(tiny, PROMPTS, 4, max_new_tokens=10, temperature=1.0, stop_ids={stop},
+                               generator=torch.Generator().manual_seed(5))
+    for row, want in zip(out, free, strict=True):
+        assert row == (want[:want.index(stop) + 1] if stop in want else want)
+    assert len(out[0]) == 3 and len(logps[0]) == 3
+
+
+def test_top_k_and_top_p_cut_the_distribution():
+    """top_k=1 and a tiny top_p leave only the argmax; the log-prob is the uncut distribution's at T."""
+    logits = torch.tensor([[0.0, 3.0, 2.9, -1.0], [1.0, 0.0, 0.5, 4.0]])
+    g = torch.Generator().manual_seed(0)
+    for kw in ({"top_k": 1}, {"top_p": 1e-3}):
+        tokens, logps = sample_tokens(logits, 2.0, generator=g, **kw)
+        assert tokens.tolist() == [1, 3]
+        assert_close(logps, torch.log_softmax(logits / 2.0, -1)[[0, 1], [1, 3]], atol=1e-6, rtol=1e-6)
+    draws = {tuple(sample_tokens(logits, 1.0, top_k=2, generator=g)[0].tolist()) for _ in range(40)}
+    assert {t[0] for t in draws} == {1, 2} and {t[1] for t in draws} <= {3, 0}
+
+
+def training_logps(model, batch, temperature):
+    """The training forward's log-prob of each target token (B, T) at `temperature` (grpo.token_logps)."""
+    with torch.no_grad():
+        return grpo.token_logps(model, batch, temperature).view(batch["targets"].shape)
+
+
+def sampled_rollouts(model, G=3, max_new_tokens=9, seed=0, temperature=1.0):
+    out, logps = sample_groups(model, PROMPTS, G, max_new_tokens, temperature=temperature,
+                               generator=torch.Generator().manual_seed(seed))
+    return [Rollout(PROMPTS[i // G], c, advantage=i - 4.0, old_logps=lp)
+            for i, (c, lp) in enumerate(zip(out, logps, strict=True))]
+
+
+@pytest.mark.parametrize("packing", [True, False], ids=["packed", "padded"])
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_collated_logps_equal_the_training_forward(tiny, packing, temperature):
+    """The sampler's log-probs, placed by the collation at the target positions, equal the training forward's over
+    the collated batch (packed rows with several rollouts each, or padded), in fp32; every completion token and
+    only those are targets, each under its rollout's seq_id, length and advantage."""
+    rollouts = sampled_rollouts(tiny, temperature=temperature)
+    batches = collate(rollouts, max_len=40, pad_id=0, packing=packing, rows=2)
+    n = 0
+    for batch in batches:
+        is_target = batch["targets"] != IGNORE_INDEX
+        assert_close(batch["old_logps"], training_logps(tiny, batch, temperature), atol=1e-5, rtol=1e-5,
+                     name="old_logps")
+        N = len(batch["seq_lengths"])
+        assert torch.bincount(batch["seq_ids"][is_target], minlength=N).tolist() == batch["seq_lengths"].tolist()
+        assert batch["seq_lengths"].tolist() == [len(r.completion) for r in rollouts[n:n + N]]
+        assert batch["advantages"].tolist() == [r.advantage for r in rollouts[n:n + N]]
+        assert batch["targets"][is_target].tolist() == sum((r.completion for r in rollouts[n:n + N]), [])
+        assert "ref_logps" not in batch
+        n += N
+    assert n == len(rollouts)
+    if packing:
+        assert max(len(b["seq_lengths"]) for b in batches) > len(batches[0]["input_ids"]), "several per row"
+
+
+def test_collation_refuses_a_rollout_longer_than_max_len():
+    with pytest.raises(ValueError, match="does not fit --max-len 6; raise --max-len or lower --max-new-tokens"):
+        collate([Rollout([1, 2, 3, 4], [5, 6, 7])], max_len=6, pad_id=0)
+
+
+@pytest.mark.parametrize("loss_type", ["dapo", "grpo"])
+def test_packed_and_padded_batches_give_the_same_loss(tiny, loss_type):
+    """GRPOLoss over the packed batches equals its value over the padded ones, and so do the LoRA gradients: the
+    layout changes nothing but the cost (old log-probs shifted so that the ratios are not all 1)."""
+    rollouts = [r._replace(old_logps=[lp + 0.05 * (j % 3) for j, lp in enumerate(r.old_logps)])
+                for r in sampled_rollouts(tiny)]
+    results = []
+    for packing in (True, False):
+        objective = grpo.GRPOLoss(loss_type)
+        batches = collate(rollouts, max_len=40, pad_id=0, packing=packing, rows=2)
+        count = torch.tensor(sum(objective.count(b) for b in batches))
+        tiny.zero_grad()
+        loss = sum(objective(tiny, b, count) for b in batches)
+        loss.backward()
+        grads = torch.cat([p.grad.flatten() for p in tiny.parameters() if p.grad is not None])
+        results.append((loss.detach(), grads, objective.take(count)))
+    tiny.zero_grad()
+    assert_close(results[0][0], results[1][0], atol=1e-6, rtol=1e-5, name="loss")
+    assert_close(results[0][1], results[1][1], atol=1e-6, rtol=1e-4, name="LoRA gradients")
+    assert results[0][2] == pytest.approx(results[1][2])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.filterwarnings("error:CUDA graph capture")  # the fallback warns so: here it must not happen
+def test_graphed_sampling_matches_eager(llama_folder):
+    """On CUDA, batched sampling that replays a CUDA graph per step gives the eager decoder's samples and log-probs
+    (fp32, one seed), with LoRA adapters, and the capture does not fall back."""
+    model, _ = load_model(llama_folder, device="cuda", use_kernels=True, lora=LoRAConfig(r=4, alpha=8))
+    randomize_lora_b(model)
+    model.eval()
+    runs = [sample_groups(model, PROMPTS, 4, max_new_tokens=12, temperature=1.0, cuda_graph=graphed,
+                          generator=torch.Generator(device="cuda").manual_seed(3)) for graphed in (True, False)]
+    assert runs[0][0] == runs[1][0]
+    assert_close(torch.tensor(sum(runs[0][1], [])), torch.tensor(sum(runs[1][1], [])), atol=1e-4, rtol=1e-4)
