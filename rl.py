@@ -28,6 +28,7 @@ from checkpoint import Checkpoints, same_model
 from config import UserError, check_model_fit, choose_dtype, parse_args, pick_device, with_hardware_defaults
 from data.rollouts import PromptBatches, collate, load_prompts
 from lifecycle import StopSignals, interrupted, save_after_failure
+from masters import param_groups
 from model import load_model, load_tokenizer, read_config, resolve
 from model.generate import stop_ids
 from model.lora import lora_parameters
@@ -105,15 +106,15 @@ def main(cfg) -> int:
                                   max_completion_length=cfg.max_new_tokens, temperature=cfg.temperature)
 
         # ----------------------------------------------------------------------------- optimizer and scaler
-        optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.999),
-                                      fused=True)
+        groups = param_groups(lora_parameters(model), cfg.weight_decay, cfg.lora_plus_ratio)  # LoRA+: B's lr x ratio
+        optimizer = torch.optim.AdamW(groups, lr=cfg.lr, betas=(0.9, 0.999), fused=True)
         scaler = LossScaler(cfg.loss_scale, cfg.scale_growth_interval, enabled=dtype == torch.float16)
 
         # ----------------------------------------------------------------------------- resume
         step = ckpts.restore(ck, model, optimizer, scaler, batches)
-        if step >= max_steps and ckpts.adapter_done():
+        if step >= max_steps and ckpts.result_done():
             log(f"the run in {cfg.out_dir} is complete ({step} of {max_steps} steps, adapter in "
-                f"{ckpts.adapter_folder}); nothing to do")
+                f"{ckpts.result_folder}); nothing to do")
             return 0
         run.open(step, cfg)
         ckpts.set_aside_newer(step)
@@ -132,7 +133,7 @@ def main(cfg) -> int:
                 start = position(batches)
                 lr = lr_at(cfg, max_steps, step)
                 for group in optimizer.param_groups:
-                    group["lr"] = lr
+                    group["lr"] = lr * group["lr_scale"]
                 progress.pause()
                 if cfg.save_every and step % cfg.save_every == 0 and step > ckpts.saved_step:
                     ckpts.save(step, model, optimizer, scaler, batches)
@@ -180,7 +181,7 @@ def main(cfg) -> int:
             final = evaluate() if eval_prompts else None
             if final:
                 run.log({"step": step, **final})
-            adapter = ckpts.save_adapter(model, metrics=final)
+            adapter = ckpts.save_result(model, metrics=final)
             log(f"done: adapter in {adapter} (PEFT format), checkpoint {ckpts.last}")
             return 0
         except (OSError, torch.OutOfMemoryError) as e:

@@ -8,7 +8,6 @@ import torch
 
 import grpo
 from data.batches import IGNORE_INDEX, _row, _stack, pad_batch
-from data.preference import with_sequences
 from model import LoRAConfig, load_model
 from model.lora import lora_parameters
 from tests.helpers import assert_close, randomize_lora_b, rel_err
@@ -158,6 +157,17 @@ def packed(encoded, width):
     counts.append(len(docs))
     return with_sequences(_stack(rows, width), torch.tensor(counts))
 
+
+
+def with_sequences(batch, n_docs):
+    """batch with "seq_ids" (each token's rollout in the micro-batch, 0 for padding) and "seq_lengths" (N,), the
+    layout data/rollouts.py's collate gives; n_docs (B,): how many of a row's first documents are rollouts."""
+    doc_ids, targets = batch["doc_ids"], batch["targets"]
+    offset = torch.cumsum(n_docs, 0) - n_docs  # (B,) the row's first rollout in the micro-batch
+    is_doc = doc_ids < n_docs[:, None]
+    seq_ids = torch.where(is_doc, doc_ids + offset[:, None], 0)
+    lengths = torch.bincount(seq_ids[is_doc & (targets != IGNORE_INDEX)], minlength=int(n_docs.sum()))
+    return {**batch, "seq_ids": seq_ids, "seq_lengths": lengths}
 
 def with_rollout_data(batch, advantages):
     """batch with its advantages and old / reference log-probs that depend only on each token's rollout and
