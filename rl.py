@@ -17,6 +17,7 @@ sampled: the checkpoint holds the weights, the optimizer and the prompts' positi
 """
 import signal
 import sys
+import time
 from functools import partial
 
 import torch
@@ -142,9 +143,11 @@ def main(cfg) -> int:
                 progress.resume()
 
                 # rollouts -> rewards -> advantages, then the batches with the old (and reference) log-probs
+                began = time.perf_counter()
                 generator = torch.Generator(device).manual_seed(cfg.seed * 1_000_003 + step)
                 rollouts, stats = roll_out(model, next(batches), cfg, tokenizer, stops, pad_id, reward_fns,
                                            weights, generator)
+                rollout_time = time.perf_counter() - began  # the rewards read the decoded text: the GPU is done
                 micro = collate(rollouts, max_len=cfg.max_len, pad_id=pad_id, packing=cfg.packing,
                                 rows=cfg.batch_size, device=device)
                 old_and_ref_logps(model, micro, objective)
@@ -158,7 +161,7 @@ def main(cfg) -> int:
                     grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip or float("inf"))
                     applied = scaler.step(optimizer, loss_sum, grad_norm)
                     train_step.zero_grad(optimizer)
-                    loss, norm, metrics = loss_sum.item(), grad_norm.item(), objective.take(count)
+                    loss, norm, metrics = loss_sum.item(), grad_norm.item(), objective.take(count)  # a sync
                     if not applied:
                         log(nonfinite_step(scaler, optimizer, loss, norm, step + 1, cfg.max_skipped_steps,
                                            ckpts.next_steps))
@@ -167,7 +170,8 @@ def main(cfg) -> int:
                 progress.advance(step)
                 if step % cfg.log_every == 0 or step == max_steps:
                     log_rl_step(run, progress, {"step": step, "loss": loss, **stats, **metrics, "lr": lr,
-                                                "grad_norm": norm, **peak_memory(device)}, max_steps)
+                                                "grad_norm": norm, "step_time": time.perf_counter() - began,
+                                                "rollout_time": rollout_time, **peak_memory(device)}, max_steps)
 
             # ----------------------------------------------------------------------------- finish
             progress.close()
