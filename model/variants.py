@@ -41,6 +41,10 @@ def init_adapter_(linear: LoRALinear, generator=None):
                              "after it moved; an NF4 base is quantized as it loads. Train it on the full-precision "
                              "base (leave out --quantize), or use --lora-init default or gaussian with NF4")
         w = linear.weight.float()
+        if linear.r > min(w.shape):
+            raise ValueError(f"--lora-init {init} takes the adapter's r = {linear.r} components from {linear.name}'s "
+                             f"weight of shape {tuple(w.shape)}, which has only {min(w.shape)}: lower --lora-r to at "
+                             f"most {min(w.shape)}, or use --lora-init default or gaussian")
         a0, b0 = (pissa if init == "pissa" else olora)(w, linear.r, linear.scale)
         a.copy_(a0), b.copy_(b0)
         linear.weight.copy_(w - linear.scale * (b0 @ a0))  # W_res, in W's dtype

@@ -400,3 +400,5 @@ def test_base_moving_init_refused_with_nf4_and_dora(run_model, tmp_path, capsys)
             r"--lora-plus-ratio must be > 0")
     with pytest.raises(ValueError, match="DoRA with the pissa init"):
         LoRAConfig(dora=True, init="pissa")
+    with pytest.raises(ValueError, match=r"takes the adapter's r = 64 components from .* lower --lora-r"):
+        load_model(run_model, lora=LoRAConfig(r=64, init="pissa"))  # more than a tiny projection's rank
