@@ -253,7 +253,8 @@ def test_warm_start_runs_and_keeps_the_random_state(family, tmp_path):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("variant", [dict(full=True, lr=1e-4), dict(dora=True), dict(lora_plus_ratio=4.0),
-                                     dict(train_embeddings=True, add_tokens="<t1>,<t2>"), dict(lora_init="pissa", lora_r=4),
+                                     dict(train_embeddings=True, add_tokens="<t1>,<t2>"),
+                                     dict(lora_init="pissa", lora_r=4),
                                      dict(full=True, train_modules="q_proj,norm", gradient_checkpointing=True)],
                          ids=["full", "dora", "lora-plus", "embeddings", "pissa", "full-subset-ckpt"])
 def test_variants_replay_from_cuda_graphs_as_they_run_eagerly(run_model, tmp_path, variant, capsys):
