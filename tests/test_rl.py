@@ -47,8 +47,9 @@ def test_reward_rises_and_metrics_are_named_as_trl(setup, tmp_path):
     steps = [r for r in read_metrics(out) if "loss" in r]
     assert [r["step"] for r in steps] == list(range(1, 21))
     for name in ("step", "loss", "reward", "reward_std", "rewards/vowel/mean", "frac_reward_zero_std",
-                 "completions/mean_length", "clip_ratio/region_mean"):
+                 "completions/mean_length", "clip_ratio/region_mean", "step_time", "rollout_time"):
         assert name in steps[0], name
+    assert all(0 < r["rollout_time"] < r["step_time"] for r in steps)
     assert "kl" not in steps[0]  # beta 0
     first, last = (sum(r["reward"] for r in rs) / 5 for rs in (steps[:5], steps[-5:]))
     assert last > first + 0.3, (first, last)
@@ -71,7 +72,7 @@ def test_resume_is_exact(setup, tmp_path):
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     want = [r for r in read_metrics(full) if r.get("step", 0) > 2 and "loss" in r]
     got = [r for r in read_metrics(resumed) if r.get("step", 0) > 2 and "loss" in r]
-    strip = lambda r: {k: v for k, v in r.items() if "mem" not in k and "rss" not in k}  # noqa: E731
+    strip = lambda r: {k: v for k, v in r.items() if not any(s in k for s in ("mem", "rss", "time"))}  # noqa: E731
     assert [strip(r) for r in got] == [strip(r) for r in want] and "kl" in want[0]
 
 
