@@ -125,9 +125,6 @@ SMOLLM2 = os.path.join(os.environ.get("NANOTUNE_CACHE", os.path.expanduser("~/.c
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(reason="open: on one-digit sums SmolLM2-135M-Instruct samples the exact answer in about 1 of 16 "
-                   "completions at temperature 1, too few for 16 steps of 4 x 4 to lift the reward; a task it "
-                   "answers right part of the time, or other defaults, are still to be found", strict=False)
 @pytest.mark.skipif(not os.path.isfile(SMOLLM2), reason=f"no SmolLM2-135M-Instruct GGUF at {SMOLLM2} (python "
                     "scripts/fetch_smollm2.py fetches it)")
 def test_smollm2_learns_an_exact_answer_task(tmp_path):
