@@ -10,6 +10,7 @@ signal stopped the run after its checkpoint (130 for Ctrl-C, 143 for SIGTERM, 12
 import os
 import signal
 import stat
+import sys
 
 import torch
 
@@ -121,3 +122,19 @@ def interrupted(cfg):
     where = (f"the newest checkpoint is {saved[-1]}: continue from it with --resume auto" if saved else
              "no checkpoint was saved")
     return f"interrupted: {where}"
+
+
+def command_line(main, parse):
+    """main(parse()) as a command's exit status: bad input is one `error: ...` line and status 2, no traceback
+    (ImportError: an optional package). A run that a signal stopped exits with 128 + its number (130 for Ctrl-C),
+    also when a third one aborted its save."""
+    cfg = None
+    try:
+        cfg = parse()
+        return main(cfg)
+    except (UserError, ValueError, FileNotFoundError, ImportError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt as e:
+        print(interrupted(cfg), file=sys.stderr)
+        return 128 + (e.args[0] if e.args else signal.SIGINT)

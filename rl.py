@@ -15,7 +15,6 @@ batches before the first update, and the reference's (β > 0) from one with the 
 The sampling generator of step s is seeded from (--seed, s), so a resumed run samples what the uninterrupted run
 sampled: the checkpoint holds the weights, the optimizer and the prompts' position, and nothing else is needed.
 """
-import signal
 import sys
 import time
 from functools import partial
@@ -28,7 +27,7 @@ import rewards
 from checkpoint import Checkpoints, same_model
 from config import UserError, check_model_fit, choose_dtype, parse_args, pick_device, with_hardware_defaults
 from data.rollouts import PromptBatches, collate, load_prompts
-from lifecycle import StopSignals, interrupted, save_after_failure
+from lifecycle import StopSignals, command_line, save_after_failure
 from masters import param_groups
 from model import load_model, load_tokenizer, read_config, resolve
 from model.generate import stop_ids
@@ -194,17 +193,8 @@ def main(cfg) -> int:
 
 
 def cli(argv=None):
-    """The command line, as train.py's: bad input is one `error: ...` line and exit status 2."""
-    cfg = None
-    try:
-        cfg = parse_args(argv, RLConfig, RL_GROUPS, USAGE)
-        return main(cfg)
-    except (UserError, ValueError, FileNotFoundError, ImportError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt as e:
-        print(interrupted(cfg), file=sys.stderr)
-        return 128 + (e.args[0] if e.args else signal.SIGINT)
+    """The command line, as train.py's (lifecycle.py, `command_line`)."""
+    return command_line(main, lambda: parse_args(argv, RLConfig, RL_GROUPS, USAGE))
 
 
 if __name__ == "__main__":

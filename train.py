@@ -22,7 +22,6 @@ import copy
 import dataclasses
 import math
 import random
-import signal
 import sys
 from contextlib import nullcontext
 
@@ -35,7 +34,7 @@ from config import UserError, check_model_fit, choose_dtype, parse_args, pick_de
 from distributed import any_rank, distributed, sum_over_ranks
 from evaluation import Samples, evaluate, log_eval
 from full import train_filter, weight_counts
-from lifecycle import StopSignals, interrupted, save_after_failure
+from lifecycle import StopSignals, command_line, save_after_failure
 from masters import Masters, param_groups
 from memory import choose_checkpointing, full_finetuning_fit, memory_warning
 from model import load_model, load_tokenizer, read_config, resolve
@@ -274,18 +273,9 @@ def lr_at(cfg, max_steps, step):
 
 
 def cli(argv=None):
-    """The command line: bad input is one `error: ...` line and exit status 2, no traceback. A run that a
-    signal stopped exits with 128 + its number (130 for Ctrl-C), also when a third one aborted its save."""
-    cfg = None
-    try:
-        cfg = parse_args(argv)  # the arguments: --config FILE, then the command line over it
-        return main(cfg)
-    except (UserError, ValueError, FileNotFoundError, ImportError) as e:  # ImportError: an optional package
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt as e:
-        print(interrupted(cfg), file=sys.stderr)
-        return 128 + (e.args[0] if e.args else signal.SIGINT)
+    """The command line (--config FILE, then the options over it): exit status 0, 2 for bad input (one line), or
+    128 + a signal's number (lifecycle.py, `command_line`)."""
+    return command_line(main, lambda: parse_args(argv))
 
 
 if __name__ == "__main__":
