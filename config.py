@@ -399,6 +399,9 @@ def build_parser(defaults=True, cls=None, groups=None, usage=USAGE):
         if kind is bool:
             groups[f.name].add_argument(flag(f.name), action=argparse.BooleanOptionalAction, default=default,
                                         help=option_help(f))
+        elif f.metadata.get("repeatable"):  # given several times: one comma-separated value (parse_args)
+            groups[f.name].add_argument(flag(f.name), type=kind, action="append", default=default, metavar=metavar,
+                                        help=option_help(f))
         else:
             groups[f.name].add_argument(flag(f.name), type=kind, default=default, metavar=metavar, help=option_help(f))
     return p
@@ -412,6 +415,7 @@ def parse_args(argv=None, cls=None, groups=None, usage=USAGE) -> TrainConfig:
     config = build_parser(True, cls, groups, usage).parse_args(argv).config  # also --help, and argparse's errors
     given = vars(build_parser(False, cls, groups, usage).parse_args(argv))  # only what the command line says
     given.pop("config", None)
+    given = {k: ",".join(v) if isinstance(v, list) else v for k, v in given.items()}  # a repeatable option's values
     values = read_config_file(config, cls) if config else {}
     if given.keys() & {"max_steps", "num_epochs"}:
         values.pop("max_steps", None)

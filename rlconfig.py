@@ -43,8 +43,9 @@ class RLConfig(TrainConfig):
     scale_rewards: str = field(default="group", metadata={"help": "group: advantages over the group's std; none: "
                                "mean-only (Dr. GRPO)", "choices": SCALES})
     num_iterations: int = field(default=1, metadata={"help": "mu: optimizer updates per batch of rollouts"})
-    reward: str | None = field(default=None, metadata={"help": "reward functions, comma-separated: path/to/file.py:"
-                               "function or a built-in (exact_answer, format_reward); default: exact_answer"})
+    reward: str | None = field(default=None, metadata={"help": "a reward function, path/to/file.py:function or a "
+                               "built-in (exact_answer, format_reward); give it several times (or comma-separated) "
+                               "for a weighted sum; default: exact_answer", "repeatable": True})
     reward_weights: str | None = field(default=None, metadata={"help": "one weight per --reward, comma-separated "
                                        "(default: 1 each)"})
 

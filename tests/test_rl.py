@@ -144,3 +144,14 @@ def test_smollm2_learns_an_exact_answer_task(tmp_path):
     steps = [r for r in read_metrics(out) if "loss" in r]
     first, last = (sum(r["reward"] for r in rs) / 5 for rs in (steps[:5], steps[-5:]))
     assert last > first + 0.15, (first, last)
+
+
+def test_several_rewards_combine():
+    """--reward given several times (or comma-separated) names every reward function, in order, for
+    --reward-weights; once, it is that one."""
+    from config import parse_args
+    from rlconfig import RL_GROUPS, USAGE, RLConfig
+    parse = lambda *a: parse_args(list(a), RLConfig, RL_GROUPS, USAGE)  # noqa: E731
+    assert parse("--reward", "r.py:short", "--reward", "exact_answer").reward == "r.py:short,exact_answer"
+    assert parse("--reward", "exact_answer,format_reward").reward == "exact_answer,format_reward"
+    assert parse("--reward", "format_reward").reward == "format_reward" and parse().reward is None
