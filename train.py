@@ -1,4 +1,4 @@
-"""nanotune: LoRA / QLoRA fine-tuning of Llama, Qwen and Gemma in one readable loop.
+"""nanotune: LoRA / QLoRA (and full, and preference) fine-tuning of Llama, Qwen and Gemma in one readable loop.
 
     python train.py --model tinyllama                     # the embedded dataset, defaults for the hardware
     python train.py --model ./my-model --data chats.jsonl --max-steps 500
@@ -16,7 +16,10 @@ loss, so a micro-batch weighs by its tokens, whatever the padding or packing.
 
 --method dpo, ipo, simpo or orpo trains on preference pairs instead (docs/preference.md): the same loop,
 with the pairs' batches (data/preference.py) and their loss (preference.py) in place of loss_fn; the count
-is then the step's pairs, and the step's loss the mean over them.
+is then the step's pairs, and the step's loss the mean over them. What trains is LoRA's adapters, or with
+--full the model's own weights (full.py), whose fp32 masters (masters.py) the optimizer steps; --dora,
+--lora-plus-ratio, --lora-init (model/variants.py) and --train-embeddings / --add-tokens (model/embeddings.py)
+change what the adapters are, not the loop. RL with verifiable rewards has its own loop: rl.py.
 """
 import copy
 import dataclasses
