@@ -11,8 +11,8 @@ A rollout is one document of a batch (prompt + completion, per-document position
 its completion tokens have targets. batch["seq_ids"] (B, T) numbers each token's rollout within the micro-batch
 (padding reads 0 and has no target), batch["seq_lengths"] (N,) holds each rollout's completion-token count (0 for
 an empty completion), batch["advantages"] (N,) its advantage, batch["old_logps"] (B, T) the sampling policy's
-log-probability of each target token and batch["ref_logps"] (B, T) the reference's (β > 0 only), both 0 where
-there is no target. The model's fused head gives each target token's log-probability without the B×T×V logits
+log-probability of each target token (left out with one update per batch of rollouts: the policy's own, detached)
+and batch["ref_logps"] (B, T) the reference's (β > 0 only), both 0 where there is no target. The model's fused head gives each target token's log-probability without the B×T×V logits
 (`token_logps`), so packed and padded batches give the same numbers.
 
 With G completions o_1..o_G of a prompt q, r_i their rewards, π_θ the policy, π_old the policy that sampled them
@@ -140,7 +140,10 @@ class GRPOLoss:
         advantages = seq_advantages[seq]  # (B*T,)
         # Where there is no target every term is 0, so exp and the clip see finite values and the gradient there
         # is 0, never NaN (a 0 upstream gradient times exp(inf) would be).
-        log_ratio = torch.where(mask, logps - batch["old_logps"].reshape(-1).float(), 0.0)  # (B*T,)
+        # Without "old_logps" (one update per batch of rollouts) the policy that sampled is this one: its own
+        # log-probs, detached, as TRL's with num_iterations 1. The ratio is then 1, its gradient the policy's.
+        old = batch["old_logps"].reshape(-1).float() if "old_logps" in batch else logps.detach()
+        log_ratio = torch.where(mask, logps - old, 0.0)  # (B*T,)
         if self.importance == "sequence":
             seq_ratio = torch.exp(per_sequence(log_ratio, seq, n) / lengths.clamp(min=1))  # (N,)
             ratio = seq_ratio[seq]

@@ -149,7 +149,7 @@ def main(cfg) -> int:
                 rollout_time = time.perf_counter() - began  # the rewards read the decoded text: the GPU is done
                 micro = collate(rollouts, max_len=cfg.max_len, pad_id=pad_id, packing=cfg.packing,
                                 rows=cfg.batch_size, device=device)
-                old_and_ref_logps(model, micro, objective)
+                old_and_ref_logps(model, micro, objective, cfg.num_iterations)
 
                 for _ in range(cfg.num_iterations):  # μ updates on the same rollouts
                     count = sum(objective.count(b) for b in micro)

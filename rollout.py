@@ -2,7 +2,7 @@
 reference log-probs of the collated batches, the step's console line, and the held-out reward evaluation.
 
     rollouts, stats = roll_out(model, prompts, cfg, tokenizer, stops, pad_id, reward_fns, weights, generator)
-    old_and_ref_logps(model, batches, objective)      # fills batch["old_logps"] (and "ref_logps" for β > 0)
+    old_and_ref_logps(model, batches, objective, mu)  # batch["old_logps"] for μ > 1, "ref_logps" for β > 0
     result = evaluate_rewards(model, eval_prompts, cfg, tokenizer, stops, pad_id, reward_fns, weights, log)
 """
 import torch
@@ -47,13 +47,17 @@ def roll_out(model, prompts, cfg, tokenizer, stops, pad_id, reward_fns, weights,
 
 
 @torch.no_grad()
-def old_and_ref_logps(model, batches, objective):
-    """batch["old_logps"]: the current policy's log-probs of the target tokens (the sampling policy's, which every
-    one of the μ updates divides by; under μ = 1 the ratio's value is 1 and its gradient the policy gradient), and
-    batch["ref_logps"] with the adapters off where the loss has a KL term (β > 0)."""
+def old_and_ref_logps(model, batches, objective, updates):
+    """batch["old_logps"]: the current policy's log-probs of the target tokens, which every one of `updates` > 1
+    updates divides by (the policy that sampled). With one update the batches go without them: the loss takes
+    the policy's own detached log-probs (grpo.GRPOLoss), the same values, and this forward is saved.
+    batch["ref_logps"]: the log-probs with the adapters off, where the loss has a KL term (β > 0)."""
     for batch in batches:
         shape = batch["targets"].shape
-        batch["old_logps"] = grpo.token_logps(model, batch, objective.temperature).view(shape)
+        if updates > 1:
+            batch["old_logps"] = grpo.token_logps(model, batch, objective.temperature).view(shape)
+        else:
+            batch.pop("old_logps", None)
         if objective.beta > 0:
             with adapters_disabled(model):
                 batch["ref_logps"] = grpo.token_logps(model, batch, objective.temperature).view(shape)

@@ -322,3 +322,23 @@ def test_matches_trl(trl_setup, policy, loss_type, importance, beta, correction)
     assert metrics["clip_ratio/region_mean"] > 0  # the clipping is exercised
     for k, v in metrics.items():
         assert v == pytest.approx(trainer._metrics["train"][k][-1], rel=1e-4, abs=1e-6), k
+
+
+@pytest.mark.parametrize("loss_type,importance,beta,correction", CASES)
+def test_one_update_without_old_logps_equals_the_detached_policy(policy, loss_type, importance, beta, correction):
+    """With one update per batch of rollouts the batch carries no old_logps: the loss divides by the policy's own
+    detached log-probs, and gives the loss, gradients and metrics of a batch whose old_logps are those values."""
+    encoded = rollouts(5)
+    advantages = torch.tensor([1.0, -0.5, 0.25, -1.0, 0.0])
+    batch = with_rollout_data(with_sequences(pad_batch(encoded, pad_id=0), torch.ones(5, dtype=torch.long)),
+                              advantages)
+    objective = grpo.GRPOLoss(loss_type, importance=importance, beta=beta, use_bias_correction_kl=correction,
+                              max_completion_length=MAX_COMPLETION)
+    with torch.no_grad():
+        own = grpo.token_logps(policy, batch, objective.temperature).view(batch["targets"].shape)
+    given = loss_and_grads(policy, objective, {**batch, "old_logps": own})
+    left_out = loss_and_grads(policy, objective, {k: v for k, v in batch.items() if k != "old_logps"})
+    assert_close(left_out[0], given[0], atol=1e-6, rtol=1e-5)
+    for a, b in zip(left_out[1], given[1]):
+        assert_close(a, b, atol=1e-7, rtol=1e-5)
+    assert left_out[2].keys() == given[2].keys()
