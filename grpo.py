@@ -12,8 +12,9 @@ its completion tokens have targets. batch["seq_ids"] (B, T) numbers each token's
 (padding reads 0 and has no target), batch["seq_lengths"] (N,) holds each rollout's completion-token count (0 for
 an empty completion), batch["advantages"] (N,) its advantage, batch["old_logps"] (B, T) the sampling policy's
 log-probability of each target token (left out with one update per batch of rollouts: the policy's own, detached)
-and batch["ref_logps"] (B, T) the reference's (β > 0 only), both 0 where there is no target. The model's fused head gives each target token's log-probability without the B×T×V logits
-(`token_logps`), so packed and padded batches give the same numbers.
+and batch["ref_logps"] (B, T) the reference's (β > 0 only), both 0 where there is no target. The model's fused
+head gives each target token's log-probability without the B×T×V logits (`token_logps`), so packed and padded
+batches give the same numbers.
 
 With G completions o_1..o_G of a prompt q, r_i their rewards, π_θ the policy, π_old the policy that sampled them
 (π_θ itself, detached, under one update per batch), π_ref the reference (the base: the adapters off), t a token
