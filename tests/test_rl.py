@@ -129,9 +129,10 @@ SMOLLM2 = os.path.join(os.environ.get("NANOTUNE_CACHE", os.path.expanduser("~/.c
                     "scripts/fetch_smollm2.py fetches it)")
 def test_smollm2_learns_an_exact_answer_task(tmp_path):
     """The real SmolLM2-135M-Instruct with LoRA, 16 steps of 4 prompts x G = 4, 8 new tokens, lr 2e-3, β = 0, μ = 1,
-    on one-digit sums ("What is 3 + 4?"), which it answers by restating the sum ("3 + 4 = 7") and so starts out
-    poor at under the exact-answer reward (the first number must be the sum): the mean reward of the last 5 steps
-    is clearly above the first 5's."""
+    on one-digit sums ("What is 3 + 4? Reply with just the number.", plain-string rows: the text verbatim, no chat
+    template), where it starts out poor under the exact-answer reward (the first number must be the sum): greedy,
+    it ends its answer at once, and sampled it gives a number now and then. The mean reward of the last 5 steps is
+    clearly above the first 5's."""
     gguf = SMOLLM2
     rows = [{"prompt": f"What is {a} + {b}? Reply with just the number.", "completion": str(a + b)}
             for a in range(1, 10) for b in range(1, 10)]
