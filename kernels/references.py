@@ -11,6 +11,8 @@ This module imports torch only, so that those runs need no Triton.
     cross_entropy_reference                kernels/cross_entropy.py
     fused_linear_cross_entropy_reference   kernels/fused_linear_cross_entropy.py
     nf4_dequantize_reference               kernels/nf4_dequantize.py
+    fp8_quantize_rows_reference            kernels/fp8_quantize.py
+    nf4_to_fp8_reference                   kernels/nf4_to_fp8.py
 """
 import math
 from dataclasses import dataclass
@@ -229,3 +231,34 @@ def nf4_dequantize_reference(q: NF4Data, shape, dtype):
     levels = torch.tensor(NF4_LEVELS, dtype=torch.float32, device=packed.device)
     values = levels[codes] * absmax.repeat_interleave(NF4_BLOCK)[:numel]
     return values.to(dtype).reshape(shape)
+
+
+# ----------------------------------------------------------------------------- FP8 (e4m3) quantization
+
+E4M3 = torch.float8_e4m3fn
+E4M3_MAX = 448.0  # the largest finite e4m3fn value: 1.75 · 2^8
+
+
+def fp8_scale(amax):
+    """The fp32 scale s = amax / 448 that maps values of magnitude up to amax onto e4m3's range, x ≈ s · e4m3(x / s);
+    1 where amax is 0 (an all-zero row: any scale gives zeros, and 1 never divides by zero)."""
+    amax = amax.float()
+    return torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
+
+
+def fp8_quantize_rows_reference(x):
+    """(q, s): each row of x [M, K] (any strides, fp32/bf16/fp16) quantized to e4m3 with its own scale,
+    s_m = fp8_scale(max_k |x_mk|) (M,) fp32 and q = e4m3(x_m / s_m) (M, K) contiguous, rounded to nearest even."""
+    assert x.dim() == 2 and x.dtype in DTYPES, f"fp8 quantize: x must be 2-D fp32/bf16/fp16, got {x.shape} {x.dtype}"
+    xf = x.float()
+    s = fp8_scale(xf.abs().amax(dim=1)) if x.shape[1] else torch.ones(len(x), device=x.device)
+    return (xf / s[:, None]).to(E4M3).contiguous(), s
+
+
+def nf4_to_fp8_reference(q: NF4Data, shape, scale, transposed=False):
+    """W [R, K] of `q` (as nf4_dequantize_reference gives it in fp32) quantized to e4m3 with the given fp32 scales:
+    e4m3(W_rk / scale_r) [R, K], or transposed: e4m3(W_rk / scale_k) stored as Wᵀ [K, R], contiguous."""
+    w = nf4_dequantize_reference(q, shape, torch.float32)
+    if transposed:
+        return (w / scale[None, :]).to(E4M3).t().contiguous()
+    return (w / scale[:, None]).to(E4M3)

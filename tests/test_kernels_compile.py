@@ -28,6 +28,8 @@ import triton.language as tl
 REPO = Path(__file__).resolve().parents[1]
 ARCHS = (80, 90)
 DTYPES = ("fp32", "bf16", "fp16")
+# The kernels that dequantize NF4 as bitsandbytes does, which must not fuse a multiply and an add.
+NF4_KERNELS = {"nf4_fma": "_nf4_dequantize_kernel", "nf4_to_fp8_fma": "_nf4_to_fp8_kernel"}
 
 
 @dataclass(frozen=True)
@@ -53,9 +55,11 @@ def flag_id(d):
 def kernel_cases():
     """The launch configurations of the largest realistic shapes, from the launchers themselves."""
     import kernels.cross_entropy as ce
+    import kernels.fp8_quantize as fq
     import kernels.geglu as gg
     import kernels.glu as glu
     import kernels.nf4_dequantize as nf4
+    import kernels.nf4_to_fp8 as nf8
     import kernels.rms_norm as rn
     import kernels.rope as rp
     import kernels.swiglu as sw
@@ -105,6 +109,18 @@ def kernel_cases():
         "absmax_code_ptr": "*fp32", "levels_ptr": "*fp32", "out_ptr": f"*{t}", "n": "i32"},
         {"BLOCKS": nf4.BLOCKS, "BLOCK": NF4_BLOCK, "ABSMAX_BLOCK": NF4_ABSMAX_BLOCK}, [{}], nf4.OPTIONS["num_warps"]))
 
+    # The e4m3 values are formed from fp32 bits and stored as uint8 (fp8_quantize.to_e4m3_bits): sm_80 compiles
+    # them too, though only sm_89+ has the fp8 GEMMs that read them.
+    specs.append(("kernels.fp8_quantize", "_fp8_quantize_rows_kernel", lambda t: {
+        "x_ptr": f"*{t}", "x_row_stride": "i32", "x_col_stride": "i32", "q_ptr": "*u8", "s_ptr": "*fp32",
+        "M": "i32", "K": "i32"}, {"BLOCK_M": fq.BLOCK_M, "BLOCK_K": fq.BLOCK_K}, [{}], fq.NUM_WARPS))
+    specs.append(("kernels.nf4_to_fp8", "_nf4_to_fp8_kernel", lambda t: {
+        "packed_ptr": "*u8", "absmax_ptr": "*u8", "absmax_scale_ptr": "*fp32", "absmax_offset_ptr": "*fp32",
+        "absmax_code_ptr": "*fp32", "levels_ptr": "*fp32", "scale_ptr": "*fp32", "out_ptr": "*u8",
+        "out_row_stride": "i32", "out_col_stride": "i32", "R": "i32", "K": "i32"},
+        {"BLOCK_R": nf8.BLOCK_R, "BLOCK_K": nf8.BLOCK_K, "BLOCK": NF4_BLOCK, "ABSMAX_BLOCK": NF4_ABSMAX_BLOCK},
+        flags("TRANSPOSED"), nf8.OPTIONS["num_warps"]))
+
     cases = []
     for module, kernel, signature, base, combos, warps in specs:
         for dtype, combo, arch in product(DTYPES, combos, ARCHS):
@@ -146,14 +162,14 @@ def compile_case(case: Case) -> str:
         return f"{type(e).__name__}: {e}"[:2000] or type(e).__name__
 
 
-def nf4_fma(arch) -> str:
-    """'' if the NF4 kernel, compiled with its launcher's options, has no FMA in its PTX, else what it has: a fused
-    D[c] · s + o would round once where bitsandbytes rounds twice (kernels/nf4_dequantize.py)."""
+def nf4_fma(arch, kernel) -> str:
+    """'' if the NF4 kernel `kernel`, compiled with its launcher's options, has no FMA in its PTX, else what it
+    has: a fused D[c] · s + o would round once where bitsandbytes rounds twice (kernels/nf4_dequantize.py)."""
     import re
 
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
-    case = next(c for c in kernel_cases() if c.kernel == "_nf4_dequantize_kernel" and c.arch == arch)
+    case = next(c for c in kernel_cases() if c.kernel == kernel and c.arch == arch)
     fn = getattr(importlib.import_module(case.module), case.kernel)
     options = importlib.import_module(case.module).OPTIONS
     ptx = triton.compile(ASTSource(fn=fn, signature=case.signature, constexprs=case.constexprs),
@@ -165,7 +181,9 @@ def compile_all() -> dict:
     cases = kernel_cases() + bug_cases()
     with ProcessPoolExecutor(max_workers=os.cpu_count()) as pool:
         compiled = dict(zip((c.id for c in cases), pool.map(compile_case, cases)))
-        return {**compiled, **{f"nf4_fma-sm{arch}": pool.submit(nf4_fma, arch).result() for arch in ARCHS}}
+        fma = {f"{name}-sm{arch}": pool.submit(nf4_fma, arch, kernel).result() for arch in ARCHS
+               for name, kernel in NF4_KERNELS.items()}
+        return {**compiled, **fma}
 
 
 if __name__ == "__main__":
@@ -191,9 +209,10 @@ def test_kernel_compiles(compiled, case_id):
     assert compiled[case_id] == "", f"{case_id} does not compile:\n{compiled[case_id]}"
 
 
+@pytest.mark.parametrize("name", NF4_KERNELS)
 @pytest.mark.parametrize("arch", ARCHS)
-def test_nf4_dequantize_compiles_without_fma(compiled, arch):
-    assert compiled[f"nf4_fma-sm{arch}"] == "", f"the NF4 kernel's PTX fuses: {compiled[f'nf4_fma-sm{arch}']}"
+def test_nf4_kernels_compile_without_fma(compiled, arch, name):
+    assert compiled[f"{name}-sm{arch}"] == "", f"the NF4 kernel's PTX fuses: {compiled[f'{name}-sm{arch}']}"
 
 
 @pytest.mark.parametrize("arch", ARCHS)

@@ -1,0 +1,141 @@
+"""The FP8 (e4m3) quantization kernels against their pure-torch references, bit for bit: row-wise quantization
+of activations (kernels/fp8_quantize.py) and NF4 straight to e4m3 (kernels/nf4_to_fp8.py), whose result is also
+bitsandbytes' dequantized fp32 weight quantized with the same scales. On CPU the kernels run in Triton's
+interpreter (tests/conftest.py); tests/test_fp8_gpu.py repeats them at real sizes on a GPU."""
+import pytest
+import torch
+
+from kernels.fp8_quantize import fp8_quantize_rows
+from kernels.nf4_to_fp8 import nf4_to_fp8
+from kernels.references import E4M3, fp8_quantize_rows_reference, fp8_scale, nf4_to_fp8_reference
+from model.qlora import NF4Weight
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+DTYPE_IDS = ["fp32", "bf16", "fp16"]
+# (1, 1) and (5, 7): less than a tile; (33, 300), (17, 513): several row tiles and K loops, partial ones last.
+SHAPES = [(1, 1), (5, 7), (33, 300), (17, 513)]
+# NF4 shapes whose bitsandbytes CPU dequantization equals its CUDA one (tests/test_nf4.py's), and (37, 75): an
+# odd number of values, compared with the reference alone (tests/test_nf4.py says why).
+NF4_SHAPES = [(5, 6), (37, 74), (64, 64), (130, 130)]
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)
+
+
+def assert_bit_equal(actual, expected, name):
+    assert actual.shape == expected.shape and actual.dtype == expected.dtype, (
+        f"{name}: {tuple(actual.shape)} {actual.dtype} != {tuple(expected.shape)} {expected.dtype}")
+    bits_a = actual.view(torch.uint8) if actual.dtype == E4M3 else actual.view(torch.int32)
+    bits_e = expected.view(torch.uint8) if expected.dtype == E4M3 else expected.view(torch.int32)
+    differ = bits_a != bits_e
+    assert not differ.any(), (f"{name}: {differ.sum().item()} of {differ.numel()} values differ, e.g. "
+                              f"{actual[differ][:4].float().tolist()} for {expected[differ][:4].float().tolist()}")
+
+
+def e4m3_edges():
+    """Every finite e4m3 value, the midpoints between neighbours (ties: the even one wins) and the fp32 values
+    just either side of each midpoint, of both signs: every rounding case of fp32 to e4m3 below 448."""
+    values = torch.arange(0, 0x7F, dtype=torch.uint8).view(E4M3).float()  # 0 .. 448, ascending
+    mids = (values[1:] + values[:-1]) / 2
+    nearby = torch.cat([values, mids, torch.nextafter(mids, mids + 1), torch.nextafter(mids, mids - 1)])
+    return torch.cat([nearby, -nearby])
+
+
+def test_rounding_is_torchs_at_every_edge():
+    """A row whose amax is 448 has scale 1: the kernel's e4m3 rounding of each value is torch's (nearest, even)."""
+    x = e4m3_edges()[None, :].to(DEVICE)
+    q, s = fp8_quantize_rows(x)
+    assert s.item() == 1.0
+    assert_bit_equal(q, x.to(E4M3), "e4m3 rounding")
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("layout", ["rows", "transposed"])
+def test_quantize_rows_equals_reference(shape, dtype, layout):
+    """Values over 11 decades (so that some land in e4m3's subnormals), a zero row (scale 1), and the input
+    row-major or stored transposed (as the MLP's H and [dG | dU] are)."""
+    x = torch.randn(shape, device=DEVICE) * torch.logspace(-8, 3, shape[1], device=DEVICE)
+    x[0] = 0
+    x = x.to(dtype)
+    if layout == "transposed":
+        x = x.t().contiguous().t()
+    q, s = fp8_quantize_rows(x)
+    q_ref, s_ref = fp8_quantize_rows_reference(x)
+    assert q.is_contiguous() and s.shape == (shape[0],)
+    assert_bit_equal(s, s_ref, "scales")
+    assert_bit_equal(q, q_ref, "e4m3 values")
+    assert s[0].item() == 1.0 and not q[0].float().any(), "a zero row: scale 1, zeros"
+    amax = x.float().abs().amax(1)
+    assert torch.equal(s, fp8_scale(amax)) and (s[1:] == amax[1:] / 448).all()
+
+
+def test_quantize_rows_refuses_bad_input():
+    with pytest.raises(ValueError, match="2-D fp32/bf16/fp16"):
+        fp8_quantize_rows(torch.zeros(2, 3, 4, device=DEVICE))
+    with pytest.raises(ValueError, match="2-D fp32/bf16/fp16"):
+        fp8_quantize_rows(torch.zeros(2, 3, dtype=torch.float64, device=DEVICE))
+
+
+def nf4_weight(shape, device=DEVICE):
+    """An NF4Weight of a random fp32 weight, with an outlier so that the absmax scales spread widely."""
+    w = torch.randn(shape, device=device)
+    w.view(-1)[w.numel() // 3] = 40.0
+    return NF4Weight(w)
+
+
+def scales(n, device=DEVICE):
+    return torch.rand(n, device=device) * 0.1 + 0.01
+
+
+@pytest.mark.parametrize("shape", NF4_SHAPES, ids=str)
+@pytest.mark.parametrize("transposed", [False, True], ids=["rows", "transposed"])
+def test_nf4_to_fp8_equals_quantized_bitsandbytes(shape, transposed):
+    R, K = shape
+    nf4 = nf4_weight(shape)
+    scale = scales(K if transposed else R)
+    w = nf4.dequantize(kernel=False)  # bitsandbytes, fp32
+    expected = (w / scale[None, :]).to(E4M3).t() if transposed else (w / scale[:, None]).to(E4M3)
+    out = torch.empty((K, R) if transposed else (R, K), dtype=E4M3, device=DEVICE)
+    assert nf4_to_fp8(nf4.data(), shape, scale, out, transposed) is out
+    assert_bit_equal(out, expected.contiguous(), "kernel")
+    assert_bit_equal(nf4_to_fp8_reference(nf4.data(), shape, scale, transposed), expected.contiguous(), "reference")
+
+
+@pytest.mark.parametrize("transposed", [False, True], ids=["rows", "transposed"])
+def test_nf4_to_fp8_odd_number_of_values(transposed):
+    shape = (37, 75)
+    nf4 = nf4_weight(shape)
+    scale = scales(shape[1] if transposed else shape[0])
+    out = torch.empty(shape[::-1] if transposed else shape, dtype=E4M3, device=DEVICE)
+    assert_bit_equal(nf4_to_fp8(nf4.data(), shape, scale, out, transposed),
+                     nf4_to_fp8_reference(nf4.data(), shape, scale, transposed), "kernel")
+
+
+def test_nf4_to_fp8_writes_into_slices_of_a_buffer():
+    """Two weights into consecutive rows of one [Σout, K] buffer, and transposed into consecutive columns of one
+    [K, Σout] buffer (the packed q, k, v): each its own slice, exactly, and nothing else written."""
+    weights, K = [nf4_weight((24, 64)), nf4_weight((8, 64))], 64
+    row_scale, col_scale = scales(32), scales(K)
+    rows = torch.full((40, K), 3.0, device=DEVICE).to(E4M3)
+    cols = torch.full((K, 40), 3.0, device=DEVICE).to(E4M3)
+    for nf4, (a, b) in zip(weights, [(3, 27), (27, 35)]):
+        nf4_to_fp8(nf4.data(), (b - a, K), row_scale[a - 3:b - 3], rows[a:b])
+        nf4_to_fp8(nf4.data(), (b - a, K), col_scale, cols[:, a:b], transposed=True)
+        assert_bit_equal(rows[a:b], nf4_to_fp8_reference(nf4.data(), (b - a, K), row_scale[a - 3:b - 3]), "rows")
+        assert_bit_equal(cols[:, a:b], nf4_to_fp8_reference(nf4.data(), (b - a, K), col_scale, True), "columns")
+    for untouched in (rows[:3], rows[35:], cols[:, :3], cols[:, 35:]):
+        assert (untouched.float() == 3).all(), "values outside the slices were written"
+
+
+def test_nf4_to_fp8_refuses_a_mismatched_output():
+    nf4 = nf4_weight((8, 64))
+    with pytest.raises(ValueError, match=r"out must be \(64, 8\) e4m3"):
+        nf4_to_fp8(nf4.data(), (8, 64), scales(64), torch.empty(8, 64, dtype=E4M3, device=DEVICE), transposed=True)
+    with pytest.raises(ValueError, match="out must be"):
+        nf4_to_fp8(nf4.data(), (8, 64), scales(8), torch.empty(8, 64, device=DEVICE))
+    with pytest.raises(ValueError, match=r"scale must be \(8,\) fp32"):
+        nf4_to_fp8(nf4.data(), (8, 64), scales(64), torch.empty(8, 64, dtype=E4M3, device=DEVICE))
