@@ -152,6 +152,9 @@ class TrainConfig:
                              "a power of two (one graph per such bucket): at most 63 extra padding tokens per row, "
                              "which nothing attends to or predicts. In a run of at most 100 micro-steps, rows "
                              "of at most 64 tokens are padded to 128: one graph fewer"})
+    fp8: bool = field(default=False, metadata={"help": "the frozen base projections' forward and input-gradient "
+                      "GEMMs on FP8 tensor cores (e4m3, a scale per row; docs/qlora.md); LoRA and the rest stay "
+                      "in bf16. Needs a GPU of compute capability 8.9+ (Ada, Hopper)"})
     loss_scale: float = field(default=2.0 ** 16, metadata={"help": "fp16: initial dynamic loss scale"})
     scale_growth_interval: int = field(default=200, metadata={"help": "fp16: double the scale after this many good "
                                        "steps"})
@@ -244,6 +247,10 @@ class TrainConfig:
             (not (self.full and self.method in ("dpo", "ipo")), f"--method {self.method} compares the model with "
              "itself before training, which LoRA gets by turning its adapters off; --full has no such copy. Use "
              "--method simpo or orpo (no reference model), or LoRA"),
+            (not (self.full and self.fp8), "--fp8 runs the frozen base weights' GEMMs in fp8, and --full trains "
+                                           "them: drop one of them"),
+            (self.dtype in ("auto", "bf16") or not self.fp8, f"--fp8 runs beside bf16 (its GEMMs write bf16): use "
+                                                              f"--dtype bf16 or auto, not {self.dtype}"),
             (self.sample_every >= -1, f"--sample-every must be a number of steps, -1 (only before training and at "
                                       f"the end) or 0 (never), got {self.sample_every}"),
         ]
@@ -370,7 +377,7 @@ OPTION_GROUPS = {
     "run folder": ("out_dir", "save_every", "keep_checkpoints", "resume", "resume_anyway", "overwrite",
                    "push_to_hub"),
     "logging and evaluation": ("log_every", "eval_every", "eval_batches", "sample_every", "report_to"),
-    "GPU only": ("kernels", "cuda_graphs"),
+    "GPU only": ("kernels", "cuda_graphs", "fp8"),
 }
 
 
@@ -518,6 +525,11 @@ def pick_device(cfg) -> str:
     if name == "mps" and not torch.backends.mps.is_available():
         raise UserError("--device mps: torch sees no Apple silicon GPU (mps needs a Mac with Apple silicon and a "
                         "torch build with MPS); use --device cpu, or auto")
+    if cfg.fp8 and not (name.startswith("cuda") and torch.cuda.get_device_capability(name) >= (8, 9)):
+        where = f"{torch.cuda.get_device_name(name)}, compute capability " \
+                f"{'.'.join(map(str, torch.cuda.get_device_capability(name)))}" if name.startswith("cuda") else name
+        raise UserError(f"--fp8 needs a CUDA GPU of compute capability 8.9 or more (Ada, Hopper: FP8 tensor cores); "
+                        f"this run is on {where}. Leave out --fp8")
     if cfg.kernels and not name.startswith("cuda"):
         raise UserError(f"--kernels: the Triton kernels run on NVIDIA GPUs (CUDA), and this run is on {name}; leave "
                         "out --kernels (or pass --no-kernels) to run the torch references")

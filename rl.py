@@ -95,7 +95,7 @@ def main(cfg) -> int:
         # ----------------------------------------------------------------------------- model
         torch.manual_seed(cfg.seed)
         model, mcfg = load_model(path, dtype=dtype, device=device, lora=cfg.lora(), quantize=cfg.quantize,
-                                 use_kernels=use_kernels, lora_seed=cfg.seed)
+                                 use_kernels=use_kernels, lora_seed=cfg.seed, fp8=cfg.fp8)
         params = [p for _, p in lora_parameters(model)]
         model.gradient_checkpointing = bool(cfg.gradient_checkpointing)
         ckpts.check_free_disk(model)

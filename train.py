@@ -117,7 +117,7 @@ def main(cfg) -> int:
         random.seed(cfg.seed + rank)
         model, mcfg = load_model(path, dtype=dtype, device=device, lora=cfg.lora(), quantize=cfg.quantize,
                                  use_kernels=use_kernels, lora_seed=cfg.seed,
-                                 offload_activations=cfg.offload_activations, train=train)
+                                 offload_activations=cfg.offload_activations, train=train, fp8=cfg.fp8)
         if cfg.train_embeddings or new_ids:  # fp32 embeddings, grown to the tokenizer, new rows at the mean row
             mcfg = train_embeddings_(model, tokenizer.vocab_size, new_ids, all_rows=cfg.train_embeddings)
             log(f"embeddings: {mcfg.vocab_size} rows ({len(new_ids)} new), training "

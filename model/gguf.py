@@ -379,7 +379,7 @@ def gguf_config(reader) -> ModelConfig:
 
 def load_gguf(path, dtype=torch.float32, device="cpu", lora: LoRAConfig | None = None, quantize=None,
               use_kernels=False, lora_seed=0, fused_lora=True, gradient_checkpointing=False,
-              offload_activations=False, train=None):
+              offload_activations=False, train=None, fp8=False):
     """Build the model from a GGUF file and load its weights, dequantized to `dtype` (and requantized
     to NF4 with quantize="nf4"). Returns (model, config), like model.load.load_model, which routes
     *.gguf paths here."""
@@ -413,7 +413,7 @@ def load_gguf(path, dtype=torch.float32, device="cpu", lora: LoRAConfig | None =
         place_tensor(model, name, w, device, dtype, nf4_keys)
         seen.add(name)
     check_complete(expected, seen, repr(path))
-    finish_model(model, cfg, device, lora_seed, train)
+    finish_model(model, cfg, device, lora_seed, train, fp8)
     model.gguf_metadata = general_metadata(reader)  # written back by save_gguf
     return model, cfg
 

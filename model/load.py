@@ -68,7 +68,7 @@ def _redownload(folder):
 def load_model(name_or_path: str, dtype=torch.float32, device="cpu", lora: LoRAConfig | None = None,
                quantize: str | None = None, use_kernels: bool = False, lora_seed: int = 0,
                fused_lora: bool = True, gradient_checkpointing: bool = False, offload_activations: bool = False,
-               train=None):
+               train=None, fp8: bool = False):
     """Build the model and load its weights. Returns (model, config).
 
     name_or_path: a model folder, short name, hub repo id, or .gguf file (read by model/gguf.py).
@@ -79,6 +79,7 @@ def load_model(name_or_path: str, dtype=torch.float32, device="cpu", lora: LoRAC
     gradient_checkpointing, offload_activations: see `Transformer`.
     train: a predicate on parameter names, the base weights that train (full fine-tuning: full.py's
     `train_filter`); None: only LoRA weights train.
+    fp8: the frozen projections' forward and input-gradient GEMMs in fp8 (model/fp8.py); needs torch._scaled_mm.
     """
     check_quantize(quantize)
     options = dict(lora=lora, use_kernels=use_kernels, fused_lora=fused_lora,
@@ -87,7 +88,7 @@ def load_model(name_or_path: str, dtype=torch.float32, device="cpu", lora: LoRAC
     if is_gguf(folder):
         from model.gguf import load_gguf  # imports the optional gguf package
         return load_gguf(folder, dtype=dtype, device=device, quantize=quantize, lora_seed=lora_seed, train=train,
-                         **options)
+                         fp8=fp8, **options)
     hf_config = read_hf_config(folder)
     cfg = from_hf_config(hf_config, source=os.path.join(folder, "config.json"))
     files = safetensors_files(folder)
@@ -121,12 +122,12 @@ def load_model(name_or_path: str, dtype=torch.float32, device="cpu", lora: LoRAC
                 place_tensor(model, key, t, device, dtype, nf4_keys)
                 seen.add(key)
     check_complete(expected, seen, f"checkpoint {folder!r}")
-    finish_model(model, cfg, device, lora_seed, train)
+    finish_model(model, cfg, device, lora_seed, train, fp8)
     return model, cfg
 
 
 def random_model(cfg: ModelConfig, dtype=torch.float32, device="cpu", quantize: str | None = None,
-                 lora_seed: int = 0, train=None, **options):
+                 lora_seed: int = 0, train=None, fp8: bool = False, **options):
     """A model of `cfg` built as `load_model` builds it, with stand-in base weights where a checkpoint's would go:
     N(0, 0.02²) from a generator of its own, so that the process's random state stays as it was. For runs that
     need the shapes and kernels of a model, not its weights (step.py's warm start). options: as for `load_model`."""
@@ -138,7 +139,7 @@ def random_model(cfg: ModelConfig, dtype=torch.float32, device="cpu", quantize: 
     for name, shape in expected.items():
         t = torch.empty(shape, dtype=torch.float32, device=device).normal_(0.0, 0.02, generator=gen)
         place_tensor(model, name, t, device, dtype, nf4_keys)
-    finish_model(model, cfg, device, lora_seed, train)
+    finish_model(model, cfg, device, lora_seed, train, fp8)
     return model
 
 

@@ -109,6 +109,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from model.fp8 import fp8_input_grad, fp8_linear
+
 ALL_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 COMPUTE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)  # float64: gradcheck only
 MASTER_DTYPES = (torch.float32, torch.float64)
@@ -155,6 +157,7 @@ class LoRALinear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
         self.nf4 = None  # an NF4Weight that replaces `weight` once quantized (model/qlora.py)
+        self.fp8 = None  # the FP8Weights of this projection's group, for --fp8 (model/fp8.py)
         self.r = lora.r if lora else 0
         self.scale = lora.scale if lora else 0.0
         self.dropout_p = lora.dropout if lora else 0.0
@@ -188,8 +191,10 @@ class LoRALinear(nn.Module):
 
     def base_weight(self):
         """W [out, in] in its stored dtype. An NF4 weight is dequantized into a new tensor:
-        drop it as soon as it has been used."""
-        return self.weight if self.nf4 is None else self.nf4.dequantize()
+        drop it as soon as it has been used. A base stored only in fp8 is dequantized likewise."""
+        if self.nf4 is not None:
+            return self.nf4.dequantize()
+        return self.fp8.dequantize(self.name) if self.weight is None else self.weight
 
     def lora_input(self, x):
         """dropout(x) for the adapter, or None when there is no adapter or dropout is off
@@ -230,7 +235,7 @@ class LoRALinear(nn.Module):
         return y if self.bias is None else y + self.bias
 
     def extra_repr(self):
-        quant = ", nf4" if self.nf4 is not None else ""
+        quant = (", nf4" if self.nf4 is not None else "") + (", fp8" if self.fp8 is not None else "")
         dora = ", dora" if self.dora else ""
         return f"in={self.in_features}, out={self.out_features}, r={self.r}, scale={self.scale:g}{dora}{quant}"
 
@@ -453,10 +458,14 @@ def _base(projs, x, dtype, transposed=False, bias=True):
     kernels). One row (a decoding step) is computed plainly: its plain product already has that layout, and
     its transposed one would carry the row stride 1, which cuBLAS takes as the leading dimension of the
     column slices that the adapters add into, and refuses. A dequantized, concatenated or cast weight is
-    freed on return. bias=False: without the biases (DoRA adds them after its scaling, `_dora_output`)."""
+    freed on return. bias=False: without the biases (DoRA adds them after its scaling, `_dora_output`).
+    With --fp8 the GEMM runs in fp8 (model/fp8.py) and the biases are added after it."""
     assert len({p.bias is None for p in projs}) == 1, "fused LoRA: projections of one input all have a bias or none"
-    w = _base_weights(projs, dtype)
     b = _bias(projs, dtype) if bias else None
+    if projs[0].fp8 is not None:
+        y = fp8_linear(projs, x, dtype, transposed)
+        return y if b is None else y.add_(b)
+    w = _base_weights(projs, dtype)
     if not transposed or len(x) == 1:
         return F.linear(x, w, b)
     return (torch.mm(w, x.t()) if b is None else torch.addmm(b[:, None], w, x.t())).t()
@@ -508,7 +517,10 @@ def _dora_backward(projs, m_dtypes, dy, pre, g, norms, need_m, dms):
 def _base_backward(projs, dy, transposed=False):
     """dY [W_1; W_2; ...] (N, in), the gradient of the projections' shared input through their base weights, from
     dY (N, Σout), as one GEMM; each W is dequantized again, and freed after it. transposed: computed as the
-    contiguous (in, N) product and returned transposed (the MLP's dH, which meets Gᵀ and Uᵀ in the kernels)."""
+    contiguous (in, N) product and returned transposed (the MLP's dH, which meets Gᵀ and Uᵀ in the kernels).
+    With --fp8 the GEMM runs in fp8 with the weights' transposed copy (model/fp8.py)."""
+    if projs[0].fp8 is not None:
+        return fp8_input_grad(projs, dy, transposed)
     w = _base_weights(projs, dy.dtype)
     return torch.mm(w.t(), dy.t()).t() if transposed else torch.mm(dy, w)
 

@@ -386,6 +386,13 @@ class Transformer(nn.Module):
                 pack_weights_(group)
                 pack_adapters_(group)
 
+    def projection_groups(self):
+        """Each layer's projections grouped by the input they read: (q, k, v), (o,), (gate, up), (down,)."""
+        for layer in self.model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            yield from ((attn.q_proj, attn.k_proj, attn.v_proj), (attn.o_proj,), (mlp.gate_proj, mlp.up_proj),
+                        (mlp.down_proj,))
+
     def varlen(self, device, dtype):
         """Whether document and window masks run as flash attention's variable-length kernels here
         (not with a softcap, which those kernels do not apply: see `attend`)."""

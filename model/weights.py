@@ -75,11 +75,11 @@ def check_complete(expected, seen, where):
         raise CheckpointError(f"{where} is missing tensor(s) {missing[:5]}{more}")
 
 
-def finish_model(model, cfg, device, lora_seed, train=None):
+def finish_model(model, cfg, device, lora_seed, train=None, fp8=False):
     """Tie embeddings, create the fp32 LoRA weights on `device` (the init of each adapter: `init_adapter_`, which
     may move its base weight), freeze the base (but for the base weights whose names the predicate `train` holds
     for: full fine-tuning, full.py), and pack the base weights of projections that share an input where they stay
-    frozen (`Transformer.pack_weights_`)."""
+    frozen (`Transformer.pack_weights_`). fp8: the base GEMMs in fp8 (model/fp8.py, `quantize_fp8_`)."""
     if cfg.tie_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     gen = torch.Generator().manual_seed(lora_seed)
@@ -95,4 +95,7 @@ def finish_model(model, cfg, device, lora_seed, train=None):
     for n, p in model.named_parameters():
         p.requires_grad_(is_lora_param(n) or (train is not None and train(n)))
     model.pack_weights_()
+    if fp8:
+        from model.fp8 import quantize_fp8_
+        quantize_fp8_(model.projection_groups())
     model.eval()  # dropout off unless the training loop turns it on
