@@ -234,3 +234,15 @@ def test_bench_qlora_smoke(tmp_path):
         assert r["status"] == "ok", r
         assert r["loss_final"] < r["loss_first"], r
     assert "| gemma-2-9b | 2x64 | on+offload |" in proc.stdout
+
+
+def test_qlora_fp8_case_runs():
+    """bench_qlora.py --fp8: the NF4 step with the base GEMMs in fp8 (the CPU's torch._scaled_mm)."""
+    row = bench_qlora.run_case("llama-3.1-8b", 1, 32, "off", smoke=True, warmup=0, steps=1, fp8=True)
+    assert row["status"] == "ok", row
+
+
+def test_fp8_curve_smoothing():
+    from scripts.bench.fp8_curve import smoothed
+    assert smoothed([2.0, 2.0, 2.0], 0.9) == pytest.approx([2.0, 2.0, 2.0])  # bias-corrected: no pull toward 0
+    assert smoothed([1.0, 3.0], 0.5) == pytest.approx([1.0, (0.25 * 1 + 0.5 * 3) / 0.75])

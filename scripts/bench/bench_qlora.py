@@ -6,6 +6,7 @@
     python scripts/bench/bench_qlora.py --shapes qwen2.5-7b --ckpt on+offload --long-shapes none
     python scripts/bench/bench_qlora.py --shapes none --long 32768,65536 --out long.json
     python scripts/bench/bench_qlora.py --smoke                # tiny shapes on CPU: every case end to end
+    python scripts/bench/bench_qlora.py --fp8 --long-shapes none   # the base GEMMs in fp8 (train.py's --fp8)
 
 The shapes are the real models' configs (SHAPES); the model is built in memory with stand-in weights and
 quantized to NF4 with double quantization as it is built (`model.load.random_model`): nothing is written
@@ -97,7 +98,7 @@ def predict_longest(rows, capacity_bytes, step=LENGTH_STEP, headroom=HEADROOM):
 
 # ----------------------------------------------------------------------------- one case (a child process)
 
-def run_case(shape, batch, seqlen, ckpt, smoke, warmup, steps) -> dict:
+def run_case(shape, batch, seqlen, ckpt, smoke, warmup, steps, fp8=False) -> dict:
     """Build the NF4 model, then warm-up and timed steps; never raises (OOM and errors become a status).
     warmup 0: one step after the optimizer state is allocated, for the steady-state peak in one step."""
     import torch
@@ -105,7 +106,7 @@ def run_case(shape, batch, seqlen, ckpt, smoke, warmup, steps) -> dict:
     res = {"status": "ok", "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu"}
     try:
         t0 = time.perf_counter()
-        step = harness.nanotune_step(model_config(shape, smoke), device, ckpt, quantize="nf4")
+        step = harness.nanotune_step(model_config(shape, smoke), device, ckpt, quantize="nf4", fp8=fp8)
         res["build_s"] = time.perf_counter() - t0
         if warmup == 0:
             step.init_optimizer_state()
@@ -142,10 +143,11 @@ def spawn(case: dict, smoke, timeout) -> dict:
 
 def row_line(r):
     size = f"{r['batch']}x{r['seqlen']}"
+    shape = r["shape"] + (" fp8" if r.get("fp8") else "")
     if r["status"] != "ok":
-        return f"| {r['shape']} | {size} | {r['ckpt']} | {r['status']}: {r.get('reason', '')} | | |"
+        return f"| {shape} | {size} | {r['ckpt']} | {r['status']}: {r.get('reason', '')} | | |"
     peak = f"{r['peak_mem_bytes'] / GiB:.2f}" if r.get("peak_mem_bytes") else "-"
-    return (f"| {r['shape']} | {size} | {r['ckpt']} | {r['median_step_s'] * 1e3:.1f} | {r['tokens_per_s'] / 1e3:.2f}k "
+    return (f"| {shape} | {size} | {r['ckpt']} | {r['median_step_s'] * 1e3:.1f} | {r['tokens_per_s'] / 1e3:.2f}k "
             f"| {peak} |")
 
 
@@ -158,6 +160,8 @@ def main(argv=None):
     p.add_argument("--long", help="their lengths, comma-separated (default 32768,65536,131072)")
     p.add_argument("--no-longest", action="store_true", help="skip the predicted longest length and its step")
     p.add_argument("--smoke", action="store_true", help="tiny shapes, few steps: CPU is fine")
+    p.add_argument("--fp8", action="store_true", help="the base GEMMs in fp8 (train.py's --fp8; a GPU of compute "
+                   "capability 8.9+, or the CPU's torch._scaled_mm with --smoke)")
     p.add_argument("--time-budget", type=float, default=540.0, help="seconds for the whole run")
     p.add_argument("--out", help="JSON of every row, rewritten after each")
     p.add_argument("--child", help=argparse.SUPPRESS)
@@ -187,7 +191,7 @@ def main(argv=None):
     rows = []
 
     def run(shape, batch, seqlen, ckpt, warmup=sizes["warmup"], steps=sizes["steps"]):
-        case = dict(shape=shape, batch=batch, seqlen=seqlen, ckpt=ckpt, warmup=warmup, steps=steps)
+        case = dict(shape=shape, batch=batch, seqlen=seqlen, ckpt=ckpt, warmup=warmup, steps=steps, fp8=args.fp8)
         row = {**case, **spawn(case, args.smoke, deadline - time.monotonic())}
         rows.append(row)
         print(row_line(row), flush=True)

@@ -111,20 +111,21 @@ class Step:
 
 
 def nanotune_step(source, device, ckpt="off", *, fused_lora=True, use_kernels=None, cuda_graphs="off",
-                  quantize=None, dora=False) -> Step:
+                  quantize=None, dora=False, fp8=False) -> Step:
     """nanotune's step on `source`, the folder of a checkpoint, or a ModelConfig for a model built in memory
     with stand-in weights (model.load.random_model: nothing on disk, so 7-12B shapes cost no files): bf16,
     LoRA r=16 alpha=16 on all 7 projections, activation checkpointing per `ckpt` (one of CKPT_MODES), the
     Triton kernels on CUDA unless use_kernels says otherwise, fused_lora=False for LoRA in plain autograd,
     cuda_graphs="on" for the micro-step replayed from a CUDA graph per batch shape (step.py, as train.py's
-    --cuda-graphs), quantize="nf4" for QLoRA, dora=True for DoRA adapters (train.py's --dora)."""
+    --cuda-graphs), quantize="nf4" for QLoRA, dora=True for DoRA adapters (train.py's --dora), fp8=True for the
+    base GEMMs in fp8 (train.py's --fp8)."""
     device = torch.device(device)
     if ckpt not in CKPT_MODES:
         raise ValueError(f"ckpt={ckpt!r}; expected one of {CKPT_MODES}")
     options = dict(dtype=DTYPE, device=device, lora=LoRAConfig(r=LORA_R, alpha=LORA_ALPHA, dora=dora),
                    quantize=quantize, use_kernels=device.type == "cuda" if use_kernels is None else use_kernels,
                    fused_lora=fused_lora, gradient_checkpointing=ckpt != "off",
-                   offload_activations=ckpt == "on+offload")
+                   offload_activations=ckpt == "on+offload", fp8=fp8)
     if isinstance(source, ModelConfig):
         model, cfg = random_model(source, **options), source
     else:
