@@ -153,7 +153,7 @@ class TrainConfig:
                              "which nothing attends to or predicts. In a run of at most 100 micro-steps, rows "
                              "of at most 64 tokens are padded to 128: one graph fewer"})
     fp8: bool = field(default=False, metadata={"help": "the frozen base projections' forward and input-gradient "
-                      "GEMMs on FP8 tensor cores (e4m3, a scale per row; docs/qlora.md); LoRA and the rest stay "
+                      "GEMMs on FP8 tensor cores (e4m3, a scale per row; docs/usage.md); LoRA and the rest stay "
                       "in bf16. Needs a GPU of compute capability 8.9+ (Ada, Hopper)"})
     loss_scale: float = field(default=2.0 ** 16, metadata={"help": "fp16: initial dynamic loss scale"})
     scale_growth_interval: int = field(default=200, metadata={"help": "fp16: double the scale after this many good "

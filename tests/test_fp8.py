@@ -65,8 +65,8 @@ def adapter(p, x):
 
 def emulated_group(x, projs):
     w, wt = fp8_operands(projs)
-    return EmulatedFP8.apply(x, w, wt) + torch.cat([adapter(p, x) * torch.ones(p.out_features, dtype=torch.float64)
-                                                     for p in projs], -1)
+    ones = [torch.ones(p.out_features, dtype=torch.float64, device=x.device) for p in projs]
+    return EmulatedFP8.apply(x, w, wt) + torch.cat([adapter(p, x) * one for p, one in zip(projs, ones)], -1)
 
 
 def grads(fn, x, projs, dy_seed=1):
@@ -76,7 +76,7 @@ def grads(fn, x, projs, dy_seed=1):
     for t in params:
         t.grad = None
     y = fn(x)
-    y.backward(torch.randn(y.shape, generator=torch.Generator().manual_seed(dy_seed)).to(y.dtype))
+    y.backward(torch.randn(y.shape, generator=torch.Generator().manual_seed(dy_seed)).to(y.device, y.dtype))
     return [y, x.grad] + [t.grad for t in params]
 
 

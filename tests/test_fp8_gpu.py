@@ -1,0 +1,123 @@
+"""GPU (compute capability 8.9+): the fp8 base GEMMs with the Triton kernels and cuBLAS's torch._scaled_mm, at
+real sizes and odd-ish shapes, against the emulated references of tests/test_fp8.py, and inside a CUDA graph.
+
+Run on a GPU machine with `python -m pytest -m gpu tests/test_fp8_gpu.py`.
+"""
+import pytest
+import torch
+import torch.nn.functional as F
+
+import data
+import step
+from kernels.fp8_quantize import fp8_quantize_rows
+from kernels.nf4_to_fp8 import nf4_to_fp8
+from kernels.references import E4M3, fp8_quantize_rows_reference, nf4_to_fp8_reference
+from model import LoRAConfig, load_model
+from model.fp8 import quantize_fp8_
+from model.lora import lora_mlp, lora_parameters, lora_projections
+from model.qlora import NF4Weight
+from tests.helpers import glu, make_proj, randomize_lora_b, rel_err
+from tests.test_fp8 import emulated_group, grads
+from tests.test_fp8_kernels import assert_bit_equal
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
+                                 reason="needs a CUDA GPU of compute capability 8.9+")]
+DEV = "cuda"
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)
+
+
+@pytest.mark.parametrize("shape", [(4096, 4096), (4093, 14336), (37, 4096)], ids=str)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("layout", ["rows", "transposed"])
+def test_quantize_rows_kernel_on_gpu(shape, dtype, layout):
+    x = (torch.randn(shape, device=DEV) * 3).to(dtype)
+    x = x.t().contiguous().t() if layout == "transposed" else x
+    q, s = fp8_quantize_rows(x)
+    q_ref, s_ref = fp8_quantize_rows_reference(x)
+    assert_bit_equal(s, s_ref, "scales")
+    assert_bit_equal(q, q_ref, "e4m3 values")
+
+
+@pytest.mark.parametrize("shape", [(4096, 4096), (14336, 4096), (1024, 14336)], ids=str)
+@pytest.mark.parametrize("transposed", [False, True], ids=["rows", "transposed"])
+def test_nf4_to_fp8_kernel_on_gpu(shape, transposed):
+    nf4 = NF4Weight(torch.randn(shape, device=DEV, dtype=torch.bfloat16))
+    R, K = shape
+    scale = torch.rand(K if transposed else R, device=DEV) * 0.05 + 0.01
+    out = torch.empty((K, R) if transposed else (R, K), dtype=E4M3, device=DEV)
+    expected = nf4_to_fp8_reference(nf4.data(), shape, scale, transposed)
+    assert_bit_equal(nf4_to_fp8(nf4.data(), shape, scale, out, transposed), expected, "kernel")
+
+
+def projections(nf4, outs, in_f):
+    projs = tuple(make_proj(in_f, o, True, 8, torch.bfloat16, n, i).to(DEV) for i, (n, o) in enumerate(outs))
+    for p in projs:
+        p.dropout_p = 0.0
+        if nf4:
+            from model.qlora import quantize_linear_
+            quantize_linear_(p, p.weight)
+    return projs
+
+
+@pytest.mark.parametrize("nf4", [False, True], ids=["bf16-base", "nf4-base"])
+@pytest.mark.parametrize("tokens", [1, 77, 512])
+def test_fused_fp8_equals_emulated_on_gpu(nf4, tokens):
+    """q/k/v (q 1040 wide, k and v 208: widths multiples of 16, not of 64) and an MLP of intermediate 1360, bf16
+    activations, the GEMMs on cuBLAS: against the fp64 emulation of the same e4m3 operands. bf16 outputs round
+    each value once (2^-9), and the e4m3 roundings of bf16 inputs that the emulation recomputes from its own
+    fp64 values may differ where they sit at a midpoint: bounds of a few bf16 ulps in norm."""
+    H, I = 1040, 1360
+    qkv = projections(nf4, (("q_proj", 1040), ("k_proj", 208), ("v_proj", 208)), H)
+    gate, up = projections(nf4, (("gate_proj", I), ("up_proj", I)), H)
+    down, = projections(nf4, (("down_proj", H),), I)
+    quantize_fp8_([qkv, (gate, up), (down,)])
+    x = torch.randn(tokens, H, device=DEV, dtype=torch.bfloat16)
+    fused = grads(lambda x: torch.cat(lora_projections(x, qkv), -1), x, qkv)
+    emulated = grads(lambda x: emulated_group(x, qkv), x.double(), qkv)
+    for i, (a, e) in enumerate(zip(fused, emulated)):
+        assert rel_err(a, e) < 2e-2, f"q/k/v tensor {i}: {rel_err(a, e):.3g}"
+
+    def mlp_emulated(x):
+        g, u = emulated_group(x, (gate, up)).split(I, -1)
+        return emulated_group(F.silu(g) * u, (down,))
+
+    projs = (gate, up, down)
+    fused = grads(lambda x: lora_mlp(x, projs, glu("silu", use_kernels=True)), x, projs)
+    for i, (a, e) in enumerate(zip(fused, grads(mlp_emulated, x.double(), projs))):
+        assert rel_err(a, e) < 3e-2, f"MLP tensor {i}: {rel_err(a, e):.3g}"
+
+
+@pytest.mark.parametrize("quantize", [None, "nf4"])
+def test_fp8_model_in_a_cuda_graph(llama_folder, quantize):
+    """A replayed step with --fp8 gives the eager step's loss and gradients (no host sync, fixed allocations)."""
+    dev = torch.device(DEV)
+    model, _ = load_model(llama_folder, dtype=torch.bfloat16, device=dev, use_kernels=True, quantize=quantize,
+                          lora=LoRAConfig(r=4, alpha=8), fp8=True)
+    assert all(p.fp8 is not None for g in model.projection_groups() for p in g)
+    randomize_lora_b(model)
+    model.train()
+    params = [p for _, p in lora_parameters(model)]
+    g = torch.Generator().manual_seed(0)
+    encoded = [(torch.randint(3, model.config.vocab_size, (n,), generator=g).tolist(), [True] * n)
+               for n in (37, 50, 21)]
+    batch = step.pad_to_bucket(data.pad_batch(encoded, pad_id=0), 2048)
+
+    def run(fn):
+        for p in params:
+            p.grad = None
+        loss = fn(batch, data.num_targets(batch), 1.0)
+        return float(loss), [p.grad.detach().clone() for p in params]
+
+    graph = step.GraphStep(model, dev, params, max_len=2048, warmed=True)
+    loss_e, grads_e = run(step.EagerStep(model, dev))
+    loss_g, grads_g = run(graph)
+    loss_r, grads_r = run(graph)
+    assert len(graph.graphs) == 1 and not graph.failed
+    assert abs(loss_g - loss_e) <= 1e-2 * abs(loss_e) and loss_r == loss_g
+    for ge, gg, gr in zip(grads_e, grads_g, grads_r):
+        assert torch.isfinite(gg).all() and rel_err(gg, ge) < 2e-2 and torch.equal(gg, gr)
