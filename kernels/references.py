@@ -218,14 +218,18 @@ def check_nf4_args(q: NF4Data, numel):
                              f"weight of {numel} values; got {t.numel()} {t.dtype} on {t.device}")
 
 
+def nf4_block_absmax(q: NF4Data):
+    """Each 64-value block's absmax scale a_b = D[c_b] · s_{b // 256} + o, fp32, as bitsandbytes computes it."""
+    scale = q.absmax_scale.repeat_interleave(NF4_ABSMAX_BLOCK)[:len(q.absmax)]
+    return q.absmax_code[q.absmax.long()] * scale + q.absmax_offset
+
+
 def nf4_dequantize_reference(q: NF4Data, shape, dtype):
     """Pure torch, operation for operation as bitsandbytes' `dequantize_4bit`: the absmax scales in fp32
     (code times scale, then plus offset), each value's level times its scale in fp32, one rounding to `dtype`."""
     numel = math.prod(shape)
     check_nf4_args(q, numel)
-    n_blocks = -(-numel // NF4_BLOCK)
-    scale = q.absmax_scale.repeat_interleave(NF4_ABSMAX_BLOCK)[:n_blocks]
-    absmax = q.absmax_code[q.absmax.long()] * scale + q.absmax_offset  # (n_blocks,)
+    absmax = nf4_block_absmax(q)  # (n_blocks,)
     packed = q.packed.reshape(-1)
     codes = torch.stack([packed >> 4, packed & 15], dim=-1).reshape(-1)[:numel].long()
     levels = torch.tensor(NF4_LEVELS, dtype=torch.float32, device=packed.device)
