@@ -7,7 +7,7 @@ import grpo
 from data.batches import IGNORE_INDEX
 from data.rollouts import Rollout, collate
 from model import LoRAConfig, load_model
-from model.generate import generate, sample_groups, sample_tokens
+from model.generate import GroupSampler, generate, sample_groups, sample_tokens
 from tests.helpers import assert_close, randomize_lora_b
 from tests.tiny_models import save_tiny
 
@@ -75,6 +75,34 @@ def test_rows_stop_at_a_stop_id(tiny):
     for row, want in zip(out, free, strict=True):
         assert row == (want[:want.index(stop) + 1] if stop in want else want)
     assert len(out[0]) == 3 and len(logps[0]) == 3
+
+
+def test_a_reused_sampler_samples_what_a_fresh_one_samples(tiny):
+    """One GroupSampler serves a run: a call after one with longer prompts and completions (whose keys and values
+    stay in the cache, before the new prompts' slots and after the current token) gives exactly the tokens and
+    log-probs of the same call to a fresh sampler, with the same seed."""
+    def sampler():
+        return GroupSampler(tiny, rows=8, max_prompt_len=10, max_new_tokens=9)
+    reused = sampler()
+    reused([PROMPTS[2], PROMPTS[0]], 4, temperature=1.0, generator=torch.Generator().manual_seed(1))
+    short = [[5, 6], [3, 17, 9]]
+    got = reused(short, 4, temperature=1.0, generator=torch.Generator().manual_seed(2))
+    want = sampler()(short, 4, temperature=1.0, generator=torch.Generator().manual_seed(2))
+    assert got == want
+    assert got[0] != reused(short, 4, temperature=1.0, generator=torch.Generator().manual_seed(3))[0]
+
+
+def test_a_sampler_takes_fewer_rows_than_it_holds(tiny):
+    """A call with fewer prompts than the sampler's rows (the held-out prompts, G = 1, a short last batch) fills
+    the rest with copies and returns the prompts' own samples: at temperature 0, greedy `generate`'s answers."""
+    sampler = GroupSampler(tiny, rows=6, max_prompt_len=8, max_new_tokens=7)
+    out, logps = sampler(PROMPTS, 1, temperature=0.0)
+    assert out == [generate(tiny, p, max_new_tokens=7) for p in PROMPTS]
+    assert [len(lp) for lp in logps] == [len(c) for c in out]
+    with pytest.raises(ValueError, match="holds 6 rows; 3 prompts x 4 samples need 12"):
+        sampler(PROMPTS, 4)
+    with pytest.raises(ValueError, match="a prompt of 9 tokens does not fit the sampler's 8"):
+        sampler([list(range(3, 12))], 1)
 
 
 def test_top_k_and_top_p_cut_the_distribution():
