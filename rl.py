@@ -6,10 +6,11 @@
 This file is the algorithm, top to bottom in the order it runs, as train.py is: device and dtype, data (the
 prompts), model, optimizer, resume, the loop, finish. A step takes --batch-size prompts P, samples G completions
 of each (--num-generations) from the model with its current adapters (model/generate.py `GroupSampler`, made
-once: P×G rows through one static KV cache, one CUDA graph per token on a GPU), scores them with the reward functions
-(rewards.py), turns the rewards into group-relative advantages, and makes --num-iterations (μ) optimizer updates
-with the clipped GRPO loss (grpo.py) over the rollouts, packed into rows as SFT packs examples (data/rollouts.py),
-each update replayed from a CUDA graph on a GPU as train.py's steps are (step.py, --cuda-graphs).
+once: P×G rows through one static KV cache, one CUDA graph replayed per token on a GPU), scores them with the
+reward functions (rewards.py), turns the rewards into group-relative advantages, and makes --num-iterations (μ)
+optimizer updates with the clipped GRPO loss (grpo.py) over the rollouts, packed into rows as SFT packs examples
+(data/rollouts.py), each update replayed from a CUDA graph on a GPU as train.py's steps are (step.py,
+--cuda-graphs).
 The old log-probs (the sampling policy's, which the ratio divides by) come from one no-grad forward over the same
 batches before the first update, and the reference's (β > 0) from one with the adapters off: no second model.
 
