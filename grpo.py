@@ -2,15 +2,17 @@
 its DAPO, GRPO and Dr. GRPO normalizations, GSPO's sequence-level ratio, and the KL to the reference.
 
     advantages = group_advantages(rewards, G)        # (P*G,): each completion's reward against its group's
-    objective = GRPOLoss("dapo", beta=0.0)           # rl.py builds it from its options
+    objective = GRPOLoss("dapo", beta=0.0, device=d)  # rl.py builds it from its options
     loss = objective(model, batch, count)            # a loss_fn for step.py: Σ token losses / the step's count
     objective.count(batch)                           # this micro-batch's share of that count
     objective.take(count, reduce)                    # the step's TRL-named metrics (kl, clip_ratio/...)
 
 A rollout is one document of a batch (prompt + completion, per-document positions, as SFT packs examples); only
 its completion tokens have targets. batch["seq_ids"] (B, T) numbers each token's rollout within the micro-batch
-(padding reads 0 and has no target), batch["seq_lengths"] (N,) holds each rollout's completion-token count (0 for
-an empty completion), batch["advantages"] (N,) its advantage, batch["old_logps"] (B, T) the sampling policy's
+(padding reads 0 and has no target), batch["seq_lengths"] (N,) holds each rollout slot's completion-token count (0
+for an empty completion), batch["rollout_mask"] (N,) is False for a padding slot (no rollout: the slots are padded
+to a fixed count for a CUDA graph, see data/rollouts.py), batch["advantages"] (N,) the advantage (0 in a padding
+slot), batch["old_logps"] (B, T) the sampling policy's
 log-probability of each target token (left out with one update per batch of rollouts: the policy's own, detached)
 and batch["ref_logps"] (B, T) the reference's (β > 0 only), both 0 where there is no target. The model's fused
 head gives each target token's log-probability without the B×T×V logits (`token_logps`), so packed and padded
@@ -32,8 +34,10 @@ of o_i, and every probability taken over logits / temperature (as the sampler's)
                  "grpo"     (1/N) Σ_i (Σ_t ℓ_it / |o_i|)                 the mean over each sequence, then over them
                  "dr_grpo"  Σ_i Σ_t ℓ_it / (N × max_completion_length)  a constant normalizer
 where the sums run over every rollout of the step (all its micro-batches and ranks), N is their count (empty
-completions included: they add 0 to the sum, as in TRL) and |o_i| their completion-token count. The caller
-passes that step-wide denominator (`count`), as SFT's loss divides by the step's target tokens.
+completions included: they add 0 to the sum, as in TRL; padding slots not) and |o_i| their completion-token count.
+The caller passes that step-wide denominator (`count`), as SFT's loss divides by the step's target tokens.
+A step is CUDA-graph capturable (step.py's GraphStep), as preference.Objective's: it never syncs with the host,
+its shapes are the batch's, and its metric sums add into a buffer on the device (`sums`) that `take` reads.
 References: GRPO, Shao et al. 2024 "DeepSeekMath" (the advantage, the per-sequence mean, k3); DAPO, Yu et al.
 2025 (clip-higher ε_high > ε_low, the token-level loss); Dr. GRPO, Liu et al. 2025 "Understanding R1-Zero-Like
 Training" (no std scaling, the constant normalizer); GSPO, Zheng et al. 2025 (the sequence-level ratio, with a
@@ -92,7 +96,7 @@ class GRPOLoss:
     term by the ratio w (TRL's default), else the plain k3 of the GRPO paper."""
 
     def __init__(self, loss_type="dapo", *, epsilon_low=0.2, epsilon_high=0.28, beta=0.0, importance="token",
-                 max_completion_length=None, temperature=1.0, use_bias_correction_kl=True):
+                 max_completion_length=None, temperature=1.0, use_bias_correction_kl=True, device="cpu"):
         if loss_type not in LOSS_TYPES:
             raise ValueError(f"unknown GRPO loss type {loss_type!r}; the loss types are {', '.join(LOSS_TYPES)}")
         if importance not in IMPORTANCE:
@@ -110,23 +114,30 @@ class GRPOLoss:
         self.epsilon_low, self.epsilon_high, self.beta = epsilon_low, epsilon_high, beta
         self.max_completion_length, self.temperature = max_completion_length, temperature
         self.use_bias_correction_kl = use_bias_correction_kl
-        self.sums = None  # the step's metric sums and their denominators, (6,) on the device: see `take`
+        # The step's metric sums and their denominators (see `take`), on the step's device: a buffer of fixed
+        # address, into which a captured step adds at every replay.
+        self.sums = torch.zeros(6, dtype=torch.float32, device=device)
+
+    def __copy__(self):
+        """The same loss with sums of its own (a CUDA graph's warm-up's metrics are not the run's: step.py)."""
+        new = object.__new__(type(self))
+        new.__dict__.update(self.__dict__, sums=torch.zeros_like(self.sums))
+        return new
 
     def count(self, batch):
         """This micro-batch's share of the step's normalizer: its completion tokens ("dapo"), its rollouts
-        ("grpo", empty completions included, as TRL's mean), or rollouts × max_completion_length ("dr_grpo")."""
-        lengths = batch["seq_lengths"]
+        ("grpo", empty completions included, as TRL's mean; padding slots not), or rollouts ×
+        max_completion_length ("dr_grpo")."""
         if self.loss_type == "dapo":
-            return int(lengths.sum())
-        if self.loss_type == "grpo":
-            return len(lengths)
-        return len(lengths) * self.max_completion_length
+            return int(batch["seq_lengths"].sum())
+        n = int(batch["rollout_mask"].sum())
+        return n if self.loss_type == "grpo" else n * self.max_completion_length
 
     def __call__(self, model, batch, count):
         """Σ of the micro-batch's token losses (per-sequence means under "grpo") / count, the step's normalizer
         summed over all micro-batches and ranks (a 0-dim fp32 tensor); adds the metric sums into self.sums."""
         total, sums = self.losses(token_logps(model, batch, self.temperature), batch)
-        self.sums = sums if self.sums is None else self.sums + sums
+        self.sums.add_(sums)
         return total / count.clamp(min=1)  # a step without completion tokens: loss 0, gradients 0
 
     def losses(self, logps, batch):
@@ -167,7 +178,7 @@ class GRPOLoss:
             total = (per_sequence(token_loss, seq, n) / lengths.clamp(min=1)).sum()
         else:
             total = token_loss.sum()
-        counts = torch.stack([mask.sum().float(), torch.full((), float(n), device=logps.device)])
+        counts = torch.stack([mask.sum(), batch["rollout_mask"].sum()]).float()
         return total, torch.cat([kl_sum[None], clip_sums, counts])  # (6,): see `take`
 
     def clip_counts(self, ratio, advantages):
@@ -182,10 +193,11 @@ class GRPOLoss:
         normalizer, as passed to __call__ (the metrics are means over their own denominators, so it only tells
         whether the step had anything to count: a loop reads every objective alike, see preference.Objective).
         reduce: sums the metrics over the ranks (distributed.sum_over_ranks)."""
-        sums, self.sums = self.sums, None  # Σ kl, Σ clipped low, high, region, completion tokens, rollouts
-        if sums is None or not count:
+        # Σ kl, Σ clipped low, high, region, completion tokens, rollouts
+        kl, low, high, region, tokens, rollouts = reduce(self.sums).tolist()
+        self.sums.zero_()
+        if not count:
             return {}
-        kl, low, high, region, tokens, rollouts = reduce(sums).tolist()
         clip_over = max(rollouts if self.importance == "sequence" else tokens, 1)
         metrics = dict(zip(METRICS, (kl / max(tokens, 1), low / clip_over, high / clip_over, region / clip_over)))
         if self.beta == 0:

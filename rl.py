@@ -5,10 +5,12 @@
 
 This file is the algorithm, top to bottom in the order it runs, as train.py is: device and dtype, data (the
 prompts), model, optimizer, resume, the loop, finish. A step takes --batch-size prompts P, samples G completions
-of each (--num-generations) from the model with its current adapters (model/generate.py `sample_groups`: one
-batch of P×G rows through the KV cache, a CUDA graph per token on a GPU), scores them with the reward functions
-(rewards.py), turns the rewards into group-relative advantages, and makes --num-iterations (μ) optimizer updates
-with the clipped GRPO loss (grpo.py) over the rollouts, packed into rows as SFT packs examples (data/rollouts.py).
+of each (--num-generations) from the model with its current adapters (model/generate.py `GroupSampler`, made
+once: P×G rows through one static KV cache, one CUDA graph replayed per token on a GPU), scores them with the
+reward functions (rewards.py), turns the rewards into group-relative advantages, and makes --num-iterations (μ)
+optimizer updates with the clipped GRPO loss (grpo.py) over the rollouts, packed into rows as SFT packs examples
+(data/rollouts.py), each update replayed from a CUDA graph on a GPU as train.py's steps are (step.py,
+--cuda-graphs).
 The old log-probs (the sampling policy's, which the ratio divides by) come from one no-grad forward over the same
 batches before the first update, and the reference's (β > 0) from one with the adapters off: no second model.
 
@@ -30,14 +32,14 @@ from data.rollouts import PromptBatches, collate, load_prompts
 from lifecycle import StopSignals, command_line, save_after_failure
 from masters import param_groups
 from model import load_model, load_tokenizer, read_config, resolve
-from model.generate import stop_ids
+from model.generate import GroupSampler, stop_ids
 from model.lora import lora_parameters
 from precision import LossScaler, nonfinite_step
 from rlconfig import RL_GROUPS, USAGE, RLConfig
 from rollout import evaluate_rewards, log_rl_step, old_and_ref_logps, roll_out
 from runlog import Progress, RunLog, peak_memory
 from statefiles import fingerprint, position
-from step import EagerStep
+from step import EagerStep, GraphStep, graphs_off_reason, shortest_bucket
 from train import lr_at
 
 
@@ -93,6 +95,7 @@ def main(cfg) -> int:
                         fingerprint([(p.ids, [1]) for p in eval_prompts]))
 
         # ----------------------------------------------------------------------------- model
+        graphs_off = graphs_off_reason(cfg.cuda_graphs, device, 1)  # the decoding steps' and the updates'
         torch.manual_seed(cfg.seed)
         model, mcfg = load_model(path, dtype=dtype, device=device, lora=cfg.lora(), quantize=cfg.quantize,
                                  use_kernels=use_kernels, lora_seed=cfg.seed, fp8=cfg.fp8)
@@ -101,9 +104,13 @@ def main(cfg) -> int:
         ckpts.check_free_disk(model)
         log(f"model {cfg.model}: {mcfg.n_layers} layers, {sum(p.numel() for p in params) / 1e6:.2f}M trainable "
             f"LoRA parameters (r={cfg.lora_r}); loss {cfg.loss_type}, beta {cfg.beta or 0:g}, mu {cfg.num_iterations}")
+        longest = max(len(p.ids) for p in train_prompts + eval_prompts)  # the sampler's cache fits every prompt
+        sampler = GroupSampler(model, rows=cfg.batch_size * cfg.num_generations, max_prompt_len=longest,
+                               max_new_tokens=cfg.max_new_tokens, pad_id=pad_id, cuda_graph=graphs_off is None)
         objective = grpo.GRPOLoss(cfg.loss_type, epsilon_low=cfg.epsilon, epsilon_high=cfg.epsilon_high,
                                   beta=cfg.beta or 0.0, importance=cfg.importance_sampling_level,
-                                  max_completion_length=cfg.max_new_tokens, temperature=cfg.temperature)
+                                  max_completion_length=cfg.max_new_tokens, temperature=cfg.temperature,
+                                  device=device)
 
         # ----------------------------------------------------------------------------- optimizer and scaler
         groups = param_groups(lora_parameters(model), cfg.weight_decay, cfg.lora_plus_ratio)  # LoRA+: B's lr x ratio
@@ -121,9 +128,11 @@ def main(cfg) -> int:
 
         # ----------------------------------------------------------------------------- the loop
         progress = Progress(step, max_steps, log, bar=sys.stdout.isatty())
-        train_step = EagerStep(model, device, objective)
-        evaluate = partial(evaluate_rewards, model, eval_prompts, cfg, tokenizer, stops, pad_id, reward_fns, weights,
-                           log)
+        log("CUDA graphs on" if graphs_off is None else f"CUDA graphs off: {graphs_off}")
+        train_step = (EagerStep(model, device, objective) if graphs_off else
+                      GraphStep(model, device, params, cfg.max_len, log,
+                                shortest=shortest_bucket(max_steps * cfg.num_iterations), loss_fn=objective))
+        evaluate = partial(evaluate_rewards, sampler, eval_prompts, cfg, tokenizer, stops, reward_fns, weights, log)
         signals.step, signals.stage, start = step, "training", None
         try:
             while step < max_steps:
@@ -144,15 +153,15 @@ def main(cfg) -> int:
                 # rollouts -> rewards -> advantages, then the batches with the old (and reference) log-probs
                 began = time.perf_counter()
                 generator = torch.Generator(device).manual_seed(cfg.seed * 1_000_003 + step)
-                rollouts, stats = roll_out(model, next(batches), cfg, tokenizer, stops, pad_id, reward_fns,
-                                           weights, generator)
+                rollouts, stats = roll_out(sampler, next(batches), cfg, tokenizer, stops, reward_fns, weights,
+                                           generator)
                 rollout_time = time.perf_counter() - began  # the rewards read the decoded text: the GPU is done
                 micro = collate(rollouts, max_len=cfg.max_len, pad_id=pad_id, packing=cfg.packing,
-                                rows=cfg.batch_size, device=device)
+                                rows=cfg.batch_size, device=device, fixed_shapes=graphs_off is None)
                 old_and_ref_logps(model, micro, objective, cfg.num_iterations)
+                count = sum(objective.count(b) for b in micro)
 
                 for _ in range(cfg.num_iterations):  # μ updates on the same rollouts
-                    count = sum(objective.count(b) for b in micro)
                     loss_sum = torch.zeros((), device=device)
                     for batch in micro:
                         loss_sum += train_step(batch, count, scaler.scale)  # forward, backward

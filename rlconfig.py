@@ -1,7 +1,7 @@
 """rl.py's options: train.py's (config.TrainConfig, the same names and checks) and the RL group (the names
 as TRL's GRPOConfig spells them, with dashes). --help lists them in RL_GROUPS; train.py's options that an RL run
 has no use for (--method and the preference losses' options, --num-epochs, --sample-every, --train-on-inputs,
---grad-accum, --cuda-graphs) or does not train with (--full, --train-embeddings, --add-tokens) are not options of
+--grad-accum) or does not train with (--full, --train-embeddings, --add-tokens) are not options of
 rl.py."""
 from dataclasses import dataclass, field
 
@@ -15,7 +15,7 @@ USAGE = """nanotune RL: GRPO with verifiable rewards on the model's own samples 
 """
 
 HIDDEN = ("method", "label_smoothing", "simpo_gamma", "orpo_lambda", "precompute_ref", "num_epochs", "sample_every",
-          "train_on_inputs", "grad_accum", "cuda_graphs", "full", "train_modules", "train_embeddings", "add_tokens")
+          "train_on_inputs", "grad_accum", "full", "train_modules", "train_embeddings", "add_tokens")
 
 
 @dataclass

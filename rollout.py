@@ -1,9 +1,10 @@
 """What rl.py's loop calls for one GRPO step besides the update: the rollouts and their rewards, the old and
 reference log-probs of the collated batches, the step's console line, and the held-out reward evaluation.
 
-    rollouts, stats = roll_out(model, prompts, cfg, tokenizer, stops, pad_id, reward_fns, weights, generator)
+    sampler = GroupSampler(model, rows=P * G, max_prompt_len=M, max_new_tokens=N, pad_id=pad_id)  # once a run
+    rollouts, stats = roll_out(sampler, prompts, cfg, tokenizer, stops, reward_fns, weights, generator)
     old_and_ref_logps(model, batches, objective, mu)  # batch["old_logps"] for μ > 1, "ref_logps" for β > 0
-    result = evaluate_rewards(model, eval_prompts, cfg, tokenizer, stops, pad_id, reward_fns, weights, log)
+    result = evaluate_rewards(sampler, eval_prompts, cfg, tokenizer, stops, reward_fns, weights, log)
 """
 import torch
 
@@ -11,28 +12,27 @@ import grpo
 import rewards
 from data.rollouts import Rollout
 from evaluation import one_line
-from model.generate import sample_groups
 from model.lora import adapters_disabled
 
 SHOWN = 3  # greedy held-out samples printed at each evaluation
 
 
-def completions(model, prompts, cfg, tokenizer, stops, pad_id, G, generator=None, temperature=None):
-    """(completion ids, their log-probs, their texts) of G samples of each prompt (row p*G + g), the model in eval
-    mode (no LoRA dropout) while it samples. The text leaves out a final stop token."""
-    model.eval()
-    ids, logps = sample_groups(model, [p.ids for p in prompts], G, cfg.max_new_tokens,
-                               cfg.temperature if temperature is None else temperature, cfg.top_p, cfg.top_k,
-                               stop_ids=stops, generator=generator, pad_id=pad_id)
-    model.train()
+def completions(sampler, prompts, cfg, tokenizer, stops, G, generator=None, temperature=None):
+    """(completion ids, their log-probs, their texts) of G samples of each prompt (row p*G + g), from the run's
+    model/generate.py GroupSampler, the model in eval mode (no LoRA dropout) while it samples. The text leaves out
+    a final stop token."""
+    sampler.model.eval()
+    ids, logps = sampler([p.ids for p in prompts], G, cfg.temperature if temperature is None else temperature,
+                         cfg.top_p, cfg.top_k, stop_ids=stops, generator=generator)
+    sampler.model.train()
     texts = [tokenizer.decode(c[:-1] if c and c[-1] in stops else c) for c in ids]
     return ids, logps, texts
 
 
-def roll_out(model, prompts, cfg, tokenizer, stops, pad_id, reward_fns, weights, generator):
+def roll_out(sampler, prompts, cfg, tokenizer, stops, reward_fns, weights, generator):
     """(the step's rollouts with their advantages, the step's TRL-named reward statistics)."""
     G = cfg.num_generations
-    ids, _, texts = completions(model, prompts, cfg, tokenizer, stops, pad_id, G, generator)
+    ids, _, texts = completions(sampler, prompts, cfg, tokenizer, stops, G, generator)
     total, per_fn = rewards.score(reward_fns, weights, [p.question for p in prompts for _ in range(G)], texts,
                                   [p.answer for p in prompts for _ in range(G)])
     advantages = grpo.group_advantages(total, G, cfg.scale_rewards)
@@ -75,13 +75,12 @@ def log_rl_step(run, progress, rec, max_steps):
     run.log(rec)
 
 
-def evaluate_rewards(model, prompts, cfg, tokenizer, stops, pad_id, reward_fns, weights, log):
+def evaluate_rewards(sampler, prompts, cfg, tokenizer, stops, reward_fns, weights, log):
     """{"eval_reward", "eval_pass@1"}: the mean reward of the greedy answers to the held-out prompts, and the share
     of them that exact_answer counts right (where every prompt has a reference); the first SHOWN are printed."""
-    rows = cfg.batch_size * cfg.num_generations
     texts = []
-    for i in range(0, len(prompts), rows):  # decoded in batches the size of a training step's
-        texts += completions(model, prompts[i:i + rows], cfg, tokenizer, stops, pad_id, 1, temperature=0.0)[2]
+    for i in range(0, len(prompts), sampler.rows):  # one prompt a row of the training rollouts' sampler
+        texts += completions(sampler, prompts[i:i + sampler.rows], cfg, tokenizer, stops, 1, temperature=0.0)[2]
     questions, answers = [p.question for p in prompts], [p.answer for p in prompts]
     total, _ = rewards.score(reward_fns, weights, questions, texts, answers)
     result = {"eval_reward": float(total.mean())}

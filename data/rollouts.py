@@ -1,7 +1,7 @@
 """Rollouts into training batches for GRPO (grpo.py reads them; rl.py makes them).
 
     rollouts = [Rollout(prompt_ids, completion_ids, advantage, old_logps), ...]
-    batches = collate(rollouts, max_len=1024, pad_id=0, rows=8)
+    batches = collate(rollouts, max_len=1024, pad_id=0, rows=8)      # fixed_shapes=True: for a CUDA graph
     train, held_out = load_prompts(tokenizer, data="builtin", ...)   # Prompt(question, ids, answer) lists
     prompts = PromptBatches(train, batch_size=4, seed=0)            # P prompts per step, resumable
 
@@ -9,10 +9,11 @@ A rollout (prompt + completion) is one document, laid out as SFT lays out an exa
 answer (data/batches.py): packed rows of max_len tokens with per-document positions (the same packer, `layout`),
 or one rollout per row, right-padded (packing=False). Only the completion's tokens are targets, shifted as SFT's:
 targets[t] is token t + 1 where that is a completion token. Besides SFT's four tensors a batch holds, for the
-N rollouts it carries (numbered 0..N-1 within the batch):
+N rollout slots it carries (numbered 0..N-1 within the batch):
     seq_ids      (B, T) int64  the rollout of each token's document (padding 0: it has no target)
-    seq_lengths  (N,)          each rollout's completion-token count (0: an empty completion)
-    advantages   (N,) fp32
+    seq_lengths  (N,)          each rollout's completion-token count (0: an empty completion, or no rollout)
+    rollout_mask (N,) bool     True where the slot holds a rollout, False in a padding slot (fixed_shapes)
+    advantages   (N,) fp32     (0 in a padding slot)
     old_logps    (B, T) fp32   the sampling policy's log-prob of each target token, 0 where there is none
     ref_logps    (B, T) fp32   the reference's, likewise (only when every rollout has them: β > 0)
 """
@@ -84,10 +85,14 @@ class Rollout(NamedTuple):
     ref_logps: list | None = None
 
 
-def collate(rollouts, *, max_len, pad_id, packing=True, rows=None, device="cpu"):
+def collate(rollouts, *, max_len, pad_id, packing=True, rows=None, device="cpu", fixed_shapes=False):
     """The batches of `rollouts`, in order, each at most `rows` rows (None: one batch). Packed: rows of exactly
     max_len tokens; padded: one rollout per row, right-padded to the batch's longest. A rollout longer than
-    max_len is refused (its completion would lose tokens)."""
+    max_len is refused (its completion would lose tokens).
+    fixed_shapes: few shapes per run, as a CUDA graph replays them (rl.py under step.GraphStep, which also pads a
+    padded batch's length to its bucket): a batch's row count is raised to a power of two (at most `rows`) with
+    rows of padding, and its rollout slots to a power of two with padding slots (no token, advantage 0,
+    rollout_mask False). Neither adds to the loss, its gradients or its metrics."""
     if not rollouts:
         return []
     longest = max(len(r.prompt) + len(r.completion) for r in rollouts)
@@ -97,12 +102,20 @@ def collate(rollouts, *, max_len, pad_id, packing=True, rows=None, device="cpu")
     placed = layout([len(r.prompt) + len(r.completion) for r in rollouts], max_len) if packing else \
         [[i] for i in range(len(rollouts))]
     rows = rows or len(placed)
-    return [_batch([[rollouts[i] for i in row] for row in placed[k:k + rows]], max_len, pad_id, packing, device)
+    return [_batch([[rollouts[i] for i in row] for row in placed[k:k + rows]], max_len, pad_id, packing, device,
+                   rows if fixed_shapes else None)
             for k in range(0, len(placed), rows)]
 
 
-def _batch(row_rollouts, max_len, pad_id, packing, device):
-    """One batch of rows, each a list of rollouts laid side by side."""
+def power_of_two(n, most=None):
+    """The least power of two >= n, at most `most` (where that is not below n)."""
+    p = 1 << max(n - 1, 0).bit_length()
+    return p if most is None else max(min(p, most), n)
+
+
+def _batch(row_rollouts, max_len, pad_id, packing, device, rows=None):
+    """One batch of rows, each a list of rollouts laid side by side; rows: the most a batch has, whose power of
+    two (at most rows) its rows and slots are padded to (collate's fixed_shapes), or None: no padding."""
     flat = [r for row in row_rollouts for r in row]
     encoded = [(r.prompt + r.completion, [0] * len(r.prompt) + [1] * len(r.completion)) for r in flat]
     # Greedy packing starts afresh at a row's first rollout, so these rollouts packed again make the rows that
@@ -110,6 +123,14 @@ def _batch(row_rollouts, max_len, pad_id, packing, device):
     batch = pack(encoded, max_len, pad_id=pad_id)[0] if packing else pad_batch(encoded, pad_id=pad_id)
     B, T = batch["input_ids"].shape
     assert B == len(row_rollouts), (B, len(row_rollouts))
+    slots = len(flat)
+    if rows is not None:
+        # A padding row is one document of pad tokens without targets; a padding slot has no token.
+        extra = power_of_two(B, rows) - B
+        fill = {"input_ids": pad_id, "targets": IGNORE_INDEX, "position_ids": 0, "doc_ids": 0}
+        batch = {k: torch.cat([v, torch.full((extra, T), fill[k], dtype=v.dtype)]) for k, v in batch.items()}
+        batch["position_ids"][B:] = torch.arange(T)
+        row_rollouts, B, slots = row_rollouts + [[]] * extra, B + extra, power_of_two(slots)
     seq_ids = torch.zeros(B, T, dtype=torch.long)
     old, ref = torch.zeros(B, T), torch.zeros(B, T)
     n = 0
@@ -125,9 +146,11 @@ def _batch(row_rollouts, max_len, pad_id, packing, device):
             if r.ref_logps is not None:
                 ref[b, first:first + len(r.completion)] = torch.tensor(r.ref_logps, dtype=torch.float32)
             col, n = end, n + 1
+    empty = slots - len(flat)
     batch.update(seq_ids=seq_ids, old_logps=old,
-                 seq_lengths=torch.tensor([len(r.completion) for r in flat], dtype=torch.long),
-                 advantages=torch.tensor([float(r.advantage) for r in flat], dtype=torch.float32))
+                 seq_lengths=torch.tensor([len(r.completion) for r in flat] + [0] * empty, dtype=torch.long),
+                 rollout_mask=torch.arange(slots) < len(flat),
+                 advantages=torch.tensor([float(r.advantage) for r in flat] + [0.0] * empty, dtype=torch.float32))
     if all(r.ref_logps is not None for r in flat):
         batch["ref_logps"] = ref
     assert int((batch["targets"] != IGNORE_INDEX).sum()) == int(batch["seq_lengths"].sum())

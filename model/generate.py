@@ -17,9 +17,10 @@ far more than the GPU's work for one token. A graph reads fixed addresses, so af
 cache turns static: the new token's position is a device tensor, each layer writes its keys and
 values there and attends over its whole buffer, under a mask that hides the positions after it.
 
-Batched sampling (`sample_groups`, the rollouts of RL): G samples of each of P prompts decode together as
-P×G rows. The prompts are left-padded to the longest, so every row's next token goes to the same cache slot;
-each row keeps its own RoPE positions (its prompt's starting at 0), and the mask hides its padding slots.
+Batched sampling (`GroupSampler`, the rollouts of RL): G samples of each of P prompts decode together as
+P×G rows. The prompts end at one fixed slot (left-padded), so every row's next token goes to the same cache
+slot; each row keeps its own RoPE positions (its prompt's starting at 0), and the mask hides the slots before
+its prompt. One sampler serves a whole run: its cache and its graph are made once, for the longest prompt.
 """
 import warnings
 
@@ -174,7 +175,10 @@ def sample_tokens(logits, temperature=0.0, top_p=1.0, top_k=0, generator=None):
             p, idx = (probs / probs.sum(-1, keepdim=True)).sort(dim=-1, descending=True)
             keep = p.cumsum(-1) - p < top_p  # keep a token while the mass before it is below top_p
             probs = probs * torch.zeros_like(keep).scatter(-1, idx, keep)
-        tokens = torch.multinomial(probs, 1, generator=generator)[:, 0]
+        # The exponential race: argmax of p / E, E ~ Exp(1) drawn per token, is token i with probability p_i
+        # (torch.multinomial's own draw of one sample, without its checks of the probabilities, which can wait for
+        # the GPU).
+        tokens = (probs / torch.empty_like(probs).exponential_(generator=generator)).argmax(-1)
     return tokens, logp.gather(1, tokens[:, None])[:, 0]
 
 
@@ -210,52 +214,88 @@ def generate(model, prompt_ids, max_new_tokens=128, temperature=0.0, top_p=1.0, 
 @torch.no_grad()
 def sample_groups(model, prompts, num_samples, max_new_tokens, temperature=1.0, top_p=1.0, top_k=0, stop_ids=(),
                   generator=None, pad_id=0, cuda_graph=None):
-    """`num_samples` (G) completions of each prompt in `prompts` (P lists of ids), decoded together as P×G rows:
-    row p*G + g is sample g of prompt p. Returns (completions, logps): P×G lists of new token ids, each up to and
-    including its first of `stop_ids` (at most max_new_tokens), and for each token its log-probability under
-    log_softmax(logits / temperature) (`sample_tokens`). generator: a torch.Generator on the model's device; the
-    same state gives the same samples.
+    """`num_samples` (G) completions of each prompt in `prompts` (P lists of ids), from a `GroupSampler` made for
+    this call alone (rl.py keeps one for the run). Returns (completions, logps): see `GroupSampler.__call__`."""
+    sampler = GroupSampler(model, len(prompts) * num_samples, max(map(len, prompts)), max_new_tokens, pad_id,
+                           cuda_graph)
+    return sampler(prompts, num_samples, temperature, top_p, top_k, stop_ids, generator)
 
-    The prompts, left-padded to the longest (L), run once each through the prefill, padding and prompt as two
-    documents of a row (the prompt's positions from 0), and their keys and values are copied G times into a
-    cache of L + max_new_tokens slots. Then every decoding step writes all rows' new tokens at slot L + t,
-    each at its own position len(prompt) + t, through `DecodeGraph` (a CUDA graph on CUDA, cuda_graph=None).
-    A finished row goes on with `pad_id` tokens, which nothing reads."""
-    weight = model.model.embed_tokens.weight
-    device, cfg, G = weight.device, model.config, num_samples
-    lengths = torch.tensor([len(p) for p in prompts], device=device)  # (P,)
-    L = int(lengths.max())
-    slots = torch.arange(L, device=device)
-    start = (L - lengths)[:, None]  # (P, 1): each prompt's first slot
-    ids = torch.full((len(prompts), L), pad_id, dtype=torch.long, device=device)
-    for i, p in enumerate(prompts):
-        ids[i, L - len(p):] = torch.tensor(p, dtype=torch.long)
-    doc_ids = (slots >= start).long()  # (P, L): padding 0, the prompt 1
-    prefill = KVCache(cfg, len(prompts), L, weight.dtype, device)
-    h = model.hidden_states(ids, (slots - start).clamp(min=0), doc_ids, cache=prefill)[:, -1]  # (P, H)
-    logits = model.logits(h).repeat_interleave(G, 0)  # (P*G, V)
-    cache = KVCache(cfg, len(prompts) * G, L + max_new_tokens, weight.dtype, device)
-    for big, small in zip(cache.layers, prefill.layers, strict=True):
-        big.k[:, :, :L] = small.k.repeat_interleave(G, 0)
-        big.v[:, :, :L] = small.v.repeat_interleave(G, 0)
-    positions = lengths.repeat_interleave(G)  # (P*G,): the position of each row's next token
-    decode = DecodeGraph(model, cache, first=start[:, 0].repeat_interleave(G),
-                         graphed=device.type == "cuda" if cuda_graph is None else cuda_graph)
-    stops = torch.tensor(sorted(stop_ids), dtype=torch.long, device=device)
-    done = torch.zeros(len(positions), dtype=torch.bool, device=device)
-    tokens, logps = [], []
-    for t in range(max_new_tokens):
-        if t > 0:
-            if bool(done.all()):
-                break
-            logits = decode(tokens[-1], L + t - 1, positions + t - 1)
-        token, logp = sample_tokens(logits, temperature, top_p, top_k, generator)
-        tokens.append(torch.where(done, pad_id, token))
-        logps.append(logp)
-        done = done | torch.isin(token, stops)
-    tokens, logps = torch.stack(tokens, 1).tolist(), torch.stack(logps, 1).tolist()  # (P*G, n) each
-    n = [next((i + 1 for i, tok in enumerate(row) if tok in stop_ids), len(row)) for row in tokens]
-    return [row[:k] for row, k in zip(tokens, n, strict=True)], [row[:k] for row, k in zip(logps, n, strict=True)]
+
+class GroupSampler:
+    """Batched sampling of G completions per prompt through one static KV cache and one `DecodeGraph`, made once
+    and reused by every call: a CUDA graph's warm-up and capture cost tens of milliseconds, more than a short
+    rollout's decoding.
+
+        sampler = GroupSampler(model, rows=P * G, max_prompt_len=M, max_new_tokens=N, pad_id=pad_id)
+        completions, logps = sampler(prompts, G, temperature=1.0, stop_ids=stops, generator=g)
+
+    The cache has `rows` rows of M + N slots. A call's prompts (at most M tokens each) run once each through the
+    prefill, left-padded to their own longest L, and their keys and values are copied G times into slots
+    [M - L, M): every prompt ends at slot M - 1. Then decoding step t writes all rows' new tokens at slot M + t,
+    each at its own RoPE position len(prompt) + t. The mask shows a row the slots from its prompt's first
+    (`first`, a device tensor the graph reads, refilled at each call) up to the current one: the keys and values
+    an earlier call left in the slots before the prompt or after the current token stay hidden, so a call samples
+    what a fresh sampler samples. A call with fewer than `rows` rows fills the rest with copies of its last row,
+    whose samples are dropped."""
+
+    SYNC_EVERY = 16  # decoding steps between the host's checks that every row has stopped
+
+    def __init__(self, model, rows, max_prompt_len, max_new_tokens, pad_id=0, cuda_graph=None):
+        weight = model.model.embed_tokens.weight
+        self.model, self.rows, self.pad_id = model, rows, pad_id
+        self.max_prompt_len, self.max_new_tokens = max_prompt_len, max_new_tokens
+        self.device = weight.device
+        self.cache = KVCache(model.config, rows, max_prompt_len + max_new_tokens, weight.dtype, self.device)
+        self.first = torch.zeros(rows, dtype=torch.long, device=self.device)  # (rows,) each row's first shown slot
+        self.decode = DecodeGraph(model, self.cache, first=self.first,
+                                  graphed=self.device.type == "cuda" if cuda_graph is None else cuda_graph)
+
+    @torch.no_grad()
+    def __call__(self, prompts, num_samples, temperature=1.0, top_p=1.0, top_k=0, stop_ids=(), generator=None):
+        """(completions, logps) of `num_samples` (G) samples of each prompt (P lists of ids, P × G <= rows): row
+        p*G + g is sample g of prompt p. P×G lists of new token ids, each up to and including its first of
+        `stop_ids` (at most max_new_tokens), and for each token its log-probability under
+        log_softmax(logits / temperature) (`sample_tokens`). generator: a torch.Generator on the model's device;
+        the same state gives the same samples. A finished row goes on with `pad_id` tokens, which nothing reads."""
+        model, M, G = self.model, self.max_prompt_len, num_samples
+        n = len(prompts) * G
+        if not prompts or n > self.rows:
+            raise ValueError(f"the sampler holds {self.rows} rows; {len(prompts)} prompts x {G} samples need {n}")
+        if max(map(len, prompts)) > M:
+            raise ValueError(f"a prompt of {max(map(len, prompts))} tokens does not fit the sampler's {M}")
+        lengths = torch.tensor([len(p) for p in prompts], device=self.device)  # (P,)
+        L = max(map(len, prompts))
+        slots = torch.arange(L, device=self.device)
+        start = (L - lengths)[:, None]  # (P, 1): each prompt's first slot in the prefill
+        ids = torch.full((len(prompts), L), self.pad_id, dtype=torch.long)
+        for i, p in enumerate(prompts):
+            ids[i, L - len(p):] = torch.tensor(p, dtype=torch.long)
+        ids = ids.to(self.device)
+        prefill = KVCache(model.config, len(prompts), L, self.cache.layers[0].k.dtype, self.device)
+        h = model.hidden_states(ids, (slots - start).clamp(min=0), (slots >= start).long(), cache=prefill)[:, -1]
+        prompt_of = torch.arange(self.rows, device=self.device).clamp(max=n - 1) // G  # (rows,) each row's prompt
+        logits = model.logits(h)[prompt_of]  # (rows, V)
+        for big, small in zip(self.cache.layers, prefill.layers, strict=True):
+            big.k[:, :, M - L:M] = small.k[prompt_of]
+            big.v[:, :, M - L:M] = small.v[prompt_of]
+        positions = lengths[prompt_of]  # (rows,): the position of each row's next token
+        self.first.copy_(M - positions)
+        stops = torch.tensor(sorted(stop_ids), dtype=torch.long, device=self.device)
+        done = torch.zeros(self.rows, dtype=torch.bool, device=self.device)
+        tokens, logps = [], []
+        for t in range(self.max_new_tokens):
+            if t > 0:
+                if t % self.SYNC_EVERY == 0 and bool(done.all()):  # a host sync: not at every token
+                    break
+                logits = self.decode(tokens[-1], M + t - 1, positions + t - 1)
+            token, logp = sample_tokens(logits, temperature, top_p, top_k, generator)
+            tokens.append(torch.where(done, self.pad_id, token))
+            logps.append(logp)
+            done = done | torch.isin(token, stops)
+        tokens, logps = torch.stack(tokens, 1)[:n].tolist(), torch.stack(logps, 1)[:n].tolist()  # (P*G, steps)
+        kept = [next((i + 1 for i, tok in enumerate(row) if tok in stop_ids), len(row)) for row in tokens]
+        return ([row[:k] for row, k in zip(tokens, kept, strict=True)],
+                [row[:k] for row, k in zip(logps, kept, strict=True)])
 
 
 def encode_prompt(tokenizer, prompt, system=None, raw=False) -> list[int]:

@@ -187,6 +187,26 @@ def test_bench_dpo_times_a_dpo_run(run_model, tmp_path):
     assert "data: 22 pairs of 22" in r["header"]
 
 
+def test_bench_grpo_times_rollout_and_update(run_model, tmp_path):
+    """scripts/bench/bench_grpo.py runs rl.py's step on the harness's prompts: with --ignore-eos every completion has
+    --max-new-tokens tokens; the step's median time is about its parts' (medians of their own), and the decoding
+    bound at a given bandwidth is the weights' and the KV cache's bytes of every decoding step over it."""
+    out = tmp_path / "grpo.json"
+    proc = subprocess.run([sys.executable, "scripts/bench/bench_grpo.py", "--model", run_model, "--out", str(out),
+                           "--device", "cpu", "--prompts", "2", "--num-generations", "2", "--max-new-tokens", "3",
+                           "--steps", "2", "--warmup", "1", "--ignore-eos", "--bandwidth", "1e9"],
+                          cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    r = json.loads(out.read_text())
+    assert [s["new_tokens"] for s in r["steps"]] == [2 * 2 * 3] * 3
+    assert r["rollout_tokens_per_s"] == pytest.approx(12 / (r["rollout_ms_median"] / 1e3))
+    assert all(s["step_s"] == pytest.approx(s["rollout_s"] + s["update_s"]) for s in r["steps"])
+    weights = sum(os.path.getsize(os.path.join(run_model, f)) for f in os.listdir(run_model)
+                  if f.endswith(".safetensors"))
+    assert 3 * weights / 1e9 < r["decode_bound_ms"] / 1e3 < 3 * 2 * weights / 1e9 + 1e-3  # fp32, LoRA, KV
+    assert "ms a step (rollout" in proc.stdout and not r["cuda_graphs"]
+
+
 # ----------------------------------------------------------------------------- bench_qlora.py
 
 

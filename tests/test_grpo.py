@@ -3,6 +3,8 @@ for each loss type, with and without clipping, KL, token and sequence ratios; gr
 empty completions and a step without completion tokens; log-probs at a temperature (Gemma 2's final softcap
 too) against transformers' logits; and TRL's GRPOTrainer._compute_loss on the same model, adapter weights,
 completions, advantages and old log-probs."""
+import copy
+
 import pytest
 import torch
 
@@ -55,6 +57,7 @@ def random_batch(seed, lengths, prompt=3, rows=3, width=24):
         where.append(row * width + used + prompt - 1 + torch.arange(n))
         used += prompt + n
     batch = {"targets": targets, "seq_ids": seq_ids, "seq_lengths": torch.tensor(lengths),
+             "rollout_mask": torch.ones(len(lengths), dtype=torch.bool),
              "advantages": torch.randn(len(lengths), generator=g)}
     return batch, where
 
@@ -160,14 +163,15 @@ def packed(encoded, width):
 
 
 def with_sequences(batch, n_docs):
-    """batch with "seq_ids" (each token's rollout in the micro-batch, 0 for padding) and "seq_lengths" (N,), the
-    layout data/rollouts.py's collate gives; n_docs (B,): how many of a row's first documents are rollouts."""
+    """batch with "seq_ids" (each token's rollout in the micro-batch, 0 for padding), "seq_lengths" (N,) and
+    "rollout_mask" (N,), the layout data/rollouts.py's collate gives; n_docs (B,): how many of a row's first
+    documents are rollouts."""
     doc_ids, targets = batch["doc_ids"], batch["targets"]
     offset = torch.cumsum(n_docs, 0) - n_docs  # (B,) the row's first rollout in the micro-batch
     is_doc = doc_ids < n_docs[:, None]
     seq_ids = torch.where(is_doc, doc_ids + offset[:, None], 0)
     lengths = torch.bincount(seq_ids[is_doc & (targets != IGNORE_INDEX)], minlength=int(n_docs.sum()))
-    return {**batch, "seq_ids": seq_ids, "seq_lengths": lengths}
+    return {**batch, "seq_ids": seq_ids, "seq_lengths": lengths, "rollout_mask": torch.ones(len(lengths), dtype=bool)}
 
 def with_rollout_data(batch, advantages):
     """batch with its advantages and old / reference log-probs that depend only on each token's rollout and
@@ -221,6 +225,24 @@ def test_no_completion_token_gives_zero_loss_and_gradients(policy, loss_type):
     loss, grads, _ = loss_and_grads(policy, objective, batch)
     assert loss.item() == 0.0
     assert all(torch.isfinite(g).all() and not g.any() for g in grads)
+
+
+def test_metric_sums_stay_in_one_buffer(policy):
+    """The metric sums add into one buffer of fixed address, as a CUDA graph's replays add into it, which `take`
+    reads and zeroes; a copy of the loss (a graph's warm-up runs one) adds into a buffer of its own."""
+    batch = with_rollout_data(with_sequences(pad_batch(rollouts(3), pad_id=0), torch.ones(3, dtype=torch.long)),
+                              torch.tensor([1.0, -1.0, 0.5]))
+    objective = grpo.GRPOLoss("dapo", beta=0.1)
+    buffer = objective.sums
+    count = torch.tensor(float(objective.count(batch)))
+    with torch.no_grad():
+        objective(policy, batch, count)
+        once = buffer.clone()
+        warm_up = copy.copy(objective)
+        warm_up(policy, batch, count)
+        objective(policy, batch, count)
+    assert objective.sums is buffer and torch.equal(buffer, 2 * once) and torch.equal(warm_up.sums, once)
+    assert objective.take(count)["kl"] > 0 and not buffer.any()
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma2"])

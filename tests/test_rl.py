@@ -98,7 +98,7 @@ def test_help_lists_the_rl_options_and_not_the_preference_ones(capsys):
         rl.cli(["--help"])
     text = capsys.readouterr().out
     for option in ("--model", "--batch-size", "--num-generations", "--loss-type", "--scale-rewards", "--beta",
-                   "--reward-weights", "RL (GRPO)"):
+                   "--reward-weights", "--cuda-graphs", "RL (GRPO)"):
         assert option in text, option
     for option in ("--method", "--orpo-lambda", "--sample-every", "--simpo-gamma"):
         assert option not in text, option
@@ -111,6 +111,8 @@ def test_help_lists_the_rl_options_and_not_the_preference_ones(capsys):
     (["--loss-type", "ppo"], "--loss-type must be one of dapo, grpo, dr_grpo"),
     (["--reward-weights", "1,x"], "--reward-weights: not a number"),
     (["--reward-weights", "1,2"], "--reward-weights has 2 weights for 1 rewards"),
+    pytest.param(["--cuda-graphs", "on"], "--cuda-graphs on: not possible because there is no CUDA GPU",
+                 marks=pytest.mark.skipif(torch.cuda.is_available(), reason="a CPU-only machine's error")),
 ])
 def test_bad_rl_options_are_one_error_line(setup, tmp_path, capsys, argv, match):
     out = tmp_path / "run"

@@ -1,13 +1,17 @@
 """RL rollouts: batched sampling of G completions per prompt (model/generate.py `sample_groups`) against greedy
 `generate` and the full forward, and their collation into training batches (data/rollouts.py)."""
+from types import SimpleNamespace
+
 import pytest
 import torch
 
 import grpo
+import step
 from data.batches import IGNORE_INDEX
 from data.rollouts import Rollout, collate
 from model import LoRAConfig, load_model
-from model.generate import generate, sample_groups, sample_tokens
+from model.generate import GroupSampler, generate, sample_groups, sample_tokens
+from model.lora import lora_parameters
 from tests.helpers import assert_close, randomize_lora_b
 from tests.tiny_models import save_tiny
 
@@ -75,6 +79,34 @@ def test_rows_stop_at_a_stop_id(tiny):
     for row, want in zip(out, free, strict=True):
         assert row == (want[:want.index(stop) + 1] if stop in want else want)
     assert len(out[0]) == 3 and len(logps[0]) == 3
+
+
+def test_a_reused_sampler_samples_what_a_fresh_one_samples(tiny):
+    """One GroupSampler serves a run: a call after one with longer prompts and completions (whose keys and values
+    stay in the cache, before the new prompts' slots and after the current token) gives exactly the tokens and
+    log-probs of the same call to a fresh sampler, with the same seed."""
+    def sampler():
+        return GroupSampler(tiny, rows=8, max_prompt_len=10, max_new_tokens=9)
+    reused = sampler()
+    reused([PROMPTS[2], PROMPTS[0]], 4, temperature=1.0, generator=torch.Generator().manual_seed(1))
+    short = [[5, 6], [3, 17, 9]]
+    got = reused(short, 4, temperature=1.0, generator=torch.Generator().manual_seed(2))
+    want = sampler()(short, 4, temperature=1.0, generator=torch.Generator().manual_seed(2))
+    assert got == want
+    assert got[0] != reused(short, 4, temperature=1.0, generator=torch.Generator().manual_seed(3))[0]
+
+
+def test_a_sampler_takes_fewer_rows_than_it_holds(tiny):
+    """A call with fewer prompts than the sampler's rows (the held-out prompts, G = 1, a short last batch) fills
+    the rest with copies and returns the prompts' own samples: at temperature 0, greedy `generate`'s answers."""
+    sampler = GroupSampler(tiny, rows=6, max_prompt_len=8, max_new_tokens=7)
+    out, logps = sampler(PROMPTS, 1, temperature=0.0)
+    assert out == [generate(tiny, p, max_new_tokens=7) for p in PROMPTS]
+    assert [len(lp) for lp in logps] == [len(c) for c in out]
+    with pytest.raises(ValueError, match="holds 6 rows; 3 prompts x 4 samples need 12"):
+        sampler(PROMPTS, 4)
+    with pytest.raises(ValueError, match="a prompt of 9 tokens does not fit the sampler's 8"):
+        sampler([list(range(3, 12))], 1)
 
 
 def test_top_k_and_top_p_cut_the_distribution():
@@ -152,6 +184,60 @@ def test_packed_and_padded_batches_give_the_same_loss(tiny, loss_type):
     assert_close(results[0][0], results[1][0], atol=1e-6, rtol=1e-5, name="loss")
     assert_close(results[0][1], results[1][1], atol=1e-6, rtol=1e-4, name="LoRA gradients")
     assert results[0][2] == pytest.approx(results[1][2])
+
+
+# (loss type, importance, beta, updates μ): with μ > 1 the batches carry old_logps, with β > 0 ref_logps
+FIXED_CASES = [("dapo", "token", 0.0, 1), ("grpo", "sequence", 0.04, 2), ("dr_grpo", "token", 0.04, 2)]
+
+
+@pytest.mark.parametrize("packing", [True, False], ids=["packed", "padded"])
+@pytest.mark.parametrize("loss_type,importance,beta,mu", FIXED_CASES)
+def test_fixed_shape_batches_give_the_same_loss(tiny, packing, loss_type, importance, beta, mu):
+    """The batches of collate(fixed_shapes=True), padded further to their length bucket as GraphStep pads them and
+    run through what its graph records (its `_step`, uncaptured on the CPU), give the loss, LoRA gradients and
+    metrics of the unpadded batches: padding rows and rollout slots add nothing, and the step's normalizer counts
+    rollouts, not slots. Row and slot counts are powers of two (rows at most `rows`)."""
+    rollouts = [r._replace(old_logps=[lp + 0.05 * (j % 3) for j, lp in enumerate(r.old_logps)],
+                           ref_logps=[lp - 0.1 * (j % 2) for j, lp in enumerate(r.old_logps)])
+                for r in sampled_rollouts(tiny)]
+    if mu == 1:  # one update per batch: the loss takes the policy's own log-probs
+        rollouts = [r._replace(old_logps=None) for r in rollouts]
+    if beta == 0:
+        rollouts = [r._replace(ref_logps=None) for r in rollouts]
+    eps_low, eps_high = (0.2, 0.28) if importance == "token" else (3e-4, 4e-4)
+    params = [p for _, p in lora_parameters(tiny)]
+    results, shapes = [], []
+    for fixed in (False, True):
+        objective = grpo.GRPOLoss(loss_type, epsilon_low=eps_low, epsilon_high=eps_high, beta=beta,
+                                  importance=importance, max_completion_length=9)
+        batches = collate(rollouts, max_len=40, pad_id=0, packing=packing, rows=6, fixed_shapes=fixed)
+        if mu == 1:
+            batches = [{k: v for k, v in b.items() if k != "old_logps"} for b in batches]
+        count = torch.tensor(float(sum(objective.count(b) for b in batches)))
+        for p in params:
+            p.grad = torch.zeros_like(p)
+        if fixed:
+            body = step.GraphStep(tiny, torch.device("cpu"), params, max_len=40, loss_fn=objective)
+            loss = sum(body._step(SimpleNamespace(batch={**step.pad_to_bucket(b, 40), "docs": None},
+                                                  num_targets=count, loss_mult=torch.tensor(1.0)))
+                       for b in batches)
+        else:
+            loss = sum(objective(tiny, b, count) for b in batches)
+            loss.backward()
+        shapes.append([(len(b["input_ids"]), len(b["seq_lengths"])) for b in batches])
+        results.append((loss.detach(), [p.grad.clone() for p in params], objective.take(count)))
+    for p in params:
+        p.grad = None
+    assert all(rows & (rows - 1) == 0 or rows == 6 for rows, _ in shapes[1])
+    assert all(slots & (slots - 1) == 0 for _, slots in shapes[1])
+    assert shapes[1] != shapes[0], "the case pads something"
+    assert_close(results[1][0], results[0][0], atol=1e-6, rtol=1e-5, name="loss")
+    for a, b in zip(results[1][1], results[0][1], strict=True):
+        assert_close(a, b, atol=1e-7, rtol=1e-4, name="LoRA gradients")
+    assert results[0][1][0].abs().max() > 0
+    assert results[1][2].keys() == results[0][2].keys()
+    for k in results[0][2]:
+        assert results[1][2][k] == pytest.approx(results[0][2][k], rel=1e-5, abs=1e-7), k
 
 
 @pytest.mark.gpu
