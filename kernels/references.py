@@ -246,8 +246,15 @@ E4M3_MAX = 448.0  # the largest finite e4m3fn value: 1.75 · 2^8
 def fp8_scale(amax):
     """The fp32 scale s = amax / 448 that maps values of magnitude up to amax onto e4m3's range, x ≈ s · e4m3(x / s);
     1 where amax is 0 (an all-zero row: any scale gives zeros, and 1 never divides by zero)."""
-    amax = amax.float()
-    return torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
+    amax = amax.float()  # the quotient in fp64, then rounded once: IEEE's fp32 division on every device (CUDA's
+    # tensor / scalar multiplies by the reciprocal, one ulp off the kernels' `div_rn`)
+    return torch.where(amax > 0, (amax.double() / E4M3_MAX).float(), torch.ones_like(amax))
+
+
+def to_e4m3(x):
+    """x (fp32) to e4m3fn, nearest even, saturating: a magnitude past 448 gives ±448, as the kernels store it (torch's
+    own cast gives NaN from 464 on)."""
+    return x.clamp(-E4M3_MAX, E4M3_MAX).to(E4M3)
 
 
 def fp8_quantize_rows_reference(x):
@@ -256,7 +263,7 @@ def fp8_quantize_rows_reference(x):
     assert x.dim() == 2 and x.dtype in DTYPES, f"fp8 quantize: x must be 2-D fp32/bf16/fp16, got {x.shape} {x.dtype}"
     xf = x.float()
     s = fp8_scale(xf.abs().amax(dim=1)) if x.shape[1] else torch.ones(len(x), device=x.device)
-    return (xf / s[:, None]).to(E4M3).contiguous(), s
+    return to_e4m3(xf / s[:, None]).contiguous(), s
 
 
 def nf4_to_fp8_reference(q: NF4Data, shape, scale, transposed=False):
@@ -264,5 +271,5 @@ def nf4_to_fp8_reference(q: NF4Data, shape, scale, transposed=False):
     e4m3(W_rk / scale_r) [R, K], or transposed: e4m3(W_rk / scale_k) stored as Wᵀ [K, R], contiguous."""
     w = nf4_dequantize_reference(q, shape, torch.float32)
     if transposed:
-        return (w / scale[None, :]).to(E4M3).t().contiguous()
-    return (w / scale[:, None]).to(E4M3)
+        return to_e4m3(w / scale[None, :]).t().contiguous()
+    return to_e4m3(w / scale[:, None])
