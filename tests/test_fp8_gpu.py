@@ -108,8 +108,9 @@ def test_fp8_model_in_a_cuda_graph(llama_folder, quantize):
     batch = step.pad_to_bucket(data.pad_batch(encoded, pad_id=0), 2048)
 
     def run(fn):
-        for p in params:
-            p.grad = None
+        for p in params:  # zeroed in place: a graph adds into the .grad buffers it captured
+            if p.grad is not None:
+                p.grad.zero_()
         loss = fn(batch, data.num_targets(batch), 1.0)
         return float(loss), [p.grad.detach().clone() for p in params]
 
