@@ -245,10 +245,18 @@ E4M3_MAX = 448.0  # the largest finite e4m3fn value: 1.75 · 2^8
 
 def fp8_scale(amax):
     """The fp32 scale s = amax / 448 that maps values of magnitude up to amax onto e4m3's range, x ≈ s · e4m3(x / s);
-    1 where amax is 0 (an all-zero row: any scale gives zeros, and 1 never divides by zero)."""
+    1 where s would be below fp32's smallest normal 2^-126 (an all-zero row, or one so small that 1 / s would
+    overflow: e4m3 rounds it to zeros either way, and 1 never divides by zero)."""
     amax = amax.float()  # the quotient in fp64, then rounded once: IEEE's fp32 division on every device (CUDA's
     # tensor / scalar multiplies by the reciprocal, one ulp off the kernels' `div_rn`)
-    return torch.where(amax > 0, (amax.double() / E4M3_MAX).float(), torch.ones_like(amax))
+    s = (amax.double() / E4M3_MAX).float()
+    return torch.where(s >= 2.0**-126, s, torch.ones_like(s))
+
+
+def fp8_reciprocal(scale):
+    """1 / scale in fp32, rounded once (the fp64 quotient rounded to fp32 is the correctly rounded fp32 one): the
+    factor the kernels multiply by, one division per row instead of one per value."""
+    return (1.0 / scale.double()).float()
 
 
 def to_e4m3(x):
@@ -259,17 +267,19 @@ def to_e4m3(x):
 
 def fp8_quantize_rows_reference(x):
     """(q, s): each row of x [M, K] (any strides, fp32/bf16/fp16) quantized to e4m3 with its own scale,
-    s_m = fp8_scale(max_k |x_mk|) (M,) fp32 and q = e4m3(x_m / s_m) (M, K) contiguous, rounded to nearest even."""
+    s_m = fp8_scale(max_k |x_mk|) (M,) fp32 and q = e4m3(x_m · (1 / s_m)) (M, K) contiguous, rounded to nearest
+    even; the product and the reciprocal in fp32, as the kernel computes them."""
     assert x.dim() == 2 and x.dtype in DTYPES, f"fp8 quantize: x must be 2-D fp32/bf16/fp16, got {x.shape} {x.dtype}"
     xf = x.float()
     s = fp8_scale(xf.abs().amax(dim=1)) if x.shape[1] else torch.ones(len(x), device=x.device)
-    return to_e4m3(xf / s[:, None]).contiguous(), s
+    return to_e4m3(xf * fp8_reciprocal(s)[:, None]).contiguous(), s
 
 
 def nf4_to_fp8_reference(q: NF4Data, shape, scale, transposed=False):
     """W [R, K] of `q` (as nf4_dequantize_reference gives it in fp32) quantized to e4m3 with the given fp32 scales:
-    e4m3(W_rk / scale_r) [R, K], or transposed: e4m3(W_rk / scale_k) stored as Wᵀ [K, R], contiguous."""
+    e4m3(W_rk · (1 / scale_r)) [R, K], or transposed: e4m3(W_rk · (1 / scale_k)) stored as Wᵀ [K, R], contiguous;
+    the product and the reciprocal in fp32, as the kernel computes them."""
     w = nf4_dequantize_reference(q, shape, torch.float32)
     if transposed:
-        return to_e4m3(w / scale[None, :]).t().contiguous()
-    return to_e4m3(w / scale[:, None])
+        return to_e4m3(w * fp8_reciprocal(scale)[None, :]).t().contiguous()
+    return to_e4m3(w * fp8_reciprocal(scale)[:, None])

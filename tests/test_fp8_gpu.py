@@ -31,7 +31,7 @@ def _seed():
     torch.manual_seed(0)
 
 
-@pytest.mark.parametrize("shape", [(4096, 4096), (4093, 14336), (37, 4096)], ids=str)
+@pytest.mark.parametrize("shape", [(4096, 4096), (2048, 6144), (4093, 14336), (37, 4096)], ids=str)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("layout", ["rows", "transposed"])
 def test_quantize_rows_kernel_on_gpu(shape, dtype, layout):

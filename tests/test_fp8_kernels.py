@@ -13,8 +13,9 @@ from model.qlora import NF4Weight
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 DTYPE_IDS = ["fp32", "bf16", "fp16"]
-# (1, 1) and (5, 7): less than a tile; (33, 300), (17, 513): several row tiles and K loops, partial ones last.
-SHAPES = [(1, 1), (5, 7), (33, 300), (17, 513)]
+# (1, 1) and (5, 7): less than a tile; (33, 300), (17, 513): several row tiles, each row in registers (row-major)
+# or several K loops (transposed), partial ones last; (5, 8200): rows wider than one pass holds, read twice.
+SHAPES = [(1, 1), (5, 7), (33, 300), (17, 513), (5, 8200)]
 # NF4 shapes whose bitsandbytes CPU dequantization equals its CUDA one (tests/test_nf4.py's), and (37, 75): an
 # odd number of values, compared with the reference alone (tests/test_nf4.py says why).
 NF4_SHAPES = [(5, 6), (37, 74), (64, 64), (130, 130)]
@@ -73,6 +74,24 @@ def test_quantize_rows_equals_reference(shape, dtype, layout):
     assert torch.equal(s, fp8_scale(amax)) and (s[1:] == (amax[1:].double() / 448).float()).all()
 
 
+@pytest.mark.parametrize("layout", ["rows", "transposed"])
+def test_quantize_rows_of_tiny_values_have_scale_one(layout):
+    """A row whose amax / 448 is below fp32's smallest normal has scale 1 (its reciprocal would overflow, and
+    0 · inf give NaN): zeros; the other rows keep their own scales."""
+    x = torch.randn(3, 70, device=DEVICE)
+    x[1] *= 1e-37
+    x[2, :5] = torch.tensor([1e-40, -3e-42, 0.0, 2e-39, 1e-45])
+    x[2, 5:] = 0
+    if layout == "transposed":
+        x = x.t().contiguous().t()
+    q, s = fp8_quantize_rows(x)
+    q_ref, s_ref = fp8_quantize_rows_reference(x)
+    assert_bit_equal(s, s_ref, "scales")
+    assert_bit_equal(q, q_ref, "e4m3 values")
+    assert s[1:].tolist() == [1.0, 1.0] and not q[1:].float().any() and not q.float().isnan().any()
+    assert s[0].item() == (x[0].abs().amax().double() / 448).float().item()
+
+
 def test_quantize_rows_refuses_bad_input():
     with pytest.raises(ValueError, match="2-D fp32/bf16/fp16"):
         fp8_quantize_rows(torch.zeros(2, 3, 4, device=DEVICE))
@@ -105,9 +124,11 @@ def test_nf4_to_fp8_equals_quantized_bitsandbytes(shape, transposed):
     assert_bit_equal(nf4_to_fp8_reference(nf4.data(), shape, scale, transposed), expected.contiguous(), "reference")
 
 
+@pytest.mark.parametrize("shape", [(37, 75), (70, 192)], ids=str)
 @pytest.mark.parametrize("transposed", [False, True], ids=["rows", "transposed"])
-def test_nf4_to_fp8_odd_number_of_values(transposed):
-    shape = (37, 75)
+def test_nf4_to_fp8_against_the_reference(shape, transposed):
+    """(37, 75): an odd number of values (bytes straddle rows); (70, 192): whole 64-value blocks a row, over
+    several row tiles and a partial column tile."""
     nf4 = nf4_weight(shape)
     scale = scales(shape[1] if transposed else shape[0])
     out = torch.empty(shape[::-1] if transposed else shape, dtype=E4M3, device=DEVICE)

@@ -30,6 +30,7 @@ ARCHS = (80, 90)
 DTYPES = ("fp32", "bf16", "fp16")
 # The kernels that dequantize NF4 as bitsandbytes does, which must not fuse a multiply and an add.
 NF4_KERNELS = {"nf4_fma": "_nf4_dequantize_kernel", "nf4_to_fp8_fma": "_nf4_to_fp8_kernel"}
+E4M3_KERNELS = ("_fp8_quantize_rows_kernel", "_nf4_to_fp8_kernel")  # the kernels that store e4m3
 
 
 @dataclass(frozen=True)
@@ -64,7 +65,7 @@ def kernel_cases():
     import kernels.rope as rp
     import kernels.swiglu as sw
     from kernels.references import NF4_ABSMAX_BLOCK, NF4_BLOCK
-    specs = []  # (module, kernel, signature(dtype), base constexprs, flag combos, num_warps)
+    specs = []  # (module, kernel, signature(dtype), base constexprs, flag combos, num_warps[, label])
 
     block, warps = ce.launch_config(262144, ce.FORWARD_MAX_BLOCK)
     specs.append(("kernels.cross_entropy", "_cross_entropy_forward_kernel", lambda t: {
@@ -109,25 +110,33 @@ def kernel_cases():
         "absmax_code_ptr": "*fp32", "levels_ptr": "*fp32", "out_ptr": f"*{t}", "n": "i32"},
         {"BLOCKS": nf4.BLOCKS, "BLOCK": NF4_BLOCK, "ABSMAX_BLOCK": NF4_ABSMAX_BLOCK}, [{}], nf4.OPTIONS["num_warps"]))
 
-    # The e4m3 values are formed from fp32 bits and stored as uint8 (fp8_quantize.to_e4m3_bits): sm_80 compiles
-    # them too, though only sm_89+ has the fp8 GEMMs that read them.
-    specs.append(("kernels.fp8_quantize", "_fp8_quantize_rows_kernel", lambda t: {
+    # e4m3 from the GPU's conversion (HARDWARE_E4M3) or from the fp32 bits, stored as uint8. Every launch
+    # configuration: a row held in registers (the widest), a wide row read twice, a transposed x in tiles.
+    fp8_sig = lambda t: {  # noqa: E731
         "x_ptr": f"*{t}", "x_row_stride": "i32", "x_col_stride": "i32", "q_ptr": "*u8", "s_ptr": "*fp32",
-        "M": "i32", "K": "i32"}, {"BLOCK_M": fq.BLOCK_M, "BLOCK_K": fq.BLOCK_K}, [{}], fq.NUM_WARPS))
+        "M": "i32", "K": "i32"}
+    for label, K, transposed in (("one_pass", fq.MAX_ONE_PASS, False), ("wide", 28672, False),
+                                 ("transposed", 28672, True)):
+        block_m, block_k, one_pass, warps = fq.launch_config(4096, K, transposed)
+        specs.append(("kernels.fp8_quantize", "_fp8_quantize_rows_kernel", fp8_sig,
+                      {"BLOCK_M": block_m, "BLOCK_K": block_k, "ONE_PASS": one_pass, "MIN_SCALE": fq.MIN_SCALE},
+                      flags("HARDWARE_E4M3"), warps, label))
     specs.append(("kernels.nf4_to_fp8", "_nf4_to_fp8_kernel", lambda t: {
         "packed_ptr": "*u8", "absmax_ptr": "*u8", "absmax_scale_ptr": "*fp32", "absmax_offset_ptr": "*fp32",
-        "absmax_code_ptr": "*fp32", "levels_ptr": "*fp32", "scale_ptr": "*fp32", "out_ptr": "*u8",
-        "out_row_stride": "i32", "out_col_stride": "i32", "R": "i32", "K": "i32"},
+        "absmax_code_ptr": "*fp32", "levels_ptr": "*fp32", "rcp_ptr": "*fp32", "out_ptr": "*u8",
+        "out_row_stride": "i32", "R": "i32", "K": "i32"},
         {"BLOCK_R": nf8.BLOCK_R, "BLOCK_K": nf8.BLOCK_K, "BLOCK": NF4_BLOCK, "ABSMAX_BLOCK": NF4_ABSMAX_BLOCK},
-        flags("TRANSPOSED"), nf8.OPTIONS["num_warps"]))
+        flags("TRANSPOSED", "WHOLE_BLOCKS", "HARDWARE_E4M3"), nf8.OPTIONS["num_warps"]))
 
     cases = []
-    for module, kernel, signature, base, combos, warps in specs:
+    for module, kernel, signature, base, combos, warps, *label in specs:  # label: one of a kernel's configurations
         for dtype, combo, arch in product(DTYPES, combos, ARCHS):
+            if combo.get("HARDWARE_E4M3") and arch < 89:
+                continue  # sm_80 has no e4m3 conversion (nor fp8 GEMMs): the kernels use the bits there
             constexprs = {**base, **combo}
             sig = {**signature(dtype), **{k: "constexpr" for k in constexprs}}
-            cases.append(Case(f"{kernel}-{dtype}-{flag_id(combo)}-sm{arch}", module, kernel, sig, constexprs,
-                              warps, arch))
+            cases.append(Case("-".join([kernel, *label, dtype, flag_id(combo), f"sm{arch}"]), module, kernel, sig,
+                              constexprs, warps, arch))
     return cases
 
 
@@ -177,13 +186,28 @@ def nf4_fma(arch, kernel) -> str:
     return ", ".join(sorted(set(re.findall(r"\bfma\.\S+", ptx))))
 
 
+def e4m3_conversions(kernel) -> str:
+    """The fp32-to-e4m3 conversions in the sm_90 PTX of `kernel` with HARDWARE_E4M3 on: the kernels rely on them
+    rounding to nearest even and saturating (cvt.rn.satfinite), as references.to_e4m3 does."""
+    import re
+
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    case = next(c for c in kernel_cases() if c.kernel == kernel and c.arch == 90 and c.constexprs["HARDWARE_E4M3"])
+    fn = getattr(importlib.import_module(case.module), case.kernel)
+    ptx = triton.compile(ASTSource(fn=fn, signature=case.signature, constexprs=case.constexprs),
+                         target=GPUTarget("cuda", 90, 32), options={"num_warps": case.num_warps}).asm["ptx"]
+    return ", ".join(sorted(set(re.findall(r"\bcvt\.\S*e4m3\S*", ptx))))
+
+
 def compile_all() -> dict:
     cases = kernel_cases() + bug_cases()
     with ProcessPoolExecutor(max_workers=os.cpu_count()) as pool:
         compiled = dict(zip((c.id for c in cases), pool.map(compile_case, cases)))
         fma = {f"{name}-sm{arch}": pool.submit(nf4_fma, arch, kernel).result() for arch in ARCHS
                for name, kernel in NF4_KERNELS.items()}
-        return {**compiled, **fma}
+        cvt = {f"e4m3_cvt-{kernel}": pool.submit(e4m3_conversions, kernel).result() for kernel in E4M3_KERNELS}
+        return {**compiled, **fma, **cvt}
 
 
 if __name__ == "__main__":
@@ -213,6 +237,11 @@ def test_kernel_compiles(compiled, case_id):
 @pytest.mark.parametrize("arch", ARCHS)
 def test_nf4_kernels_compile_without_fma(compiled, arch, name):
     assert compiled[f"{name}-sm{arch}"] == "", f"the NF4 kernel's PTX fuses: {compiled[f'{name}-sm{arch}']}"
+
+
+@pytest.mark.parametrize("kernel", E4M3_KERNELS)
+def test_e4m3_kernels_use_the_saturating_conversion_on_sm90(compiled, kernel):
+    assert compiled[f"e4m3_cvt-{kernel}"] == "cvt.rn.satfinite.e4m3x2.f32", compiled[f"e4m3_cvt-{kernel}"]
 
 
 @pytest.mark.parametrize("arch", ARCHS)

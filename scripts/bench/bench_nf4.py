@@ -1,4 +1,4 @@
-"""NF4 dequantization of one fused projection group, three ways, on the 7-9B shapes.
+"""NF4 dequantization of one fused projection group, three ways, and the FP8 kernels, on the 7-9B shapes.
 
     python scripts/bench/bench_nf4.py                 # every group of llama-3.1-8b, qwen2.5-7b, gemma-2-9b
     python scripts/bench/bench_nf4.py --out nf4.json
@@ -13,20 +13,30 @@ For each group of projections that share an input (q|k|v, gate|up; down alone), 
 
 and the triton rows' effective bandwidth: the bytes it must move (0.5 B of codes read and 2 B written a value,
 plus the absmax codes and scales) over its time. Every way's values are checked bit-equal to bitsandbytes' first.
+
+Then the FP8 kernels of `--fp8` (model/fp8.py) on the same groups, each checked bit-equal to its reference:
+kernels/nf4_to_fp8.py making the group's e4m3 W (rows) and Wᵀ (transposed), and kernels/fp8_quantize.py on
+the activations of a 2 × 2048-token batch as the fp8 GEMMs read them (x and dY row-major; the MLP's H and
+[dG | dU] stored transposed), with GB/s over the bytes each must move (NF4 in, 1 B out a value; x in, 1 B out).
 """
 import argparse
 import json
 import sys
+from functools import partial
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: `model`, `scripts`
+from kernels.fp8_quantize import fp8_quantize_rows  # noqa: E402
+from kernels.nf4_to_fp8 import nf4_to_fp8  # noqa: E402
+from kernels.references import E4M3, fp8_quantize_rows_reference, nf4_to_fp8_reference  # noqa: E402
 from model.qlora import NF4Weight  # noqa: E402
 from scripts.bench.bench_qlora import model_config  # noqa: E402
 from scripts.bench.harness import median_ms  # noqa: E402
 
 SHAPES = ("llama-3.1-8b", "qwen2.5-7b", "gemma-2-9b")
+TOKENS = 4096  # the activations' rows: 2 × 2048
 
 
 def groups(shape):
@@ -60,6 +70,54 @@ def bench_group(shapes):
     return result
 
 
+def bench_fp8_weights(shapes):
+    """(rows ms, rows GB/s, transposed ms, transposed GB/s): the group's e4m3 W [Σout, in] and Wᵀ [in, Σout]."""
+    weights = [NF4Weight(torch.randn(s, device="cuda", dtype=torch.bfloat16) * 0.02) for s in shapes]
+    rows = torch.tensor([0] + [s[0] for s in shapes]).cumsum(0).tolist()
+    spans, total, K = list(zip(weights, rows, rows[1:])), rows[-1], shapes[0][1]
+
+    def convert(out, scale, transposed, kernel=True):
+        for w, a, b in spans:
+            s = scale if transposed else scale[a:b]
+            if kernel:
+                nf4_to_fp8(w.data(), w.shape, s, out[:, a:b] if transposed else out[a:b], transposed)
+            else:
+                (out[:, a:b] if transposed else out[a:b]).copy_(nf4_to_fp8_reference(w.data(), w.shape, s, transposed))
+        return out
+
+    result = []
+    for transposed in (False, True):
+        out = torch.empty((K, total) if transposed else (total, K), dtype=E4M3, device="cuda")
+        scale = torch.rand(K if transposed else total, device="cuda") * 0.05 + 0.01
+        expected = convert(torch.empty_like(out), scale, transposed, kernel=False)
+        if not torch.equal(convert(out, scale, transposed).view(torch.uint8), expected.view(torch.uint8)):
+            raise AssertionError(f"nf4_to_fp8 (transposed={transposed}): values differ from the reference")
+        ms = median_ms(partial(convert, out, scale, transposed), "cuda")
+        moved = sum(sum(b.numel() * b.element_size() for b in w.buffers()) for w in weights) + out.numel()
+        result += [ms, moved / ms / 1e6]
+    return result
+
+
+def bench_fp8_quantize(width, transposed):
+    """(ms, GB/s) of quantizing a [TOKENS, width] bf16 activation, row-major or stored transposed."""
+    x = torch.randn(width, TOKENS, device="cuda", dtype=torch.bfloat16).t() if transposed else \
+        torch.randn(TOKENS, width, device="cuda", dtype=torch.bfloat16)
+    q, s = fp8_quantize_rows(x)
+    q_ref, s_ref = fp8_quantize_rows_reference(x)
+    if not (torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8)) and torch.equal(s, s_ref)):
+        raise AssertionError(f"fp8_quantize_rows {tuple(x.shape)}: values differ from the reference")
+    ms = median_ms(lambda: fp8_quantize_rows(x), "cuda")
+    return ms, x.numel() * 3 / ms / 1e6
+
+
+def activations(shape):
+    """(name, width, stored transposed) of the activations one layer's fp8 GEMMs quantize."""
+    c = model_config(shape, smoke=False)
+    H, I, qkv = c.hidden_size, c.intermediate_size, (c.n_heads + 2 * c.n_kv_heads) * c.head_dim
+    return [("x (q|k|v, gate|up), dY (o, down)", H, False), ("dY (q|k|v)", qkv, False), ("H (down)", I, True),
+            ("[dG | dU] (gate|up)", 2 * I, True)]
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=Path, help="write the rows as JSON to this path")
@@ -75,8 +133,24 @@ def main():
             out.append(r)
             print(f"| {shape} | {group} | {r['bitsandbytes + cat']:.3f} | {r['bitsandbytes rows']:.3f} | "
                   f"{r['triton rows']:.3f} | {r['triton GB/s']:.0f} |", flush=True)
+    print("\n| shape | group | nf4→fp8 W ms | GB/s | nf4→fp8 Wᵀ ms | GB/s |\n|---|---|---:|---:|---:|---:|", flush=True)
+    fp8 = []
+    for shape in SHAPES:
+        for group, shapes in groups(shape):
+            ms, gbs, ms_t, gbs_t = bench_fp8_weights(shapes)
+            fp8.append({"shape": shape, "group": group, "W ms": ms, "W GB/s": gbs, "Wt ms": ms_t, "Wt GB/s": gbs_t})
+            print(f"| {shape} | {group} | {ms:.3f} | {gbs:.0f} | {ms_t:.3f} | {gbs_t:.0f} |", flush=True)
+    print(f"\n| shape | activation [{TOKENS}, width] | width | layout | quantize ms | GB/s |\n"
+          "|---|---|---:|---|---:|---:|", flush=True)
+    for shape in SHAPES:
+        for name, width, transposed in activations(shape):
+            ms, gbs = bench_fp8_quantize(width, transposed)
+            fp8.append({"shape": shape, "activation": name, "width": width, "transposed": transposed, "ms": ms,
+                        "GB/s": gbs})
+            print(f"| {shape} | {name} | {width} | {'transposed' if transposed else 'rows'} | {ms:.3f} | {gbs:.0f} |",
+                  flush=True)
     if args.out:
-        args.out.write_text(json.dumps({"device": torch.cuda.get_device_name(), "rows": out}, indent=1))
+        args.out.write_text(json.dumps({"device": torch.cuda.get_device_name(), "rows": out, "fp8": fp8}, indent=1))
 
 
 if __name__ == "__main__":
