@@ -419,14 +419,14 @@ def pack_weights_(projs):
 
 def pack_adapters_(projs):
     """Store the fp32 LoRA masters of projections that read one input as consecutive rows of one tensor each
-    (`_stack_rows_`), A as (Σr, in) and B as (Σout, r), and keep on the first projection the 0/1 mask (Σout,
-    members, 1) that sets the stacked B on the diagonal of the group's block B (`_block_b`). A forward then casts
-    the group's A as one view and builds its block B in one multiply, instead of concatenating, filling and
-    copying. Left alone unless every projection has an adapter of one rank, and on the meta device (the loaders
-    pack again once the weights are in)."""
+    (`_stack_rows_`), A as (Σr, in), B as (Σout, r) and DoRA's magnitudes as (Σout,), and keep on the first
+    projection the 0/1 mask (Σout, members, 1) that sets the stacked B on the diagonal of the group's block B
+    (`_block_b`). A forward then casts the group's A as one view, reads the magnitudes as one, and builds its block
+    B in one multiply, instead of concatenating, filling and copying. Left alone unless every projection has an
+    adapter of one rank, and on the meta device (the loaders pack again once the weights are in)."""
     if len(projs) < 2 or not all(p.r for p in projs) or len({p.r for p in projs}) > 1 or projs[0].lora_B.is_meta:
         return
-    for attr in ("lora_A", "lora_B"):
+    for attr in ("lora_A", "lora_B", "lora_magnitude_vector"):
         _stack_rows_(projs, attr)
     member = torch.repeat_interleave(torch.arange(len(projs)), torch.tensor([p.out_features for p in projs]))
     mask = (member[:, None] == torch.arange(len(projs)))[:, :, None]
@@ -476,38 +476,81 @@ def _bias(projs, dtype):
     return None if projs[0].bias is None else _packed([p.bias for p in projs]).to(dtype)
 
 
-def _dora_scales(projs, mags, dtype):
-    """DoRA's g = m / ‖W + s·B·A‖ for the projections side by side (Σout,) in `dtype`, and the norms (Σout,) in fp32
-    (both 1 for a projection without DoRA); None when none of them has DoRA. The norms are constants in backward."""
-    present = [m for m in mags if m is not None]
-    if not present:
-        return None
-    gs, norms = [], []
-    for p, m in zip(projs, mags):
-        if m is None:
-            gs.append(torch.ones(p.out_features, device=present[0].device))
-            norms.append(gs[-1])
+def base_sq_norms(projs):
+    """‖W_r‖² of the projections' frozen base rows side by side (Σout,), in fp32 (fp64 for an fp64 base; an NF4 or
+    fp8 base from its dequantized values), kept on the first projection while the base weights are the same
+    tensors at the same version: computed once, not at every step (`Transformer.pack_weights_` computes them
+    before any step, so that none is computed inside a CUDA graph's capture). Read only: callers write into
+    copies."""
+    key = [(id(t), t.data_ptr(), t._version) if isinstance(t, torch.Tensor) else id(t)
+           for p in projs for t in (p.weight, p.nf4, p.fp8)]
+    cached = getattr(projs[0], "dora_base_sq_norms", None)
+    if cached is None or cached[0] != key:
+        with torch.no_grad():
+            w = _base_weights(projs, torch.promote_types(projs[0].base_weight().dtype, torch.float32))
+            cached = projs[0].dora_base_sq_norms = key, w.square().sum(1)
+    return cached[1]
+
+
+def _dora_scales(projs, groups, saved, mags, masters, dtype, store=None):
+    """DoRA's g = m / ‖W + s·B·A‖ (Σout,) in `dtype`, and 1 / ‖W + s·B·A‖ (Σout,) in fp32, of the projections side by
+    side (both 1 in the columns of a projection without DoRA): constants in backward. `saved`: what `_adapt_groups`
+    returned for `groups` (the stacked A and the block B of each group, in `dtype`); masters: (A_i, B_i) per
+    projection, fp32.
+
+    Per row r of a group's block B (its members' B on the diagonal, zeros elsewhere) and stacked A:
+
+        ‖W_r + s B_r A‖² = ‖W_r‖² + Σ_c B_rc (2s · W Aᵀ + s² · B (A Aᵀ))_rc
+
+    with ‖W_r‖² of the frozen base computed once (`base_sq_norms`), W Aᵀ (Σout, Σr) and A Aᵀ (Σr, Σr) GEMMs and the
+    row sums one batched product: no (out, in) temporary, and a few kernels for the whole group. The sum is in fp32
+    (fp64 for an fp64 base): B and A from the fp32 masters, W Aᵀ from the GEMM of W and A in `dtype`.
+
+    store: a dict that keeps the result under the first projection, for the recompute of a checkpointed layer (the
+    checkpoint's first run fills it, its recompute reads it: the weights are the same in both)."""
+    if store is not None and projs[0] in store:
+        return store[projs[0]]
+    base = base_sq_norms(projs)
+    acc = base.dtype
+    sq = None if len(groups) == 1 and _blocks(projs, groups[0])[0] == slice(0, len(base)) else base.clone()
+    w = _base_weights(projs, dtype)
+    for n, group in enumerate(groups):
+        _, a, b = saved[3 * n:3 * n + 3]
+        cols, _ = _blocks(projs, group)
+        s = projs[group[0]].scale
+        a_acc = a if a.dtype == acc else _packed([masters[0][i] for i in group]).to(acc)  # (Σr, in)
+        b_acc = b if b.dtype == acc else _block_b(projs, group, masters[1], acc)  # (Σout_g, Σr)
+        c = torch.addmm(_mm_to(w[cols], a.t(), acc), b_acc, a_acc @ a_acc.t(), beta=2 * s, alpha=s * s)
+        rows = torch.baddbmm(base[cols, None, None], b_acc[:, None, :], c[:, :, None]).view(-1)  # ‖W_r + s B_r A‖²
+        if sq is None:
+            sq = rows
         else:
-            norms.append(p.weight_norm(p.base_weight()))
-            gs.append(m.detach() / norms[-1])
-    return torch.cat(gs).to(dtype), torch.cat(norms)
+            sq[cols] = rows
+    inv = sq.rsqrt()
+    if None in mags:  # a projection without DoRA: g = 1 and no norm in its columns
+        for m, cols in zip(mags, _spans(projs)):
+            if m is None:
+                inv[cols] = 1
+    m = _packed([inv.new_ones(p.out_features) if m is None else m.detach() for p, m in zip(projs, mags)])
+    out = torch.mul(m, inv, out=inv.new_empty(len(inv), dtype=dtype)), inv  # g written in `dtype`
+    if store is not None:
+        store[projs[0]] = out
+    return out
 
 
 def _dora_output(pre, g, b, transposed=False):
     """Y = g ⊙ P + b (columns scaled), a new tensor, from DoRA's P = X Wᵀ + s (X Aᵀ) Bᵀ (N, Σout). transposed: P is
     stored as the contiguous (Σout, N), and Y is returned in that layout too (the MLP's [G | U])."""
     if transposed:
-        y = pre.t() * g[:, None]
-        return (y if b is None else y.add_(b[:, None])).t()
-    y = pre * g
-    return y if b is None else y.add_(b)
+        return (pre.t() * g[:, None] if b is None else torch.addcmul(b[:, None], pre.t(), g[:, None])).t()
+    return pre * g if b is None else torch.addcmul(b, pre, g)
 
 
-def _dora_backward(projs, m_dtypes, dy, pre, g, norms, need_m, dms):
+def _dora_backward(projs, m_dtypes, dy, pre, g, inv, need_m, dms):
     """DoRA's part of backward, from dY (N, Σout) of Y = g ⊙ P + b: each magnitude's gradient Σ_n dY ⊙ P / ‖W + s·B·A‖
-    (in its master's dtype, m_dtypes[i], into dms[i] where need_m[i]), and dP = g ⊙ dY, returned: what the base
-    and the adapters backpropagate."""
-    dm = (dy * pre).sum(0, dtype=torch.float32) / norms  # (Σout,)
+    (in its master's dtype, m_dtypes[i], into dms[i] where need_m[i]; inv = 1 / ‖W + s·B·A‖), and dP = g ⊙ dY,
+    returned: what the base and the adapters backpropagate."""
+    dm = (dy * pre).sum(0, dtype=torch.float32).mul_(inv)  # (Σout,)
     for i, (dtype, cols) in enumerate(zip(m_dtypes, _spans(projs))):
         if dtype is not None and need_m[i]:
             dms[i] = dm[cols].to(dtype)
@@ -649,7 +692,7 @@ class _LoRAProjections(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, projs, x, *inputs):
+    def forward(ctx, projs, store, x, *inputs):
         dtype, n = compute_dtype(x), len(projs)
         lora, mags = inputs[:3 * n], inputs[3 * n:]
         names = ["x"] + [f"{n} of {p.name}" for p in projs for n in ("dropout(x)", "lora_A", "lora_B")] + [
@@ -659,16 +702,17 @@ class _LoRAProjections(torch.autograd.Function):
         with torch.autocast(x.device.type, enabled=False):
             xc = x.to(dtype)
             x_loras = [_to(t, dtype) for t in lora[0::3]]
-            dora = _dora_scales(projs, mags, dtype)  # (g, norms), or None
-            y = _base(projs, xc, dtype, bias=dora is None)
+            dora = any(m is not None for m in mags)
+            y = _base(projs, xc, dtype, bias=not dora)
             groups = _adapter_groups(projs, x_loras)
             saved = _adapt_groups(y, projs, groups, x_loras, xc, a_masters, b_masters, dtype)
-            if dora is not None:
-                saved += [y, *dora]  # P, g, norms
-                y = _dora_output(y, dora[0], _bias(projs, dtype))
+            if dora:
+                scales = _dora_scales(projs, groups, saved, mags, (a_masters, b_masters), dtype, store)
+                saved += [y, *scales]  # P, g, 1 / ‖W + s·B·A‖
+                y = _dora_output(y, scales[0], _bias(projs, dtype))
         _expect(y, dtype, "output of " + "/".join(p.name for p in projs))
         ctx.save_for_backward(xc, *x_loras, *saved)
-        ctx.projs, ctx.groups, ctx.dora = projs, groups, dora is not None
+        ctx.projs, ctx.groups, ctx.dora = projs, groups, dora
         return y
 
     @staticmethod
@@ -676,21 +720,21 @@ class _LoRAProjections(torch.autograd.Function):
         projs, n = ctx.projs, len(ctx.projs)
         xc, *saved = ctx.saved_tensors
         x_loras, saved = saved[:n], saved[n:]
-        need = ctx.needs_input_grad[1:]  # x, then (X̃_i, A_i, B_i) per projection, then m_i per projection
+        need = ctx.needs_input_grad[2:]  # x, then (X̃_i, A_i, B_i) per projection, then m_i per projection
         need_lora, need_m = need[:3 * n + 1], need[3 * n + 1:]
         masters = ctx.dtypes[2:3 * n:3]  # lora_A's dtype per projection (lora_B's is asserted equal by _check_grads)
         da, db, dm = [None] * n, [None] * n, [None] * n
         _expect(dy, xc.dtype, "gradient of the " + "/".join(p.name for p in projs) + " output")
         with torch.autocast(xc.device.type, enabled=False):
             if ctx.dora:
-                *saved, pre, g, norms = saved
-                dy = _dora_backward(projs, ctx.dtypes[3 * n + 1:], dy, pre, g, norms, need_m, dm)
+                *saved, pre, g, inv = saved
+                dy = _dora_backward(projs, ctx.dtypes[3 * n + 1:], dy, pre, g, inv, need_m, dm)
             dx = _base_backward(projs, dy) if need[0] else None
             dx_loras = _adapt_groups_backward(projs, ctx.groups, saved, dy, x_loras, xc, dx, need_lora[1::3],
                                               need_lora[2::3], need_lora[3::3], masters, da, db)
         x_dtype = ctx.dtypes[0]  # X's, and every X̃_i's (asserted in forward)
         grads = [t for i in range(n) for t in (_to(dx_loras[i], x_dtype), da[i], db[i])]
-        return (None, *_check_grads(ctx, [_to(dx, x_dtype)] + grads + dm))
+        return (None, None, *_check_grads(ctx, [_to(dx, x_dtype)] + grads + dm))
 
 
 def _halves(gu):
@@ -715,7 +759,7 @@ class _LoRAMLP(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, projs, glu, output, x, x_gate, x_up, *inputs):
+    def forward(ctx, projs, glu, output, store, x, x_gate, x_up, *inputs):
         gate, up, down = projs
         dtype = compute_dtype(x)
         ab, mags = inputs[:6], inputs[6:]
@@ -728,26 +772,29 @@ class _LoRAMLP(torch.autograd.Function):
         with torch.autocast(x.device.type, enabled=False):
             xc = x.to(dtype)
             x_loras = [_to(x_gate, dtype), _to(x_up, dtype)]
-            dora_gu, dora_d = _dora_scales(projs[:2], mags[:2], dtype), _dora_scales(projs[2:], mags[2:], dtype)
-            gu = _base(projs[:2], xc, dtype, transposed=True, bias=dora_gu is None)  # [G | U] (N, 2I)
+            dora_gu, dora_d = (any(m is not None for m in ms) for ms in (mags[:2], mags[2:]))
+            gu = _base(projs[:2], xc, dtype, transposed=True, bias=not dora_gu)  # [G | U] (N, 2I)
             groups = _adapter_groups(projs[:2], x_loras)
             saved = _adapt_groups(gu, projs[:2], groups, x_loras, xc, a_masters, b_masters, dtype)
             pre_gu = gu  # what is saved: [G | U], or DoRA's P before its scaling
-            if dora_gu is not None:
-                gu = _dora_output(pre_gu, dora_gu[0], _bias(projs[:2], dtype), transposed=True)
+            dora = []  # g, 1 / ‖W + s·B·A‖ of gate/up; then P, g, 1 / ‖W + s·B·A‖ of down
+            if dora_gu:
+                dora += _dora_scales(projs[:2], groups, saved, mags[:2], (a_masters, b_masters), dtype, store)
+                gu = _dora_output(pre_gu, dora[0], _bias(projs[:2], dtype), transposed=True)
             h = glu.forward(*_halves(gu)).t()  # (N, I)
             keep, h_lora = None, None
             if p_drop > 0:
                 mask = F.dropout(h.new_ones(h.shape), p_drop)  # 0 or 1/(1-p), drawn as F.dropout(h) draws
                 keep, h_lora = mask != 0, h * mask
                 del mask
-            y = _base((down,), h, dtype, bias=dora_d is None) if output or dora_d is not None else None
+            y = _base((down,), h, dtype, bias=not dora_d) if output or dora_d else None
             if down.r:
                 saved += _adapt(y, (down,), [0], h if h_lora is None else h_lora, a_masters[2:], b_masters[2:], dtype)
-            dora = [*dora_gu] if dora_gu is not None else []  # g, norms of gate/up; then P, g, norms of down
-            if dora_d is not None:
-                dora += [y, *dora_d]
-                y = _dora_output(y, dora_d[0], _bias((down,), dtype)) if output else None
+            if dora_d:
+                scales = _dora_scales((down,), [[0]], saved[-3:], mags[2:], (a_masters[2:], b_masters[2:]), dtype,
+                                      store)
+                dora += [y, *scales]
+                y = _dora_output(y, scales[0], _bias((down,), dtype)) if output else None
             if y is None:
                 y = xc.new_zeros(xc.shape[0], down.out_features)
             del h, h_lora, gu
@@ -755,7 +802,7 @@ class _LoRAMLP(torch.autograd.Function):
             _expect(t, dtype, f"MLP {name}")
         ctx.save_for_backward(xc, *x_loras, pre_gu, keep, *dora, *saved)
         ctx.projs, ctx.glu, ctx.p_drop, ctx.groups = projs, glu, p_drop, groups
-        ctx.dora_gu, ctx.dora_d = dora_gu is not None, dora_d is not None
+        ctx.dora_gu, ctx.dora_d = dora_gu, dora_d
         return y
 
     @staticmethod
@@ -769,10 +816,10 @@ class _LoRAMLP(torch.autograd.Function):
                                    "Build the model with fused_lora=False to backpropagate twice")
             ctx.consumed = True
         xc, x_gate, x_up, gu, keep, *saved = ctx.saved_tensors
-        dora_gu, saved = (saved[:2], saved[2:]) if ctx.dora_gu else (None, saved)  # g, norms
-        dora_d, saved = (saved[:3], saved[3:]) if ctx.dora_d else (None, saved)  # P, g, norms
+        dora_gu, saved = (saved[:2], saved[2:]) if ctx.dora_gu else (None, saved)  # g, 1 / ‖W + s·B·A‖
+        dora_d, saved = (saved[:3], saved[3:]) if ctx.dora_d else (None, saved)  # P, g, 1 / ‖W + s·B·A‖
         x_loras, projs, down = [x_gate, x_up], ctx.projs, ctx.projs[2]
-        need = ctx.needs_input_grad[3:]  # x, X̃_gate, X̃_up, A_g, B_g, A_u, B_u, A_d, B_d, m_g, m_u, m_d
+        need = ctx.needs_input_grad[4:]  # x, X̃_gate, X̃_up, A_g, B_g, A_u, B_u, A_d, B_d, m_g, m_u, m_d
         need_a, need_b, need_m = need[3:9:2], need[4:9:2], need[9:]  # of gate, up, down
         masters, m_dtypes = ctx.dtypes[3:9:2], ctx.dtypes[9:]  # lora_A's and m's dtypes of gate, up, down
         da, db, dm = [None] * 3, [None] * 3, [None] * 3
@@ -809,7 +856,7 @@ class _LoRAMLP(torch.autograd.Function):
                                               need_b, masters, da, db)
         x_dtype = ctx.dtypes[0]  # X's, and X̃_gate's and X̃_up's (asserted in forward)
         dxs = [_to(t, x_dtype) for t in (dx, *dx_loras)]
-        return (None, None, None, *_check_grads(ctx, dxs + [da[0], db[0], da[1], db[1], da[2], db[2]] + dm))
+        return (None, None, None, None, *_check_grads(ctx, dxs + [da[0], db[0], da[1], db[1], da[2], db[2]] + dm))
 
 
 def _magnitudes(projs):
@@ -817,22 +864,24 @@ def _magnitudes(projs):
     return [p.lora_magnitude_vector if p.dora and p.r else None for p in projs]
 
 
-def lora_projections(x, projs):
+def lora_projections(x, projs, store=None):
     """tuple(p(x) for p in projs) as one autograd Function: one GEMM for the base of all of them (`_base`),
     X cast and saved once, and dX in one GEMM too. x (..., in); the outputs are column slices of one
-    (..., Σout) tensor."""
+    (..., Σout) tensor. store: a dict that keeps DoRA's scales for a checkpointed layer's recompute
+    (`_dora_scales`)."""
     x2 = x.reshape(-1, x.shape[-1])  # (N, in)
     lora = [t for p in projs for t in (p.lora_input(x2), p.lora_A, p.lora_B)]
-    y = _LoRAProjections.apply(projs, x2, *lora, *_magnitudes(projs))
+    y = _LoRAProjections.apply(projs, store, x2, *lora, *_magnitudes(projs))
     y = y.view(*x.shape[:-1], y.shape[-1])
     return (y,) if len(projs) == 1 else y.split([p.out_features for p in projs], dim=-1)
 
 
-def lora_mlp(x, projs, glu: GLU, output=True):
+def lora_mlp(x, projs, glu: GLU, output=True, store=None):
     """down(act(gate(x)) ⊙ up(x)) for projs = (gate, up, down), as one autograd Function. x (..., H).
-    output=False: zeros in place of the output, the graph and what backward needs as with True (`_LoRAMLP`)."""
+    output=False: zeros in place of the output, the graph and what backward needs as with True (`_LoRAMLP`).
+    store: as for `lora_projections`."""
     gate, up, down = projs
     x2 = x.reshape(-1, x.shape[-1])  # (N, H)
-    y = _LoRAMLP.apply(projs, glu, output, x2, gate.lora_input(x2), up.lora_input(x2),
+    y = _LoRAMLP.apply(projs, glu, output, store, x2, gate.lora_input(x2), up.lora_input(x2),
                        gate.lora_A, gate.lora_B, up.lora_A, up.lora_B, down.lora_A, down.lora_B, *_magnitudes(projs))
     return y.view(*x.shape[:-1], y.shape[-1])

@@ -40,6 +40,7 @@ from model.lora import (
     GLU,
     LoRAConfig,
     autograd_backward,
+    base_sq_norms,
     fusable,
     lora_mlp,
     lora_projections,
@@ -273,13 +274,14 @@ class Attention(nn.Module):
         self.softcap = cfg.attn_softcap
         self.ops = ops
 
-    def forward(self, x, cos, sin, mask, cache=None):
+    def forward(self, x, cos, sin, mask, cache=None, store=None):
         """x (B, T, H). cache: this layer's `LayerCache` (model/generate.py) or None; with one, the
-        keys and values of x are appended to it and the queries attend to all it holds."""
+        keys and values of x are appended to it and the queries attend to all it holds. store: DoRA's
+        scales kept for a checkpointed layer's recompute (`_checkpointed`)."""
         B, T, _ = x.shape
         qkv = (self.q_proj, self.k_proj, self.v_proj)
         fused = self.ops.fused_lora and fusable(qkv + (self.o_proj,))
-        q, k, v = lora_projections(x, qkv) if fused else (p(x) for p in qkv)
+        q, k, v = lora_projections(x, qkv, store) if fused else (p(x) for p in qkv)
         q = q.view(B, T, self.nh, self.d)  # fused: column slices of one (B, T, q | k | v) tensor
         k = k.view(B, T, self.nkv, self.d)
         # Attention saves v for backward: a copy of it, not a slice, lets the q | k | v tensor go after RoPE.
@@ -292,7 +294,7 @@ class Attention(nn.Module):
             k, v = cache.update(k, v)  # (B, nkv, S, d): the cached positions, then these
         y = attend(q, k, v, mask, self.scale, self.softcap)  # (B, nh, T, d)
         y = y.transpose(1, 2).reshape(B, T, self.nh * self.d)
-        return lora_projections(y, (self.o_proj,))[0] if fused else self.o_proj(y)
+        return lora_projections(y, (self.o_proj,), store)[0] if fused else self.o_proj(y)
 
 
 class MLP(nn.Module):
@@ -305,12 +307,13 @@ class MLP(nn.Module):
         self.ops = ops
         self.glu = ops.glu(cfg.act)
 
-    def forward(self, x, output=True):
+    def forward(self, x, output=True, store=None):
         """output=False: the caller reads only the graph (a checkpointed layer's recompute), so the fused
-        path skips the down projection's GEMM and returns zeros in its place (see `lora_mlp`)."""
+        path skips the down projection's GEMM and returns zeros in its place (see `lora_mlp`). store: as
+        for Attention."""
         projs = (self.gate_proj, self.up_proj, self.down_proj)
         if self.ops.fused_lora and fusable(projs):
-            return lora_mlp(x, projs, self.glu, output)
+            return lora_mlp(x, projs, self.glu, output, store)
         return self.down_proj(self.glu.function(self.gate_proj(x), self.up_proj(x)))
 
 
@@ -328,21 +331,26 @@ class DecoderLayer(nn.Module):
             self.pre_feedforward_layernorm = RMSNorm(H, cfg, ops)
             self.post_feedforward_layernorm = RMSNorm(H, cfg, ops)
 
-    def forward(self, x, cos, sin, mask, cache=None, graph_only=False):
+    def forward(self, x, cos, sin, mask, cache=None, graph_only=False, store=None):
         """graph_only: the output's values are not read, only its graph (the recompute of a checkpointed
-        layer), so the MLP may skip its last GEMM. Not with sandwich norms: their norm saves the MLP output."""
+        layer), so the MLP may skip its last GEMM. Not with sandwich norms: their norm saves the MLP output.
+        store: a dict that keeps DoRA's scales from a checkpointed layer's first run for its recompute."""
         if self.sandwich:
-            x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), cos, sin, mask, cache))
-            return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, cache)
-        return x + self.mlp(self.post_attention_layernorm(x), output=not graph_only)
+            x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), cos, sin, mask, cache,
+                                                                 store))
+            return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x), store=store))
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, cache, store)
+        return x + self.mlp(self.post_attention_layernorm(x), output=not graph_only, store=store)
 
 
-def _checkpointed(layer, *args):
+def _checkpointed(layer, store, *args):
     """One layer under the reentrant checkpoint, which runs it twice: in forward without grad, where its
     output is the next layer's input, and in backward with grad, where backward reads only the graph and
-    the tensors saved in it. That second run skips what only the output needs (`graph_only`)."""
-    return layer(*args, graph_only=torch.is_grad_enabled())
+    the tensors saved in it. That second run skips what only the output needs (`graph_only`). `store`, a
+    dict, is one object for both runs (the checkpoint keeps its arguments that are not tensors as they
+    are): the first run puts DoRA's scales in it, which depend on the weights alone, and the second reads
+    them instead of computing them again."""
+    return layer(*args, graph_only=torch.is_grad_enabled(), store=store)
 
 
 class Backbone(nn.Module):
@@ -385,6 +393,9 @@ class Transformer(nn.Module):
             for group in ((attn.q_proj, attn.k_proj, attn.v_proj), (mlp.gate_proj, mlp.up_proj)):
                 pack_weights_(group)
                 pack_adapters_(group)
+        for group in self.projection_groups():  # DoRA's ‖W_r‖² before any step (and any CUDA graph capture)
+            if any(p.dora and p.r for p in group) and not any(p.weight is not None and p.weight.is_meta for p in group):
+                base_sq_norms(group)
 
     def projection_groups(self):
         """Each layer's projections grouped by the input they read: (q, k, v), (o,), (gate, up), (down,)."""
@@ -462,7 +473,7 @@ class Transformer(nn.Module):
                 # every tensor saved inside the layer through Python hooks, a CPU cost that a
                 # CPU-bound step pays in full (docs/perf-notes.md, "reentrant checkpointing").
                 with offload.hooks(x) if offload else nullcontext():
-                    x = checkpoint(_checkpointed, layer, *args, use_reentrant=True)
+                    x = checkpoint(_checkpointed, layer, {}, *args, use_reentrant=True)
             else:
                 x = layer(*args, cache=None if cache is None else cache.layers[i])
         if offload:

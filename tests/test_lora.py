@@ -188,7 +188,7 @@ def test_gradcheck_float64():
 
     def projections(x, aq, bq, av, bv):
         torch.manual_seed(0)  # q's adapter reads dropout(x); v's reads x itself
-        return _LoRAProjections.apply((q, k, v), x, F.dropout(x, P), aq, bq, None, None, None, None, av, bv)
+        return _LoRAProjections.apply((q, k, v), None, x, F.dropout(x, P), aq, bq, None, None, None, None, av, bv)
 
     leaves = [t.detach().clone().requires_grad_() for t in (q.lora_A, q.lora_B, v.lora_A, v.lora_B)]
     assert torch.autograd.gradcheck(projections, (x, *leaves))
@@ -199,7 +199,7 @@ def test_gradcheck_float64():
 
     def mlp(x, *ab):
         torch.manual_seed(0)  # the down mask is drawn inside, after gate's
-        return _LoRAMLP.apply((gate, up, down), silu, True, x, F.dropout(x, P), None, *ab)
+        return _LoRAMLP.apply((gate, up, down), silu, True, None, x, F.dropout(x, P), None, *ab)
 
     leaves = [t.detach().clone().requires_grad_() for m in (gate, up, down) for t in (m.lora_A, m.lora_B)]
     assert torch.autograd.gradcheck(mlp, (x, *leaves))
@@ -221,7 +221,7 @@ def test_gradcheck_stacked_adapters():
     def projections(x, *ab):
         it = iter(ab)
         lora = [t for p in projs for t in ((None, next(it), next(it)) if p.r else (None, None, None))]
-        return _LoRAProjections.apply(tuple(projs), x, *lora)
+        return _LoRAProjections.apply(tuple(projs), None, x, *lora)
 
     leaves = [t.detach().clone().requires_grad_() for p in projs if p.r for t in (p.lora_A, p.lora_B)]
     assert torch.autograd.gradcheck(projections, (x, *leaves))
@@ -233,8 +233,8 @@ def test_gradcheck_stacked_adapters():
         p.lora_A.data, p.lora_B.data = p.lora_A.data.double(), p.lora_B.data.double()
     silu = glu("silu")
     leaves = [t.detach().clone().requires_grad_() for m in (gate, up, down) for t in (m.lora_A, m.lora_B)]
-    assert torch.autograd.gradcheck(lambda x, *ab: _LoRAMLP.apply((gate, up, down), silu, True, x, None, None, *ab),
-                                    (x, *leaves))
+    assert torch.autograd.gradcheck(
+        lambda x, *ab: _LoRAMLP.apply((gate, up, down), silu, True, None, x, None, None, *ab), (x, *leaves))
 
 
 def test_fused_mlp_saves_no_weight_and_no_h():
@@ -322,7 +322,7 @@ def test_packed_adapters(llama_folder):
     def adapter_ops(projs):
         x = torch.randn(B * T, projs[0].in_features)
         with Ops() as ops, torch.autocast("cpu", dtype=torch.bfloat16):
-            _LoRAProjections.apply(projs, x, *[t for p in projs for t in (None, p.lora_A, p.lora_B)])
+            _LoRAProjections.apply(projs, None, x, *[t for p in projs for t in (None, p.lora_A, p.lora_B)])
         return ops.names
 
     for projs in groups:

@@ -9,7 +9,16 @@ import torch
 
 from model import LoRAConfig, load_model
 from model.adapters import load_with_adapter, merge_and_save, read_adapter_config, save_adapter
-from model.lora import LoRALinear, lora_parameters
+from model.lora import (
+    LoRALinear,
+    _adapt_groups,
+    _adapter_groups,
+    _dora_scales,
+    _magnitudes,
+    lora_parameters,
+    pack_adapters_,
+    pack_weights_,
+)
 from tests.helpers import randomize_lora_b, rel_err
 from tests.tiny_models import FAMILIES, save_tiny
 
@@ -170,6 +179,44 @@ def test_dora_fused_path_in_bf16(base):
     for n, g in grads.items():
         assert g.dtype == torch.float32, n
         assert rel_err(g, ref[n]) < 2 * rel_err(plain[n], ref[n]) + 1e-3, n
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-6), (torch.bfloat16, 2 ** -10)])
+@pytest.mark.parametrize("std", [0.0, 1e-4, 1e-2, 1.0, 10.0])
+def test_dora_norms_of_a_group_equal_the_direct_norms(dtype, tol, std):
+    """The fused path's ‖W_r + s·B_r·A‖ of a q/k/v group, from ‖W_r‖² and r-wide products (`_dora_scales`), against
+    the norm of the merged weight in fp64, where s·B·A is zero (DoRA's start), small, as large as W and far larger.
+    fp32: within 1e-6 relative, as the fp32 norm of the merged weight is (about 1e-7 both). bf16 base: within
+    2⁻¹⁰, a quarter of the unit roundoff of the bf16 g that it gives (W Aᵀ is a GEMM of W and A in bf16)."""
+    torch.manual_seed(0)
+    projs = tuple(LoRALinear(96, o, False, LoRAConfig(r=8, alpha=16.0, dora=True), name=n)
+                  for n, o in (("q_proj", 96), ("k_proj", 32), ("v_proj", 32)))
+    with torch.no_grad():
+        for p in projs:
+            p.weight = torch.nn.Parameter(p.weight.to(dtype), requires_grad=False)
+            p.lora_B.normal_(0, std)
+        pack_weights_(projs), pack_adapters_(projs)
+        masters = [p.lora_A for p in projs], [p.lora_B for p in projs]
+        groups = _adapter_groups(projs, [None] * 3)
+        saved = _adapt_groups(None, projs, groups, [None] * 3, torch.randn(4, 96, dtype=dtype), *masters, dtype)
+        _, inv = _dora_scales(projs, groups, saved, _magnitudes(projs), masters, dtype)
+    want = torch.cat([torch.linalg.vector_norm(p.weight.double() + p.scale * p.lora_B.double() @ p.lora_A.double(),
+                                               dim=1) for p in projs])
+    assert (1 / (inv.double() * want) - 1).abs().max() < tol
+
+
+def test_dora_scales_are_computed_once_per_checkpointed_layer(base, monkeypatch):
+    """With gradient checkpointing each layer runs twice in a step; the fused path computes DoRA's norms in the
+    first run only and reads them in the recompute (the values of both runs are one: the logits and gradients
+    equal the unfused path's, test_dora_fused_path_equals_unfused)."""
+    import model.lora as lora_module
+    model, _ = load_model(base("llama"), lora=LoRAConfig(r=4, alpha=8.0, dora=True), gradient_checkpointing=True)
+    original, calls = lora_module.base_sq_norms, []
+    monkeypatch.setattr(lora_module, "base_sq_norms", lambda projs: calls.append(projs) or original(projs))
+    model.train()
+    ids = ids_for(model)
+    model(ids, targets=ids).backward()
+    assert len(calls) == 4 * len(model.model.layers)  # q/k/v, o, gate/up and down, each once
 
 
 def test_dora_with_dropout_reads_the_dropped_input():
