@@ -68,6 +68,30 @@ def test_logps_equal_the_full_forward(tiny, temperature):
         assert_close(torch.tensor(lp), want, atol=1e-5, rtol=1e-5, name=f"row {i} log-probs")
 
 
+def test_the_next_rollout_samples_from_the_updated_adapters(llama_folder):
+    """A sampler decodes with merged weights, refreshed at every call: after an optimizer step on the adapters its
+    log-probs are those of the full forward under the new adapters, and differ from the step before's."""
+    model, cfg = load_model(llama_folder, lora=LoRAConfig(r=4, alpha=8))
+    randomize_lora_b(model)
+    model.eval()
+    sampler = GroupSampler(model, rows=4, max_prompt_len=8, max_new_tokens=6)
+    assert sampler.merged.groups
+
+    def rollout():
+        return sampler(PROMPTS[:2], 2, temperature=1.0, generator=torch.Generator().manual_seed(0))
+
+    before = rollout()
+    params = [p for _, p in lora_parameters(model)]
+    ids = torch.randint(0, cfg.vocab_size, (2, 10), generator=torch.Generator().manual_seed(1))
+    model(ids, targets=ids).backward()
+    torch.optim.SGD(params, lr=1.0).step()
+    out, logps = rollout()
+    for i, (completion, lp) in enumerate(zip(out, logps, strict=True)):
+        want = reference_logps(model, PROMPTS[i // 2], completion, 1.0)
+        assert_close(torch.tensor(lp), want, atol=1e-5, rtol=1e-5, name=f"row {i} log-probs")
+    assert (out, logps) != before
+
+
 def test_rows_stop_at_a_stop_id(tiny):
     """Each row ends at its first stop id, or runs to max_new_tokens; the rows after it are unchanged (the same
     draws), so each stopped row is the free row cut after its first stop id."""
