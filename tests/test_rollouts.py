@@ -92,6 +92,22 @@ def test_the_next_rollout_samples_from_the_updated_adapters(llama_folder):
     assert (out, logps) != before
 
 
+def test_a_decoding_step_runs_plain_gemms_and_copies_no_kv_heads(llama_folder):
+    """A sampler's decoding step with merged adapters runs one GEMM per projection group (q|k|v, o, gate|up, down)
+    and attends over the cached k and v without repeating their grouped heads."""
+    from torch.profiler import profile
+    model, cfg = load_model(llama_folder, lora=LoRAConfig(r=4, alpha=8))
+    model.eval()
+    sampler = GroupSampler(model, rows=2, max_prompt_len=4, max_new_tokens=2)
+    sampler([[3, 4]], 2, temperature=0.0)  # sets the cache up
+    with torch.no_grad(), sampler.merged, profile() as prof:
+        sampler.decode(5, 4, torch.tensor([2, 2]))
+    ops = [e.name for e in prof.events()]
+    gemms = sum(ops.count(f"aten::{name}") for name in ("mm", "addmm", "addmm_"))  # what linear and matmul call
+    assert gemms == 4 * cfg.n_layers + 1  # and the head
+    assert "aten::repeat_interleave" not in ops
+
+
 def test_rows_stop_at_a_stop_id(tiny):
     """Each row ends at its first stop id, or runs to max_new_tokens; the rows after it are unchanged (the same
     draws), so each stopped row is the free row cut after its first stop id."""

@@ -1,15 +1,16 @@
 """Count the ops one decoding step launches: the top-level aten ops of one one-token forward through a static KV
 cache (the step a `GroupSampler` replays as a CUDA graph), on CPU in bf16, a proxy for the GPU's kernels.
 
-    python scripts/bench/decode_ops.py [--layers 2] [--rows 16] [--r 16] [--kernels]
+    python scripts/bench/decode_ops.py [--layers 2] [--rows 16] [--r 16]
 
 A decoding step of a small model replays one graph whose time is about its kernel count times a few µs, so the
 count predicts the rollout's time (dev/perf-notes.md). Counted: the aten ops that no other aten op called, less
-those that launch no work (views, reshapes, transposes, aliases, detach, a cast or contiguous() that returns
-its input). Printed for the adapter path and the
-merged path (`MergedAdapters`), per layer (the ops inside each DecoderLayer) and for the whole step, with the
-op names of one layer. --kernels counts with the Triton kernels' ops in place of the torch references (they run
-under TRITON_INTERPRET=1 on CPU; each Triton launch is one kernel on the GPU, not counted as an aten op here).
+those that launch no work (views, reshapes, transposes, aliases, detach, a cast or contiguous() that returns its
+input). Printed for the adapter path and the merged path (`MergedAdapters`), per layer (the ops inside each
+DecoderLayer) and for the whole step, with the op names of one layer and of the rest of the step. The torch
+references run in place of the Triton kernels that a CUDA model uses (rms_norm, rope, the gated activation):
+each of those is one kernel on the GPU where the reference is several ops here (Triton's CPU interpreter adds
+bookkeeping ops of its own, so it is no proxy).
 """
 import argparse
 import collections
@@ -77,8 +78,10 @@ def count(model, rows, merged):
             decode(2, 1)
     ops = top_level(prof.events())
     layer_ops = collections.Counter(name for name, inside in ops if inside)
+    outside = collections.Counter(name for name, inside in ops if not inside)
     n = cfg.n_layers
-    return sum(layer_ops.values()) / n, len(ops), collections.Counter({k: v // n for k, v in layer_ops.items()})
+    one_layer = collections.Counter({k: v // n for k, v in layer_ops.items()})
+    return sum(layer_ops.values()) / n, len(ops), one_layer, outside
 
 
 def main():
@@ -86,20 +89,19 @@ def main():
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--rows", type=int, default=16, help="rows decoded together (P x G)")
     p.add_argument("--r", type=int, default=16, help="LoRA rank, on every projection")
-    p.add_argument("--kernels", action="store_true", help="the Triton kernels' ops (TRITON_INTERPRET=1 on CPU)")
     args = p.parse_args()
     with tempfile.TemporaryDirectory() as folder:
         tiny_llama(folder, args.layers)
-        model, _ = load_model(folder, dtype=torch.bfloat16, lora=LoRAConfig(r=args.r, alpha=args.r),
-                              use_kernels=args.kernels)
+        model, _ = load_model(folder, dtype=torch.bfloat16, lora=LoRAConfig(r=args.r, alpha=args.r))
     model.eval()
     for name, merged in (("adapter path", None), ("merged path", MergedAdapters(model))):
         if merged is not None and not merged.groups:
             print(f"{name}: not taken here")
             continue
-        per_layer, total, names = count(model, args.rows, merged)
+        per_layer, total, names, outside = count(model, args.rows, merged)
         print(f"{name}: {per_layer:g} ops per layer, {total} in the step ({args.layers} layers)")
-        print("  one layer: " + ", ".join(f"{k.removeprefix('aten::')} {v}" for k, v in names.most_common()))
+        for what, counts in (("one layer", names), ("outside the layers", outside)):
+            print(f"  {what}: " + ", ".join(f"{k.removeprefix('aten::')} {v}" for k, v in counts.most_common()))
 
 
 if __name__ == "__main__":
