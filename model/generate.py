@@ -27,6 +27,7 @@ import warnings
 import torch
 
 from model.capture import capture, warm_up
+from model.lora import MergedAdapters
 
 
 class LayerCache:
@@ -247,6 +248,7 @@ class GroupSampler:
         self.device = weight.device
         self.cache = KVCache(model.config, rows, max_prompt_len + max_new_tokens, weight.dtype, self.device)
         self.first = torch.zeros(rows, dtype=torch.long, device=self.device)  # (rows,) each row's first shown slot
+        self.merged = MergedAdapters(model)  # its buffers, like the cache, are made once: the graph reads them
         self.decode = DecodeGraph(model, self.cache, first=self.first,
                                   graphed=self.device.type == "cuda" if cuda_graph is None else cuda_graph)
 
@@ -263,35 +265,36 @@ class GroupSampler:
             raise ValueError(f"the sampler holds {self.rows} rows; {len(prompts)} prompts x {G} samples need {n}")
         if max(map(len, prompts)) > M:
             raise ValueError(f"a prompt of {max(map(len, prompts))} tokens does not fit the sampler's {M}")
-        lengths = torch.tensor([len(p) for p in prompts], device=self.device)  # (P,)
-        L = max(map(len, prompts))
-        slots = torch.arange(L, device=self.device)
-        start = (L - lengths)[:, None]  # (P, 1): each prompt's first slot in the prefill
-        ids = torch.full((len(prompts), L), self.pad_id, dtype=torch.long)
-        for i, p in enumerate(prompts):
-            ids[i, L - len(p):] = torch.tensor(p, dtype=torch.long)
-        ids = ids.to(self.device)
-        prefill = KVCache(model.config, len(prompts), L, self.cache.layers[0].k.dtype, self.device)
-        h = model.hidden_states(ids, (slots - start).clamp(min=0), (slots >= start).long(), cache=prefill)[:, -1]
-        prompt_of = torch.arange(self.rows, device=self.device).clamp(max=n - 1) // G  # (rows,) each row's prompt
-        logits = model.logits(h)[prompt_of]  # (rows, V)
-        for big, small in zip(self.cache.layers, prefill.layers, strict=True):
-            big.k[:, :, M - L:M] = small.k[prompt_of]
-            big.v[:, :, M - L:M] = small.v[prompt_of]
-        positions = lengths[prompt_of]  # (rows,): the position of each row's next token
-        self.first.copy_(M - positions)
-        stops = torch.tensor(sorted(stop_ids), dtype=torch.long, device=self.device)
-        done = torch.zeros(self.rows, dtype=torch.bool, device=self.device)
-        tokens, logps = [], []
-        for t in range(self.max_new_tokens):
-            if t > 0:
-                if t % self.SYNC_EVERY == 0 and bool(done.all()):  # a host sync: not at every token
-                    break
-                logits = self.decode(tokens[-1], M + t - 1, positions + t - 1)
-            token, logp = sample_tokens(logits, temperature, top_p, top_k, generator)
-            tokens.append(torch.where(done, self.pad_id, token))
-            logps.append(logp)
-            done = done | torch.isin(token, stops)
+        with self.merged:  # the adapters stay fixed while sampling: plain GEMMs on merged weights
+            lengths = torch.tensor([len(p) for p in prompts], device=self.device)  # (P,)
+            L = max(map(len, prompts))
+            slots = torch.arange(L, device=self.device)
+            start = (L - lengths)[:, None]  # (P, 1): each prompt's first slot in the prefill
+            ids = torch.full((len(prompts), L), self.pad_id, dtype=torch.long)
+            for i, p in enumerate(prompts):
+                ids[i, L - len(p):] = torch.tensor(p, dtype=torch.long)
+            ids = ids.to(self.device)
+            prefill = KVCache(model.config, len(prompts), L, self.cache.layers[0].k.dtype, self.device)
+            h = model.hidden_states(ids, (slots - start).clamp(min=0), (slots >= start).long(), cache=prefill)[:, -1]
+            prompt_of = torch.arange(self.rows, device=self.device).clamp(max=n - 1) // G  # (rows,) each row's prompt
+            logits = model.logits(h)[prompt_of]  # (rows, V)
+            for big, small in zip(self.cache.layers, prefill.layers, strict=True):
+                big.k[:, :, M - L:M] = small.k[prompt_of]
+                big.v[:, :, M - L:M] = small.v[prompt_of]
+            positions = lengths[prompt_of]  # (rows,): the position of each row's next token
+            self.first.copy_(M - positions)
+            stops = torch.tensor(sorted(stop_ids), dtype=torch.long, device=self.device)
+            done = torch.zeros(self.rows, dtype=torch.bool, device=self.device)
+            tokens, logps = [], []
+            for t in range(self.max_new_tokens):
+                if t > 0:
+                    if t % self.SYNC_EVERY == 0 and bool(done.all()):  # a host sync: not at every token
+                        break
+                    logits = self.decode(tokens[-1], M + t - 1, positions + t - 1)
+                token, logp = sample_tokens(logits, temperature, top_p, top_k, generator)
+                tokens.append(torch.where(done, self.pad_id, token))
+                logps.append(logp)
+                done = done | torch.isin(token, stops)
         tokens, logps = torch.stack(tokens, 1)[:n].tolist(), torch.stack(logps, 1)[:n].tolist()  # (P*G, steps)
         kept = [next((i + 1 for i, tok in enumerate(row) if tok in stop_ids), len(row)) for row in tokens]
         return ([row[:k] for row, k in zip(tokens, kept, strict=True)],

@@ -101,6 +101,7 @@ Functions has its dtype asserted.
 import contextlib
 import itertools
 import math
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -158,6 +159,7 @@ class LoRALinear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
         self.nf4 = None  # an NF4Weight that replaces `weight` once quantized (model/qlora.py)
         self.fp8 = None  # the FP8Weights of this projection's group, for --fp8 (model/fp8.py)
+        self.merged = None  # W + s·B·A, which replaces W (with r read as 0) inside `MergedAdapters`
         self.r = lora.r if lora else 0
         self.scale = lora.scale if lora else 0.0
         self.dropout_p = lora.dropout if lora else 0.0
@@ -191,7 +193,10 @@ class LoRALinear(nn.Module):
 
     def base_weight(self):
         """W [out, in] in its stored dtype. An NF4 weight is dequantized into a new tensor:
-        drop it as soon as it has been used. A base stored only in fp8 is dequantized likewise."""
+        drop it as soon as it has been used. A base stored only in fp8 is dequantized likewise. Inside
+        `MergedAdapters`: the merged weight."""
+        if self.merged is not None:
+            return self.merged
         if self.nf4 is not None:
             return self.nf4.dequantize()
         return self.fp8.dequantize(self.name) if self.weight is None else self.weight
@@ -254,6 +259,61 @@ def adapters_disabled(model):
     finally:
         for m, r in adapted:
             m.r = r
+
+
+class MergedAdapters:
+    """Inside the block, every adapted projection of `model` computes with its merged weight W' = W + s·B·A (DoRA:
+    `merged_weight`'s row-scaled one) as a plain linear layer: one GEMM, where the adapter path adds two GEMMs, a
+    scale and an add. For sampling, where the adapters do not change; gradients would not reach them.
+
+        merged = MergedAdapters(model)  # once: allocates the buffers
+        with merged:                    # each rollout: W' written into them in place, the projections read them
+            ...
+
+    The buffers are allocated once, one per group of projections that share an input and hold an adapter (q|k|v,
+    o, gate|up, down), in W's dtype, with the members' rows one after the other as `pack_weights_` stores W, so a
+    group stays one GEMM. Entering the block refreshes them in place with copy_, so their addresses never change
+    and a CUDA graph captured inside one block reads the current adapters in every later one. A projection
+    without an adapter in such a group gets its W copied. The projections' ranks read 0 inside the block (as in
+    `adapters_disabled`), so both the fused and the unfused paths take W' as a base weight.
+
+    Not taken (`groups` empty, the block changes nothing) for a quantized base (NF4: merged copies would cost as
+    much memory as an unquantized model), for --fp8 bases, or where one copy of the adapted projections' weights
+    takes more than a quarter of the free memory."""
+
+    def __init__(self, model):
+        groups = [g for g in model.projection_groups() if any(p.r for p in g)]
+        projs = [p for g in groups for p in g]
+        size = sum(p.weight.numel() * p.weight.element_size() for p in projs if p.weight is not None)
+        if any(p.nf4 is not None or p.fp8 is not None for p in projs) or size > free_memory(projs) / 4:
+            groups = []
+        self.groups, self.views, self.ranks = groups, [], None
+        for g in groups:
+            buffer = g[0].weight.new_empty(sum(p.out_features for p in g), g[0].in_features)
+            self.views += [(p, buffer[rows]) for p, rows in zip(g, _spans(g))]
+
+    @torch.no_grad()
+    def __enter__(self):
+        assert self.ranks is None, "MergedAdapters: the block is already open"
+        for p, view in self.views:
+            view.copy_(merged_weight(p))
+        self.ranks = [p.r for p, _ in self.views]
+        for p, view in self.views:
+            p.r, p.merged = 0, view
+        return self
+
+    def __exit__(self, *exc):
+        for (p, _), r in zip(self.views, self.ranks):
+            p.r, p.merged = r, None
+        self.ranks = None
+
+
+def free_memory(projs):
+    """Bytes free on the projections' device: the GPU's free memory, or the host's available memory."""
+    device = projs[0].weight.device if projs else torch.device("cpu")
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 def make_linear(in_features, out_features, bias, name, lora: LoRAConfig | None):

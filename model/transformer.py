@@ -242,19 +242,26 @@ def attend(q, k, v, mask, scale, softcap):
     if softcap is None and mask is None:
         with sdpa_kernel(CAUSAL_BACKENDS, set_priority=True):
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
-    rep = q.shape[1] // k.shape[1]  # the kernels that take a mask do not take grouped kv heads
-    k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    B, Hq, T, D = q.shape
+    rep = Hq // k.shape[1]
+    if mask is not None and T == 1:
+        # One query a row (a decoding step): the rep query heads that read one kv head (heads h*rep to h*rep +
+        # rep - 1 read head h) become rep query rows of that head, under the row's mask broadcast over them, so
+        # k and v are read as they are.
+        q = q.reshape(B, Hq // rep, rep, D)
+    else:  # the kernels that take a mask do not take grouped kv heads
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
     if softcap is None:
         with sdpa_kernel(MASKED_BACKENDS, set_priority=True):
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
-    s = (q @ k.transpose(-1, -2)) * scale  # (B, Hq, T, S)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+        return y.reshape(B, Hq, T, D)
+    s = (q @ k.transpose(-1, -2)) * scale  # (B, Hq, T, S), or (B, Hk, rep, S) for one query a row
     s = softcap * torch.tanh(s / softcap)
     if mask is None:
-        T = q.shape[2]
         mask = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
     s = s.masked_fill(~mask, float("-inf"))
     p = torch.softmax(s, dim=-1, dtype=torch.float32).to(q.dtype)
-    return p @ v
+    return (p @ v).reshape(B, Hq, T, D)
 
 
 class Attention(nn.Module):
@@ -284,8 +291,9 @@ class Attention(nn.Module):
         q, k, v = lora_projections(x, qkv, store) if fused else (p(x) for p in qkv)
         q = q.view(B, T, self.nh, self.d)  # fused: column slices of one (B, T, q | k | v) tensor
         k = k.view(B, T, self.nkv, self.d)
-        # Attention saves v for backward: a copy of it, not a slice, lets the q | k | v tensor go after RoPE.
-        v = v.contiguous().view(B, T, self.nkv, self.d)
+        # Attention saves v for backward: a copy of it, not a slice, lets the q | k | v tensor go after RoPE. Without
+        # a graph (decoding) nothing keeps v, and the cache copies the slice.
+        v = (v.contiguous() if torch.is_grad_enabled() else v).view(B, T, self.nkv, self.d)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.ops.rope(q, k, cos, sin)  # (B, T, nh, d), (B, T, nkv, d)

@@ -8,6 +8,7 @@ from model import LoRAConfig, load_model
 from model.lora import (
     ALL_TARGETS,
     LoRALinear,
+    MergedAdapters,
     _LoRAMLP,
     _LoRAProjections,
     _packed,
@@ -38,6 +39,70 @@ B, T = 2, 20
 
 def peft_name(name):
     return f"base_model.model.{name}.default.weight"
+
+
+# ----------------------------------------------------------------------------- merged adapters for sampling
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def family_folder(request, tmp_path_factory):
+    folder = str(tmp_path_factory.mktemp(request.param))
+    save_tiny(request.param, folder)
+    return folder
+
+
+MERGE_VARIANTS = {"lora": {}, "rslora": {"rslora": True}, "dora": {"dora": True},
+                  "some targets": {"targets": ("q_proj", "v_proj", "down_proj")}}  # k_proj, gate|up copied as W
+
+
+MERGE_CASES = ([(torch.float32, v, True) for v in MERGE_VARIANTS]
+               + [(torch.float32, v, False) for v in ("lora", "dora")]
+               + [(torch.bfloat16, v, True) for v in ("lora", "dora")])
+
+
+@pytest.mark.parametrize("dtype,variant,fused", MERGE_CASES,
+                         ids=[f"{str(d)[6:]}-{v}-{'fused' if f else 'unfused'}" for d, v, f in MERGE_CASES])
+def test_merged_adapters_give_the_adapter_path(family_folder, dtype, variant, fused):
+    """Inside MergedAdapters the logits are the adapter path's (fp32: to rounding; bf16: to W + s·B·A's rounding),
+    computed from the merged buffers (changing B inside the block changes nothing), and after it the adapter
+    path is back, bit for bit."""
+    model, cfg = load_model(family_folder, dtype=dtype, fused_lora=fused,
+                            lora=LoRAConfig(r=4, alpha=8.0, **MERGE_VARIANTS[variant]))
+    randomize_lora_b(model, std=0.1)
+    model.eval()
+    ids = torch.randint(0, cfg.vocab_size, (B, 12), generator=torch.Generator().manual_seed(0))
+    merged = MergedAdapters(model)
+    assert merged.groups
+    with torch.no_grad():
+        want = model(ids)
+        with merged:
+            got = model(ids)
+            saved = [p.clone() for _, p in lora_parameters(model)]
+            for _, p in lora_parameters(model):
+                p.add_(1.0)
+            unchanged = model(ids)
+            for (_, p), t in zip(lora_parameters(model), saved, strict=True):
+                p.copy_(t)
+        after = model(ids)
+    if dtype == torch.float32:
+        assert_close(got, want, atol=1e-5, rtol=1e-5, name="merged logits")
+    else:
+        assert rel_err(got, want) < 2e-2, rel_err(got, want)
+    assert torch.equal(unchanged, got)
+    assert torch.equal(after, want)
+
+
+def test_merged_adapters_are_not_taken_for_a_quantized_base(llama_folder, monkeypatch):
+    """NF4 and fp8 bases, and a merged copy too large for free memory, keep the adapter path: no buffers."""
+    model, _ = load_model(llama_folder, lora=LoRAConfig(r=4))
+    assert MergedAdapters(model).groups
+    monkeypatch.setattr("model.lora.free_memory", lambda projs: 1000)
+    assert not MergedAdapters(model).groups
+    monkeypatch.undo()
+    model.model.layers[0].mlp.down_proj.nf4 = object()  # stands for an NF4Weight: only its presence is read
+    merged = MergedAdapters(model)
+    assert not merged.groups
+    with merged:
+        assert all(p.r for p in model.modules() if isinstance(p, LoRALinear) and p.lora_A is not None)
 
 
 # ----------------------------------------------------------------------------- parity with PEFT

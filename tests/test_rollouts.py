@@ -68,6 +68,46 @@ def test_logps_equal_the_full_forward(tiny, temperature):
         assert_close(torch.tensor(lp), want, atol=1e-5, rtol=1e-5, name=f"row {i} log-probs")
 
 
+def test_the_next_rollout_samples_from_the_updated_adapters(llama_folder):
+    """A sampler decodes with merged weights, refreshed at every call: after an optimizer step on the adapters its
+    log-probs are those of the full forward under the new adapters, and differ from the step before's."""
+    model, cfg = load_model(llama_folder, lora=LoRAConfig(r=4, alpha=8))
+    randomize_lora_b(model)
+    model.eval()
+    sampler = GroupSampler(model, rows=4, max_prompt_len=8, max_new_tokens=6)
+    assert sampler.merged.groups
+
+    def rollout():
+        return sampler(PROMPTS[:2], 2, temperature=1.0, generator=torch.Generator().manual_seed(0))
+
+    before = rollout()
+    params = [p for _, p in lora_parameters(model)]
+    ids = torch.randint(0, cfg.vocab_size, (2, 10), generator=torch.Generator().manual_seed(1))
+    model(ids, targets=ids).backward()
+    torch.optim.SGD(params, lr=1.0).step()
+    out, logps = rollout()
+    for i, (completion, lp) in enumerate(zip(out, logps, strict=True)):
+        want = reference_logps(model, PROMPTS[i // 2], completion, 1.0)
+        assert_close(torch.tensor(lp), want, atol=1e-5, rtol=1e-5, name=f"row {i} log-probs")
+    assert (out, logps) != before
+
+
+def test_a_decoding_step_runs_plain_gemms_and_copies_no_kv_heads(llama_folder):
+    """A sampler's decoding step with merged adapters runs one GEMM per projection group (q|k|v, o, gate|up, down)
+    and attends over the cached k and v without repeating their grouped heads."""
+    from torch.profiler import profile
+    model, cfg = load_model(llama_folder, lora=LoRAConfig(r=4, alpha=8))
+    model.eval()
+    sampler = GroupSampler(model, rows=2, max_prompt_len=4, max_new_tokens=2)
+    sampler([[3, 4]], 2, temperature=0.0)  # sets the cache up
+    with torch.no_grad(), sampler.merged, profile() as prof:
+        sampler.decode(5, 4, torch.tensor([2, 2]))
+    ops = [e.name for e in prof.events()]
+    gemms = sum(ops.count(f"aten::{name}") for name in ("mm", "addmm", "addmm_"))  # what linear and matmul call
+    assert gemms == 4 * cfg.n_layers + 1  # and the head
+    assert "aten::repeat_interleave" not in ops
+
+
 def test_rows_stop_at_a_stop_id(tiny):
     """Each row ends at its first stop id, or runs to max_new_tokens; the rows after it are unchanged (the same
     draws), so each stopped row is the free row cut after its first stop id."""
