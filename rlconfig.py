@@ -10,7 +10,7 @@ from grpo import IMPORTANCE, LOSS_TYPES, SCALES
 
 USAGE = """nanotune RL: GRPO with verifiable rewards on the model's own samples (docs/rl.md).
 
-    python rl.py --model smollm2-135m --max-steps 16              # builtin prompts, the exact-answer reward
+    python rl.py --model smollm2-135m --max-steps 16              # builtin prompts, the answer rewards
     python rl.py --model ./my-model --data qa.jsonl --reward my_rewards.py:short_answer
 """
 
@@ -44,8 +44,9 @@ class RLConfig(TrainConfig):
                                "mean-only (Dr. GRPO)", "choices": SCALES})
     num_iterations: int = field(default=1, metadata={"help": "mu: optimizer updates per batch of rollouts"})
     reward: str | None = field(default=None, metadata={"help": "a reward function, path/to/file.py:function or a "
-                               "built-in (exact_answer, format_reward); give it several times (or comma-separated) "
-                               "for a weighted sum; default: exact_answer", "repeatable": True})
+                               "built-in (exact_answer, partial_answer, format_reward); give it several times (or "
+                               "comma-separated) for a weighted sum; default: exact_answer + 0.5 x partial_answer "
+                               "(docs/rl.md)", "repeatable": True})
     reward_weights: str | None = field(default=None, metadata={"help": "one weight per --reward, comma-separated "
                                        "(default: 1 each)"})
 
