@@ -82,7 +82,8 @@ def real_dpo(args, extra):
     run_dir = os.path.join(args.out, args.method)
     run("train.py", "--model", args.model, "--method", args.method, "--data", pairs["train"], "--eval-data",
         pairs["eval"], "--out-dir", run_dir, "--max-steps", steps, "--lr", args.lr, "--warmup-steps", 0 if args.quick
-        else 5, "--eval-every", max(1, steps // 4), "--max-len", 256, "--save-every", 0, *extra)
+        else 5, "--eval-every", max(1, steps // 4), "--eval-batches", eval_rows, "--max-len", 256, "--save-every", 0,
+        *extra)
     before, after = first_and_last(records(run_dir), "eval_rewards/accuracies")
     print(f"{args.method}: held-out preference accuracy (eval_rewards/accuracies) {before:.1%} -> {after:.1%}")
     run("scripts/make_pairs.py", "--model", args.model, *data["eval"], "--max-examples", eval_rows,
