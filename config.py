@@ -84,7 +84,8 @@ class TrainConfig:
                                       "projection names (q_proj,...,down_proj), norm, embed_tokens, lm_head, and "
                                       "layers.N or layers.A-B (e.g. q_proj,v_proj,layers.0-3); default: every weight"})
     # --- data ---
-    data: str = field(default="builtin", metadata={"help": "'builtin', a .jsonl/.json/.csv/.txt/.parquet file or a "
+    data: str = field(default="builtin", metadata={"help": "'builtin' (or 'builtin:arithmetic', harder "
+                      "tasks), a .jsonl/.json/.csv/.txt/.parquet file or a "
                       "folder of them (FOLDER:split), a datasets save_to_disk folder, or a hub dataset "
                       "user/repo[@revision][:config]:split (or user/repo:path/file.jsonl); see docs/data.md"})
     eval_data: str | None = field(default=None, metadata={"help": "a separate eval set, in any form --data takes; "

@@ -8,13 +8,24 @@ where the row has none) and returning N floats, higher for better completions:
         return [1.0 if len(c.split()) <= 3 else 0.0 for c in completions]
 
 Built in:
-    exact_answer   1.0 when the completion's first number equals the reference's first number (as numbers:
-                   "42" == "42.0", thousands separators ignored); when the reference holds no number, when the
-                   whole completion equals the whole reference, trimmed of spaces and of the punctuation around
-                   them and case-folded ("Paris." == "paris"); else 0.0
+    exact_answer   1.0 when the completion's last number equals the reference's first number (as numbers:
+                   "42" == "42.0", thousands separators ignored): the answer a reply ends on, so "3 + 7 = 10"
+                   and "The answer is 10." both count, as GSM8K graders' last-number rule (lm-evaluation-harness's
+                   flexible-extract) counts them; when the reference holds no number, when the whole completion
+                   equals the whole reference, trimmed of spaces and of the punctuation around them and
+                   case-folded ("Paris." == "paris"); else 0.0
+    partial_answer 1.0 when the reference's answer is anywhere in the completion: one of its numbers equals the
+                   reference's first number, or (a reference without a number) the reference is in it as whole
+                   words, case-folded; else PARTIAL_NUMBER when the reference is a number and the completion
+                   holds some number; else 0.0. Partial credit: exact_answer gives 0 to "10, or 11" and to
+                   any reply that is not yet an answer, so a group of such completions would all score 0 and
+                   teach nothing; this tells apart the ones closer to the answer
     format_reward  1.0 when the completion is the answer alone: a bare number, or a short answer of at most
                    FORMAT_MAX_WORDS words on one line with no sentence punctuation (. ! ? ; : inside it, a
                    number's decimal point aside); else 0.0
+The default (no --reward) is DEFAULT with DEFAULT_WEIGHTS: exact_answer + 0.5 x partial_answer, so the exact
+answer scores 1.5, the answer elsewhere in the completion 0.5, some other number 0.1, and a completion without
+a number 0: a small model's first samples differ in reward long before one is exactly right.
 `load_reward("path/to/file.py:function")` imports a user's file and returns its function. That runs the code in
 the file, by the user's explicit choice on the command line (--reward), as `python file.py` would: it is the
 user's own program, not data, and never a downloaded checkpoint. `score` calls each function and checks what it
@@ -29,6 +40,8 @@ import re
 import torch
 
 FORMAT_MAX_WORDS = 3
+PARTIAL_NUMBER = 0.2  # partial_answer's credit for a number that is not the reference's: an answer of its kind
+DEFAULT, DEFAULT_WEIGHTS = "exact_answer,partial_answer", "1,0.5"  # the rewards without --reward
 # A number: a sign, digits with optional thousands separators, an optional decimal part ("-1,234.5", ".5").
 NUMBER = re.compile(r"[-+]?(?:\d{1,3}(?:,\d{3})+(?!\d)|\d+)(?:\.\d+)?|[-+]?\.\d+")
 SENTENCE_PUNCTUATION = re.compile(r"[.!?;:]")
@@ -39,6 +52,11 @@ def first_number(text):
     """The first number in text as a float, or None when it holds none."""
     m = NUMBER.search(text)
     return None if m is None else float(m.group().replace(",", ""))
+
+
+def all_numbers(text):
+    """Every number in text, in order, as floats."""
+    return [float(m.replace(",", "")) for m in NUMBER.findall(text)]
 
 
 def exact_answer(prompts, completions, references):
@@ -53,7 +71,27 @@ def exact_answer(prompts, completions, references):
         if expected is None:
             out.append(float(completion.strip(AROUND).casefold() == reference.strip(AROUND).casefold()))
         else:
-            out.append(float(first_number(completion) == expected))
+            found = all_numbers(completion)
+            out.append(float(bool(found) and found[-1] == expected))
+    return out
+
+
+def partial_answer(prompts, completions, references):
+    """1.0 per completion that holds the reference's answer anywhere, PARTIAL_NUMBER per one that holds another
+    number where the reference is a number, else 0.0 (see the module docstring). A reference of None is an error,
+    as for exact_answer."""
+    out = []
+    for i, (completion, reference) in enumerate(zip(completions, references, strict=True)):
+        if reference is None:
+            raise ValueError(f"partial_answer needs a reference answer for every prompt, and prompt {i} has none: "
+                             "use data whose rows have a completion (or an assistant turn), or give --reward")
+        expected = first_number(reference)
+        if expected is None:
+            words = re.escape(reference.strip(AROUND).casefold())
+            out.append(float(bool(words) and re.search(rf"(?<!\w){words}(?!\w)", completion.casefold()) is not None))
+        else:
+            found = all_numbers(completion)
+            out.append(1.0 if expected in found else PARTIAL_NUMBER if found else 0.0)
     return out
 
 
@@ -73,7 +111,7 @@ def is_answer_alone(completion):
             and not SENTENCE_PUNCTUATION.search(NUMBER.sub("0", text)))
 
 
-BUILTIN = {"exact_answer": exact_answer, "format_reward": format_reward}
+BUILTIN = {"exact_answer": exact_answer, "partial_answer": partial_answer, "format_reward": format_reward}
 
 
 def load_reward(spec):

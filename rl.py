@@ -1,6 +1,6 @@
 """nanotune RL: GRPO with verifiable rewards, sampling from the training model itself (docs/rl.md).
 
-    python rl.py --model smollm2-135m --max-steps 16                  # builtin prompts, the exact-answer reward
+    python rl.py --model smollm2-135m --max-steps 16                  # builtin prompts, the answer rewards
     python rl.py --model ./my-model --data qa.jsonl --reward my_rewards.py:short_answer --num-generations 8
 
 This file is the algorithm, top to bottom in the order it runs, as train.py is: device and dtype, data (the
@@ -61,8 +61,9 @@ def main(cfg) -> int:
             run.warn(f"--eval-data is the training data ({cfg.data}): the eval reward then says how well the model "
                      "does on the prompts it trained on")
         try:  # the reward functions first: a broken --reward fails before anything slow
-            reward_fns = [rewards.load_reward(s) for s in (cfg.reward or "exact_answer").split(",")]
-            weights = [float(w) for w in cfg.reward_weights.split(",")] if cfg.reward_weights else None
+            reward_fns = [rewards.load_reward(s) for s in (cfg.reward or rewards.DEFAULT).split(",")]
+            weight_spec = cfg.reward_weights or (None if cfg.reward else rewards.DEFAULT_WEIGHTS)
+            weights = [float(w) for w in weight_spec.split(",")] if weight_spec else None
         except ValueError as e:
             raise UserError(str(e).replace("could not convert string to float", "--reward-weights: not a number")
                             ) from e

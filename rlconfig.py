@@ -10,7 +10,7 @@ from grpo import IMPORTANCE, LOSS_TYPES, SCALES
 
 USAGE = """nanotune RL: GRPO with verifiable rewards on the model's own samples (docs/rl.md).
 
-    python rl.py --model smollm2-135m --max-steps 16              # builtin prompts, the exact-answer reward
+    python rl.py --model smollm2-135m --max-steps 16              # builtin prompts, the answer rewards
     python rl.py --model ./my-model --data qa.jsonl --reward my_rewards.py:short_answer
 """
 
@@ -40,12 +40,14 @@ class RLConfig(TrainConfig):
     importance_sampling_level: str = field(default="token", metadata={"help": "token: a ratio per token; sequence: "
                                            "GSPO's one per completion (use a clip range of about 3e-4 / 4e-4)",
                                            "choices": IMPORTANCE})
-    scale_rewards: str = field(default="group", metadata={"help": "group: advantages over the group's std; none: "
-                               "mean-only (Dr. GRPO)", "choices": SCALES})
+    scale_rewards: str = field(default="none", metadata={"help": "none: advantages are the rewards less the "
+                               "group's mean (Dr. GRPO; a group of near-equal rewards moves the policy little); "
+                               "group: over the group's std too (TRL's default)", "choices": SCALES})
     num_iterations: int = field(default=1, metadata={"help": "mu: optimizer updates per batch of rollouts"})
     reward: str | None = field(default=None, metadata={"help": "a reward function, path/to/file.py:function or a "
-                               "built-in (exact_answer, format_reward); give it several times (or comma-separated) "
-                               "for a weighted sum; default: exact_answer", "repeatable": True})
+                               "built-in (exact_answer, partial_answer, format_reward); give it several times (or "
+                               "comma-separated) for a weighted sum; default: exact_answer + 0.5 x partial_answer "
+                               "(docs/rl.md)", "repeatable": True})
     reward_weights: str | None = field(default=None, metadata={"help": "one weight per --reward, comma-separated "
                                        "(default: 1 each)"})
 

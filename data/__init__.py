@@ -16,6 +16,7 @@ module of its own:
     data/cache.py      the tokenized-data cache and the tokenizing pool
     data/batches.py    the batch layout, packing and padding, `Batches`, `eval_batches`, `answer_accuracy`
     data/builtin.py    the embedded dataset ("builtin")
+    data/arithmetic.py the embedded arithmetic tasks ("builtin:arithmetic")
     data/preference.py preference pairs: their formats, fitting them to max_len, `PairBatches`
 The names that the rest of nanotune uses are importable from `data` itself (`data.Batches`).
 """
@@ -50,7 +51,7 @@ from data.preference import FIELDS as PAIR_FIELDS
 from data.preference import KNOWN_FORMATS as PAIR_FORMATS
 from data.preference import PairBatches, encode_pairs, pair_eval_batches
 from data.preference import sides as pair_sides
-from data.sources import _is_builtin, _records, load_examples, parse_columns
+from data.sources import _is_builtin, _records, builtin_eval_spec, load_examples, parse_columns
 
 # What other code reads as data.<name>: the API, and the helpers that tests and benchmarks reach into.
 __all__ = ["CHUNK", "EVAL_FEW", "IGNORE_INDEX", "PAD_PIECE", "Batches", "_TASKS", "_builtin_examples", "_records",
@@ -97,7 +98,7 @@ def load_datasets(tokenizer, *, data="builtin", eval_data=None, eval_fraction=0.
     tokenizer = use_chat_template(tokenizer, chat_template)
     records = _records(data, mapping, max_examples)
     eval_records = (_records(eval_data, mapping, None) if eval_data is not None
-                    else _records("builtin:eval", {}, None) if _is_builtin(data) else None)
+                    else _records(builtin_eval_spec(data), {}, None) if _is_builtin(data) else None)
     for where, row in records + (eval_records or []):
         _layout(row, tokenizer, system_prompt, where)
     options = dict(tokenizer=tokenizer, system_prompt=system_prompt, num_proc=num_proc or _cpu_count(),

@@ -22,20 +22,25 @@ def builtin_dataset(split="train"):
 
 @lru_cache(maxsize=1)
 def _builtin_examples():
-    # Tasks take turns, so both splits hold them in equal shares; a repeated question is redrawn,
-    # which makes the first N_EVAL (the eval split) and the rest (train) disjoint. A task whose
-    # questions run out would redraw forever, so that is an error naming it.
-    rng = random.Random(0)
+    return distinct_examples(_TASKS, N_EVAL + N_TRAIN)
+
+
+def distinct_examples(tasks, count, seed=0):
+    """`count` examples (question, input, answer) from `tasks`, which take turns, so that every split cut
+    from the list holds them in equal shares; a repeated question is redrawn, which makes any cut (the
+    first N_EVAL for eval, the rest for train) disjoint. A task whose questions run out would redraw
+    forever, so that is an error naming it."""
+    rng = random.Random(seed)
     seen, examples = set(), []
-    while len(examples) < N_EVAL + N_TRAIN:
-        task = _TASKS[len(examples) % len(_TASKS)]
+    while len(examples) < count:
+        task = tasks[len(examples) % len(tasks)]
         for _ in range(1000):
             ex = task(rng)
             if ex[:2] not in seen:
                 break
         else:
             raise RuntimeError(f"the builtin task {task.__name__} has too few distinct questions for "
-                               f"{(N_EVAL + N_TRAIN) // len(_TASKS)} examples; widen its ranges")
+                               f"{count // len(tasks)} examples; widen its ranges")
         seen.add(ex[:2])
         examples.append(ex)
     return tuple(examples)

@@ -23,7 +23,7 @@ import torch
 
 from data.batches import IGNORE_INDEX, Batches, layout, pack, pad_batch
 from data.formats import held_out_prompt, use_chat_template
-from data.sources import _is_builtin, _records, parse_columns
+from data.sources import _is_builtin, _records, builtin_eval_spec, parse_columns
 
 
 class Prompt(NamedTuple):
@@ -43,7 +43,7 @@ def load_prompts(tokenizer, *, data="builtin", eval_data=None, eval_fraction=0.0
     mapping = parse_columns(columns)
     records = _records(data, mapping, max_examples)
     eval_records = (_records(eval_data, mapping, None) if eval_data is not None
-                    else _records("builtin:eval", {}, None) if _is_builtin(data) else None)
+                    else _records(builtin_eval_spec(data), {}, None) if _is_builtin(data) else None)
     if eval_records is None:
         train_rows, eval_rows = _split(len(records), eval_fraction, seed)
         records, eval_records = [records[i] for i in train_rows], [records[i] for i in eval_rows]

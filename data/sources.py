@@ -3,6 +3,7 @@ in a known format (data/formats.py).
 
 Sources (`load_examples`; docs/data.md shows each):
     "builtin" ("builtin:train", "builtin:eval")      the embedded dataset, see `builtin_dataset`
+    "builtin:arithmetic" (":train", ":eval")        the embedded arithmetic tasks, see `arithmetic_dataset`
     a file: .jsonl (a JSON object per line), .json (a list of objects, or {"data": [...]}), .csv (a
         header row, then a row per example), .txt (each blank-line-separated block is one 'text'
         example), .parquet
@@ -23,6 +24,7 @@ import re
 
 import huggingface_hub
 
+from data.arithmetic import arithmetic_dataset
 from data.builtin import builtin_dataset
 from data.formats import FIELDS, _format
 
@@ -54,14 +56,34 @@ def _records(spec, mapping, limit, check=_format):
     return records
 
 
+BUILTIN = {"builtin": builtin_dataset, "builtin:arithmetic": arithmetic_dataset}  # the embedded datasets
+
+
 def _is_builtin(spec):
     return spec == "builtin" or spec.startswith("builtin:")
 
 
+def _builtin_parts(spec):
+    """(dataset, split) of a builtin spec, "builtin[:split]" or "builtin:arithmetic[:split]"; the split is
+    "train" when left out. ValueError for any other."""
+    parts = spec.split(":")
+    name = ":".join(parts[:2]) if parts[1:2] == ["arithmetic"] else "builtin"
+    split = spec[len(name) + 1:] or "train"
+    if split not in ("train", "eval"):
+        raise ValueError(f"unknown builtin dataset {spec!r}; the embedded ones are "
+                         f"{', '.join(f'{n}, {n}:eval' for n in BUILTIN)} (the eval splits held out)")
+    return name, split
+
+
+def builtin_eval_spec(spec):
+    """The eval split of the builtin dataset that spec names: "builtin:eval" or "builtin:arithmetic:eval"."""
+    return f"{_builtin_parts(spec)[0]}:eval"
+
+
 def _read_spec(spec, limit):
     if _is_builtin(spec):
-        split = spec.partition(":")[2] or "train"
-        return [(f"builtin:{split}: item {i}", ex) for i, ex in enumerate(builtin_dataset(split))]
+        name, split = _builtin_parts(spec)
+        return [(f"{name}:{split}: item {i}", ex) for i, ex in enumerate(BUILTIN[name](split))]
     if os.path.isfile(spec):
         return _read_file(spec, limit=limit)
     if os.path.isdir(spec):

@@ -102,3 +102,70 @@ def test_a_task_that_runs_out_of_questions_is_named(monkeypatch):
     monkeypatch.setattr(data.builtin, "_TASKS", data._TASKS + (coin,))
     with pytest.raises(RuntimeError, match="coin has too few distinct questions"):
         data._builtin_examples.__wrapped__()  # past the cache, which holds the real dataset
+
+
+def solve_arithmetic(ex):
+    """(task, answer) of a builtin:arithmetic row, worked out from its question alone."""
+    q = ex["instruction"].removesuffix(" Reply with just the number.")
+    if m := re.fullmatch(r"What is (\d\d) ([+-]) (\d\d)\?", q):
+        a, b = int(m[1]), int(m[3])
+        return ("add", str(a + b)) if m[2] == "+" else ("subtract", str(a - b))
+    if m := re.fullmatch(r"What is (\d\d) times (\d)\?", q):
+        return "multiply", str(int(m[1]) * int(m[2]))
+    if m := re.fullmatch(r"Which is the (largest|smallest) of ((?:\d+, )+)(\d+) and (\d+)\?", q):
+        numbers = [int(n) for n in m[2].split(", ") if n] + [int(m[3]), int(m[4])]
+        assert 3 <= len(numbers) <= 4 and len(set(numbers)) == len(numbers) and max(numbers) < 1000, q
+        return m[1], str(max(numbers) if m[1] == "largest" else min(numbers))
+    raise AssertionError(f"no arithmetic task asks {q!r}")
+
+
+def test_arithmetic_answers_are_right_and_its_splits_disjoint():
+    """builtin:arithmetic (and :train, :eval) holds 2000 + 200 rows of the five tasks in equal shares, every answer
+    right, no question in both splits, the same rows on every call; the builtin dataset is not changed by it."""
+    from data.arithmetic import _arithmetic_examples, arithmetic_dataset
+    train, held_out = load_examples("builtin:arithmetic"), load_examples("builtin:arithmetic:eval")
+    assert train == load_examples("builtin:arithmetic:train") == arithmetic_dataset("train")
+    assert (len(train), len(held_out)) == (2000, 200)
+    for split, rows in (("train", train), ("eval", held_out)):
+        tasks = collections.Counter()
+        for ex in rows:
+            task, answer = solve_arithmetic(ex)
+            assert ex["output"] == answer and ex["input"] == "", ex
+            tasks[task] += 1
+        assert tasks == {t: len(rows) // 5 for t in ("add", "subtract", "multiply", "largest", "smallest")}, split
+    assert not {e["instruction"] for e in train} & {e["instruction"] for e in held_out}
+    assert len({e["instruction"] for e in train}) == 2000
+    _arithmetic_examples.cache_clear()
+    assert arithmetic_dataset("train") == train
+    assert load_examples("builtin") == builtin_dataset("train")
+
+
+@pytest.mark.parametrize("spec, eval_spec", [("builtin", "builtin:eval"), ("builtin:train", "builtin:eval"),
+                                             ("builtin:arithmetic", "builtin:arithmetic:eval"),
+                                             ("builtin:arithmetic:train", "builtin:arithmetic:eval")])
+def test_a_builtin_dataset_holds_out_its_own_eval_split(spec, eval_spec):
+    from data.sources import builtin_eval_spec
+    assert builtin_eval_spec(spec) == eval_spec
+
+
+@pytest.mark.parametrize("spec", ["builtin:test", "builtin:arithmetic:test", "builtin:algebra"])
+def test_an_unknown_builtin_dataset_names_the_known_ones(spec):
+    with pytest.raises(ValueError, match="the embedded ones are builtin, builtin:eval, builtin:arithmetic, "
+                                         "builtin:arithmetic:eval"):
+        load_examples(spec)
+
+
+def test_rl_and_sft_hold_out_builtin_arithmetic_eval(tmp_path):
+    """--data builtin:arithmetic trains on its train split and holds out its own eval split, in RL's prompts as in
+    SFT's examples, never the builtin dataset's."""
+    from data.rollouts import load_prompts
+    from model import load_tokenizer
+    from tests.tiny_tokenizer import make_test_tokenizer
+    tokenizer = load_tokenizer(make_test_tokenizer(tmp_path / "tok"))
+    train, held_out = load_prompts(tokenizer, data="builtin:arithmetic", max_examples=10, log=lambda _: None)
+    expected = load_examples("builtin:arithmetic:eval")
+    assert [p.answer for p in held_out] == [e["output"] for e in expected]
+    assert [p.answer for p in train] == [e["output"] for e in load_examples("builtin:arithmetic")[:10]]
+    _, _, rows = data.load_datasets(tokenizer, data="builtin:arithmetic", max_examples=10, num_proc=1,
+                                    cache_dir=str(tmp_path / "cache"), with_rows=True, log=lambda _: None)
+    assert rows == expected

@@ -1,5 +1,6 @@
-"""Rewards (rewards.py): the built-in exact-answer and format rewards, loading a user's reward function from a
-file with its errors, and `score`'s weighted total and its checks of what each function returns."""
+"""Rewards (rewards.py): the built-in exact-answer, partial-answer and format rewards, the default set, loading a
+user's reward function from a file with its errors, and `score`'s weighted total and its checks of what each
+function returns."""
 import math
 
 import pytest
@@ -8,11 +9,14 @@ import torch
 import rewards
 
 
-def test_exact_answer_compares_first_numbers():
-    """The completion's first number against the reference's, as numbers (separators, decimals, signs)."""
-    completions = ["The answer is 1,234.", "1234 apples, or 12", "-3", "3", "42.0", "about 7 or 8", "no idea", "8"]
-    references = ["1234", "1234", "-3", "-3", "42", "8", "5", "There are 8 of them."]
-    assert rewards.exact_answer([""] * 8, completions, references) == [1.0, 1.0, 1.0, 0.0, 1.0, 0.0, 0.0, 1.0]
+def test_exact_answer_compares_the_last_number():
+    """The completion's last number (the answer a reply ends on) against the reference's first, as numbers
+    (separators, decimals, signs): "3 + 7 = 10" counts, "10, or 11" does not."""
+    completions = ["The answer is 1,234.", "1234 apples, or 12", "-3", "3", "42.0", "about 7 or 8", "no idea", "8",
+                   "3 + 7 = 10", "10, or 11"]
+    references = ["1234", "1234", "-3", "-3", "42", "8", "5", "There are 8 of them.", "10", "10"]
+    assert rewards.exact_answer([""] * 10, completions, references) == [1.0, 0.0, 1.0, 0.0, 1.0, 1.0, 0.0, 1.0,
+                                                                         1.0, 0.0]
 
 
 def test_exact_answer_compares_whole_answers_without_a_number():
@@ -26,6 +30,30 @@ def test_exact_answer_compares_whole_answers_without_a_number():
 def test_exact_answer_needs_references():
     with pytest.raises(ValueError, match="prompt 1 has none"):
         rewards.exact_answer(["a", "b"], ["1", "2"], ["1", None])
+
+
+def test_partial_answer_credits_the_answer_anywhere():
+    """The reference's number anywhere in the completion (as numbers) is 1.0, another number PARTIAL_NUMBER, none
+    0.0; a reference without a number counts as whole words, case-folded. "10, or 11", which exact_answer scores
+    0, scores 1.0 here."""
+    completions = ["10, or 11", "10", "The answer is 1,234.", "3 + 7 = 11", "eleven", "Paris is it", "in paris.",
+                   "Parisian", ""]
+    references = ["10", "10", "1234", "10", "11", "Paris", "Paris.", "Paris", "Paris"]
+    p = rewards.PARTIAL_NUMBER
+    assert rewards.partial_answer([""] * 9, completions, references) == [1.0, 1.0, 1.0, p, 0.0, 1.0, 1.0, 0.0, 0.0]
+    assert rewards.exact_answer([""] * 2, completions[:2], references[:2]) == [0.0, 1.0]
+    with pytest.raises(ValueError, match="partial_answer needs a reference answer"):
+        rewards.partial_answer(["a"], ["1"], [None])
+
+
+def test_the_default_rewards_tell_near_misses_apart():
+    """Without --reward, exact_answer + 0.5 x partial_answer: the exact answer, the answer elsewhere, another
+    number and no number all score differently, so a group without any exact answer still has a spread."""
+    fns = [rewards.load_reward(s) for s in rewards.DEFAULT.split(",")]
+    weights = [float(w) for w in rewards.DEFAULT_WEIGHTS.split(",")]
+    total, per_fn = rewards.score(fns, weights, ["p"] * 4, ["3 + 7 = 10", "10, or 11", "3 + 7 = 11", "ten"], ["10"] * 4)
+    assert list(per_fn) == ["exact_answer", "partial_answer"]
+    assert total.tolist() == pytest.approx([1.5, 0.5, 0.5 * rewards.PARTIAL_NUMBER, 0.0])
 
 
 def test_format_reward_is_the_answer_alone():

@@ -52,7 +52,7 @@ def test_reward_rises_and_metrics_are_named_as_trl(setup, tmp_path):
     assert all(0 < r["rollout_time"] < r["step_time"] for r in steps)
     assert "kl" not in steps[0]  # beta 0
     first, last = (sum(r["reward"] for r in rs) / 5 for rs in (steps[:5], steps[-5:]))
-    assert last > first + 0.3, (first, last)
+    assert last > first + 0.15 and last > 0.5, (first, last)
     assert os.path.isfile(out / "adapter" / "adapter_model.safetensors")
     final = read_metrics(out)[-1]
     assert final["eval_reward"] > 0.5 and "eval_pass@1" in final
@@ -126,27 +126,37 @@ SMOLLM2 = os.path.join(os.environ.get("NANOTUNE_CACHE", os.path.expanduser("~/.c
                        "SmolLM2-135M-Instruct.Q4_1.gguf")
 
 
+def sums(form):
+    """The 81 one-digit sums, "What is 3 + 4? Reply with just the number." -> "7": plain-string prompt/completion rows
+    (the text verbatim, no chat template) or messages rows (rendered by the model's chat template)."""
+    pairs = [(f"What is {a} + {b}? Reply with just the number.", str(a + b))
+             for a in range(1, 10) for b in range(1, 10)]
+    if form == "plain":
+        return [{"prompt": q, "completion": a} for q, a in pairs]
+    return [{"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": a}]} for q, a in pairs]
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(not os.path.isfile(SMOLLM2), reason=f"no SmolLM2-135M-Instruct GGUF at {SMOLLM2} (python "
                     "scripts/fetch_smollm2.py fetches it)")
-def test_smollm2_learns_an_exact_answer_task(tmp_path):
+@pytest.mark.parametrize("form", ["plain", "chat"])
+def test_smollm2_learns_an_exact_answer_task(tmp_path, form):
     """The real SmolLM2-135M-Instruct with LoRA, 16 steps of 4 prompts x G = 4, 8 new tokens, lr 2e-3, β = 0, μ = 1,
-    on one-digit sums ("What is 3 + 4? Reply with just the number.", plain-string rows: the text verbatim, no chat
-    template), where it starts out poor under the exact-answer reward (the first number must be the sum): greedy,
-    it ends its answer at once, and sampled it gives a number now and then. The mean reward of the last 5 steps is
-    clearly above the first 5's."""
-    gguf = SMOLLM2
-    rows = [{"prompt": f"What is {a} + {b}? Reply with just the number.", "completion": str(a + b)}
-            for a in range(1, 10) for b in range(1, 10)]
+    the default rewards, on one-digit sums where it starts out poor under exact_answer: as plain strings it mostly
+    writes no number, in a chat it talks around the sum. With plain-string rows and with messages rows, the mean
+    reward of the last 5 steps is clearly above the first 5's, and so is the mean exact_answer (in a chat it rises
+    within the first 5 steps already)."""
     data = tmp_path / "sums.jsonl"
-    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    data.write_text("".join(json.dumps(r) + "\n" for r in sums(form)))
     out = tmp_path / "run"
-    assert rl.cli(["--model", gguf, "--data", str(data), "--out-dir", str(out), "--max-steps", "16",
+    assert rl.cli(["--model", SMOLLM2, "--data", str(data), "--out-dir", str(out), "--max-steps", "16",
                    "--batch-size", "4", "--num-generations", "4", "--max-new-tokens", "8", "--lr", "2e-3",
                    "--eval-every", "0", "--save-every", "0", "--max-len", "128"]) == 0
     steps = [r for r in read_metrics(out) if "loss" in r]
-    first, last = (sum(r["reward"] for r in rs) / 5 for rs in (steps[:5], steps[-5:]))
-    assert last > first + 0.15, (first, last)
+    first, last = ({k: sum(r[k] for r in rs) / 5 for k in ("reward", "rewards/exact_answer/mean")}
+                   for rs in (steps[:5], steps[-5:]))
+    assert last["reward"] > first["reward"] + 0.15, (first, last)
+    assert last["rewards/exact_answer/mean"] > first["rewards/exact_answer/mean"], (first, last)
 
 
 def test_several_rewards_combine():
