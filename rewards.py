@@ -59,14 +59,20 @@ def all_numbers(text):
     return [float(m.replace(",", "")) for m in NUMBER.findall(text)]
 
 
+def with_references(name, references):
+    """`references`, checked: a reward that compares with the answer needs one for every prompt."""
+    for i, reference in enumerate(references):
+        if reference is None:
+            raise ValueError(f"{name} needs a reference answer for every prompt, and prompt {i} has none: use data "
+                             "whose rows have a completion (or an assistant turn), or give --reward")
+    return references
+
+
 def exact_answer(prompts, completions, references):
     """1.0 per completion whose answer equals the reference's (see the module docstring), else 0.0. A reference
     of None is an error: exact_answer needs data with answers."""
     out = []
-    for i, (completion, reference) in enumerate(zip(completions, references, strict=True)):
-        if reference is None:
-            raise ValueError(f"exact_answer needs a reference answer for every prompt, and prompt {i} has none: "
-                             "use data whose rows have a completion (or an assistant turn), or give --reward")
+    for completion, reference in zip(completions, with_references("exact_answer", references), strict=True):
         expected = first_number(reference)
         if expected is None:
             out.append(float(completion.strip(AROUND).casefold() == reference.strip(AROUND).casefold()))
@@ -81,10 +87,7 @@ def partial_answer(prompts, completions, references):
     number where the reference is a number, else 0.0 (see the module docstring). A reference of None is an error,
     as for exact_answer."""
     out = []
-    for i, (completion, reference) in enumerate(zip(completions, references, strict=True)):
-        if reference is None:
-            raise ValueError(f"partial_answer needs a reference answer for every prompt, and prompt {i} has none: "
-                             "use data whose rows have a completion (or an assistant turn), or give --reward")
+    for completion, reference in zip(completions, with_references("partial_answer", references), strict=True):
         expected = first_number(reference)
         if expected is None:
             words = re.escape(reference.strip(AROUND).casefold())

@@ -182,3 +182,28 @@ def signal_after_line(argv, prefix, signum, **popen):
             break
     stdout, stderr = p.communicate(timeout=120)
     return p.returncode, stdout, stderr
+
+
+BIT_VIEWS = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16,
+             torch.float8_e4m3fn: torch.uint8}
+
+
+def assert_bit_equal(actual, expected, name):
+    """actual and expected hold the same bits: same shape, same dtype, every value (NaNs included)."""
+    assert actual.shape == expected.shape and actual.dtype == expected.dtype, (
+        f"{name}: {tuple(actual.shape)} {actual.dtype} != {tuple(expected.shape)} {expected.dtype}")
+    differ = actual.view(BIT_VIEWS[actual.dtype]) != expected.view(BIT_VIEWS[expected.dtype])
+    assert not differ.any(), (f"{name}: {differ.sum().item()} of {differ.numel()} values differ, e.g. "
+                              f"{actual[differ][:4].float().tolist()} for {expected[differ][:4].float().tolist()}")
+
+
+def frozen_projections(nf4, outs, in_f, r, dtype, device="cpu"):
+    """make_proj's projections `outs` ((name, out_features), ...) of one input, no dropout, their base in
+    `dtype` or quantized to NF4 (nf4=True)."""
+    projs = tuple(make_proj(in_f, o, True, r, dtype, n, i).to(device) for i, (n, o) in enumerate(outs))
+    for p in projs:
+        p.dropout_p = 0.0
+        if nf4:
+            from model.qlora import quantize_linear_
+            quantize_linear_(p, p.weight)
+    return projs

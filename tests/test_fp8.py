@@ -15,7 +15,7 @@ from kernels.references import E4M3, fp8_quantize_rows_reference, nf4_dequantize
 from model import LoRAConfig, load_model
 from model.fp8 import quantize_fp8_
 from model.lora import lora_mlp, lora_projections
-from tests.helpers import H, I, R, glu, make_proj, randomize_lora_b, refused, rel_err
+from tests.helpers import H, I, R, frozen_projections, glu, randomize_lora_b, refused, rel_err
 
 TIGHT = 1e-5  # fp32 GEMMs of the same e4m3 operands against fp64 (relative, in norm)
 N = 32  # tokens: a multiple of 16, so the MLP's transposed products run as such; 13 below: the copied layout
@@ -87,14 +87,10 @@ def check(actual, expected, bound, what):
         assert err < bound, f"{what}: tensor {i} (output, dX, then LoRA grads) off by {err:.3g} (bound {bound:g})"
 
 
+
+
 def projections(nf4, outs=(("q_proj", 64), ("k_proj", 32), ("v_proj", 32)), in_f=H):
-    projs = tuple(make_proj(in_f, o, True, R, torch.float32, n, i) for i, (n, o) in enumerate(outs))
-    for p in projs:
-        p.dropout_p = 0.0
-        if nf4:
-            from model.qlora import quantize_linear_
-            quantize_linear_(p, p.weight)
-    return projs
+    return frozen_projections(nf4, outs, in_f, R, torch.float32)
 
 
 @pytest.mark.parametrize("nf4", [False, True], ids=["bf16-base", "nf4-base"])

@@ -16,9 +16,8 @@ from model import LoRAConfig, load_model
 from model.fp8 import quantize_fp8_
 from model.lora import lora_mlp, lora_parameters, lora_projections
 from model.qlora import NF4Weight
-from tests.helpers import glu, make_proj, randomize_lora_b, rel_err
+from tests.helpers import assert_bit_equal, frozen_projections, glu, randomize_lora_b, rel_err
 from tests.test_fp8 import emulated_group, grads
-from tests.test_fp8_kernels import assert_bit_equal
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
@@ -54,14 +53,10 @@ def test_nf4_to_fp8_kernel_on_gpu(shape, transposed):
     assert_bit_equal(nf4_to_fp8(nf4.data(), shape, scale, out, transposed), expected, "kernel")
 
 
+
+
 def projections(nf4, outs, in_f):
-    projs = tuple(make_proj(in_f, o, True, 8, torch.bfloat16, n, i).to(DEV) for i, (n, o) in enumerate(outs))
-    for p in projs:
-        p.dropout_p = 0.0
-        if nf4:
-            from model.qlora import quantize_linear_
-            quantize_linear_(p, p.weight)
-    return projs
+    return frozen_projections(nf4, outs, in_f, 8, torch.bfloat16, DEV)
 
 
 @pytest.mark.parametrize("nf4", [False, True], ids=["bf16-base", "nf4-base"])

@@ -9,6 +9,7 @@ from kernels.fp8_quantize import fp8_quantize_rows
 from kernels.nf4_to_fp8 import nf4_to_fp8
 from kernels.references import E4M3, fp8_quantize_rows_reference, fp8_scale, nf4_to_fp8_reference, to_e4m3
 from model.qlora import NF4Weight
+from tests.helpers import assert_bit_equal
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -26,14 +27,6 @@ def _seed():
     torch.manual_seed(0)
 
 
-def assert_bit_equal(actual, expected, name):
-    assert actual.shape == expected.shape and actual.dtype == expected.dtype, (
-        f"{name}: {tuple(actual.shape)} {actual.dtype} != {tuple(expected.shape)} {expected.dtype}")
-    bits_a = actual.view(torch.uint8) if actual.dtype == E4M3 else actual.view(torch.int32)
-    bits_e = expected.view(torch.uint8) if expected.dtype == E4M3 else expected.view(torch.int32)
-    differ = bits_a != bits_e
-    assert not differ.any(), (f"{name}: {differ.sum().item()} of {differ.numel()} values differ, e.g. "
-                              f"{actual[differ][:4].float().tolist()} for {expected[differ][:4].float().tolist()}")
 
 
 def e4m3_edges():

@@ -8,11 +8,11 @@ from bitsandbytes.functional import get_4bit_type
 from kernels.nf4_dequantize import nf4_dequantize
 from kernels.references import NF4_LEVELS, nf4_dequantize_reference
 from model.qlora import NF4Weight
+from tests.helpers import assert_bit_equal
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 DTYPE_IDS = ["fp32", "bf16", "fp16"]
-BITS = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}
 # (5, 6): one partial block; (37, 74): blocks across rows, the last partial; (130, 130): more than 256 blocks, so
 # two absmax scales, the second partial. Real weights have an even width; bitsandbytes dequantizes an odd one
 # by a torch.compile'd function (seconds on CPU), so the odd ones are compared with the reference alone.
@@ -25,12 +25,6 @@ def _seed():
     torch.manual_seed(0)
 
 
-def assert_bit_equal(actual, expected, name):
-    assert actual.shape == expected.shape and actual.dtype == expected.dtype, (
-        f"{name}: {tuple(actual.shape)} {actual.dtype} != {tuple(expected.shape)} {expected.dtype}")
-    differ = actual.view(BITS[actual.dtype]) != expected.view(BITS[expected.dtype])
-    assert not differ.any(), (f"{name}: {differ.sum().item()} of {differ.numel()} values differ, max |diff| "
-                              f"{(actual.float() - expected.float()).abs().max().item():.3g}")
 
 
 def nf4_weight(shape, dtype, device=DEVICE):
