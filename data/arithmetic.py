@@ -5,7 +5,7 @@ from functools import lru_cache
 from data.builtin import _int, distinct_examples
 
 N_TRAIN, N_EVAL = 2000, 200
-ASK = " Reply with just the number."  # the answer's form, said in the question: the reward reads its first number
+ASK = " Reply with just the number."  # the answer's form, said in the question: the reward reads its last number
 
 
 def arithmetic_dataset(split="train"):
