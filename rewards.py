@@ -1,19 +1,20 @@
 """Reward functions for RL with verifiable rewards: the built-in ones, a user's own, and their weighted total.
 
 A reward function is a plain Python function, called positionally with three lists of equal length N (one entry
-per completion: the prompt as the model saw it rendered, the completion's text, the reference answer or None
-where the row has none) and returning N floats, higher for better completions:
+per completion: the prompt's question, the text the answer replies to (a chat's last user turn, an Alpaca row's
+instruction and input, the prompt of a prompt/completion row; data/rollouts.py `Prompt.question`), the completion's
+text, the reference answer or None where the row has none) and returning N floats, higher for better completions:
 
     def short_answer(prompts, completions, references):
         return [1.0 if len(c.split()) <= 3 else 0.0 for c in completions]
 
 Built in:
     exact_answer   1.0 when the completion's last number equals the reference's first number (as numbers:
-                   "42" == "42.0", thousands separators ignored): the answer a reply ends on, so "3 + 7 = 10"
-                   and "The answer is 10." both count, as GSM8K graders' last-number rule (lm-evaluation-harness's
-                   flexible-extract) counts them; when the reference holds no number, when the whole completion
-                   equals the whole reference, trimmed of spaces and of the punctuation around them and
-                   case-folded ("Paris." == "paris"); else 0.0
+                   "42" == "42.0", "−5" == "-5", thousands separators ignored): the answer a reply ends on, so
+                   "3 + 7 = 10" and "The answer is 10." both count, as GSM8K graders' last-number rule
+                   (lm-evaluation-harness's flexible-extract) counts them; when the reference holds no number,
+                   when the whole completion equals the whole reference, trimmed of spaces and of the punctuation
+                   around them and case-folded ("Paris." == "paris"); else 0.0
     partial_answer 1.0 when the reference's answer is anywhere in the completion: one of its numbers equals the
                    reference's first number, or (a reference without a number) the reference is in it as whole
                    words, case-folded; else PARTIAL_NUMBER when the reference is a number and the completion
@@ -42,8 +43,9 @@ import torch
 FORMAT_MAX_WORDS = 3
 PARTIAL_NUMBER = 0.2  # partial_answer's credit for a number that is not the reference's: an answer of its kind
 DEFAULT, DEFAULT_WEIGHTS = "exact_answer,partial_answer", "1,0.5"  # the rewards without --reward
-# A number: a sign, digits with optional thousands separators, an optional decimal part ("-1,234.5", ".5").
-NUMBER = re.compile(r"[-+]?(?:\d{1,3}(?:,\d{3})+(?!\d)|\d+)(?:\.\d+)?|[-+]?\.\d+")
+# A number: a sign (the typographic minus "−", U+2212, too), digits with optional thousands separators, an optional
+# decimal part ("-1,234.5", "−5", ".5").
+NUMBER = re.compile(r"[-+\u2212]?(?:\d{1,3}(?:,\d{3})+(?!\d)|\d+)(?:\.\d+)?|[-+\u2212]?\.\d+")
 SENTENCE_PUNCTUATION = re.compile(r"[.!?;:]")
 AROUND = " \t\n\r.,;:!?\"'`()[]"  # trimmed from both ends of a whole answer before comparing
 
@@ -51,12 +53,17 @@ AROUND = " \t\n\r.,;:!?\"'`()[]"  # trimmed from both ends of a whole answer bef
 def first_number(text):
     """The first number in text as a float, or None when it holds none."""
     m = NUMBER.search(text)
-    return None if m is None else float(m.group().replace(",", ""))
+    return None if m is None else as_float(m.group())
 
 
 def all_numbers(text):
     """Every number in text, in order, as floats."""
-    return [float(m.replace(",", "")) for m in NUMBER.findall(text)]
+    return [as_float(m) for m in NUMBER.findall(text)]
+
+
+def as_float(number):
+    """The value of a match of NUMBER: without its thousands separators, a typographic minus read as "-"."""
+    return float(number.replace(",", "").replace("\u2212", "-"))
 
 
 def with_references(name, references):

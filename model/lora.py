@@ -248,17 +248,19 @@ class LoRALinear(nn.Module):
 @contextlib.contextmanager
 def adapters_disabled(model):
     """Inside the block, `model` computes with its base weights alone, as PEFT's `disable_adapter()` does: every
-    adapter's rank reads 0, so the projections (plain and fused) skip their adapters and draw no dropout. The
-    weights stay where they are (no copy); the ranks are put back on leaving. The reference model of DPO and IPO
-    (preference.py) is the model inside this block, under torch.no_grad()."""
-    adapted = [(m, m.r) for m in model.modules() if isinstance(m, LoRALinear) and m.r]
-    for m, _ in adapted:
-        m.r = 0
+    adapter's rank reads 0, so the projections (plain and fused) skip their adapters and draw no dropout, and
+    inside a `MergedAdapters` block they read W, not the merged weight. The weights stay where they are (no copy);
+    the ranks and merged weights are put back on leaving. The reference model of DPO and IPO (preference.py) is
+    the model inside this block, under torch.no_grad()."""
+    adapted = [(m, m.r, m.merged) for m in model.modules()
+               if isinstance(m, LoRALinear) and (m.r or m.merged is not None)]
+    for m, _, _ in adapted:
+        m.r, m.merged = 0, None
     try:
         yield model
     finally:
-        for m, r in adapted:
-            m.r = r
+        for m, r, merged in adapted:
+            m.r, m.merged = r, merged
 
 
 class MergedAdapters:

@@ -12,6 +12,7 @@ from model.lora import (
     _LoRAMLP,
     _LoRAProjections,
     _packed,
+    adapters_disabled,
     lora_mlp,
     lora_parameters,
     lora_projections,
@@ -89,6 +90,29 @@ def test_merged_adapters_give_the_adapter_path(family_folder, dtype, variant, fu
         assert rel_err(got, want) < 2e-2, rel_err(got, want)
     assert torch.equal(unchanged, got)
     assert torch.equal(after, want)
+
+
+def test_adapters_disabled_inside_merged_adapters_is_the_base(llama_folder):
+    """adapters_disabled gives the base model's logits inside a MergedAdapters block too (whose projections hold the
+    merged W + s·B·A with their ranks at 0), in either nesting, and each block puts back what it found."""
+    model, cfg = load_model(llama_folder, lora=LoRAConfig(r=4, alpha=8.0))
+    randomize_lora_b(model, std=0.1)
+    model.eval()
+    ids = torch.randint(0, cfg.vocab_size, (B, 12), generator=torch.Generator().manual_seed(0))
+    merged = MergedAdapters(model)
+    with torch.no_grad():
+        with adapters_disabled(model):
+            base = model(ids)
+        with merged:
+            with adapters_disabled(model):
+                inner = model(ids)
+            adapted = model(ids)
+        with adapters_disabled(model), merged:
+            outer = model(ids)
+        after = model(ids)
+    assert torch.equal(inner, base) and torch.equal(outer, base)
+    assert not torch.allclose(adapted, base)
+    assert_close(after, adapted, atol=1e-5, rtol=1e-5, name="the adapter path after both blocks")
 
 
 def test_merged_adapters_are_not_taken_for_a_quantized_base(llama_folder, monkeypatch):

@@ -19,6 +19,16 @@ def test_exact_answer_compares_the_last_number():
                                                                          1.0, 0.0]
 
 
+def test_a_typographic_minus_is_a_sign():
+    """"−5" (U+2212, as typeset references and some models write it) is -5, not 5: a completion "5" does not
+    answer it, "-5" and "−5" do, and "−5" answers "-5"; partial_answer and format_reward read it alike."""
+    completions = ["5", "-5", "The answer is −5.", "−5", "−2.5"]
+    references = ["−5", "−5", "−5", "-5", "-2.5"]
+    assert rewards.exact_answer([""] * 5, completions, references) == [0.0, 1.0, 1.0, 1.0, 1.0]
+    assert rewards.partial_answer([""] * 2, ["5", "−5"], ["−5", "-5"]) == [rewards.PARTIAL_NUMBER, 1.0]
+    assert rewards.format_reward([""], ["−5"], [None]) == [1.0]
+
+
 def test_exact_answer_compares_whole_answers_without_a_number():
     """A reference without a number: the whole completion, trimmed of spaces and punctuation around it and
     case-folded, equals it; a longer completion does not."""

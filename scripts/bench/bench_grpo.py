@@ -11,7 +11,7 @@ The step is rl.py's, built from the same modules (rollout.py, data/rollouts.py, 
 packed rows of --max-len, CUDA graphs for the decoding and the update on CUDA), with beta 0, the dapo loss and one
 update per batch of rollouts, as the peers' harness measures TRL. The prompts are the harness's: "What number
 comes after N? Reply with the number only.", through the chat template where the tokenizer has one, else as text
-followed by "Answer: "; the reward is exact_answer (its last number against N + 1). --shape builds a random
+followed by "Answer: "; the reward is exact_answer (the last number against N + 1). --shape builds a random
 model of one of bench.py's SHAPES (cached under --cache-dir); its rollouts run to --max-new-tokens anyway, and
 --ignore-eos makes every model's rows decode that many tokens.
 
