@@ -12,7 +12,8 @@ Built in:
     exact_answer   1.0 when the completion's last number equals the reference's first number (as numbers:
                    "42" == "42.0", "−5" == "-5", thousands separators ignored): the answer a reply ends on, so
                    "3 + 7 = 10" and "The answer is 10." both count, as GSM8K graders' last-number rule
-                   (lm-evaluation-harness's flexible-extract) counts them; when the reference holds no number,
+                   (lm-evaluation-harness's flexible-extract) counts them; a reference ending "#### 72" (GSM8K's
+                   worked solutions) is read from its "####" on; when the reference holds no number,
                    when the whole completion equals the whole reference, trimmed of spaces and of the punctuation
                    around them and case-folded ("Paris." == "paris"); else 0.0
     partial_answer 1.0 when the reference's answer is anywhere in the completion: one of its numbers equals the
@@ -67,12 +68,20 @@ def as_float(number):
 
 
 def with_references(name, references):
-    """`references`, checked: a reward that compares with the answer needs one for every prompt."""
+    """The answers of `references` (`final_answer`), checked: a reward that compares with the answer needs one for
+    every prompt."""
     for i, reference in enumerate(references):
         if reference is None:
             raise ValueError(f"{name} needs a reference answer for every prompt, and prompt {i} has none: use data "
                              "whose rows have a completion (or an assistant turn), or give --reward")
-    return references
+    return [final_answer(r) for r in references]
+
+
+def final_answer(reference):
+    """What follows the last "####" in a reference that has one (GSM8K's worked solutions end "#### 72"), else the
+    whole reference."""
+    head, marker, tail = reference.rpartition("####")
+    return tail.strip() if marker else reference
 
 
 def exact_answer(prompts, completions, references):

@@ -130,3 +130,11 @@ def test_score_checks_its_arguments():
         rewards.score([rewards.format_reward], [1.0, 2.0], ["p"], ["a"], [None])
     with pytest.raises(ValueError, match="one prompt, completion and reference per completion"):
         rewards.score([rewards.format_reward], None, ["p", "q"], ["a"], [None])
+
+
+def test_a_gsm8k_reference_is_read_from_its_final_answer():
+    """GSM8K's answers are worked solutions ending "#### 72": the rewards compare with 72, not the first number."""
+    reference = "Natalia sold 48/2 = <<48/2=24>>24 clips in May.\nShe sold 48+24 = <<48+24=72>>72 clips.\n#### 72"
+    completions = ["She sold 72 clips.", "48", "72 or 24"]
+    assert rewards.exact_answer([""] * 3, completions, [reference] * 3) == [1.0, 0.0, 0.0]
+    assert rewards.partial_answer([""] * 3, completions, [reference] * 3) == [1.0, rewards.PARTIAL_NUMBER, 1.0]
