@@ -125,11 +125,16 @@ def cache_dir(tmp_path_factory):
     return str(tmp_path_factory.mktemp("bench"))  # the tiny checkpoint is built once for both runs
 
 
-def run_bench(*argv):
-    proc = subprocess.run([sys.executable, "scripts/bench/bench.py", "--smoke", *argv], cwd=REPO,
-                          capture_output=True, text=True, timeout=900)
+def run_script(script, *argv, timeout=900):
+    """The stdout of scripts/bench/`script` run with argv, as a user runs it; it must exit 0."""
+    proc = subprocess.run([sys.executable, f"scripts/bench/{script}", *map(str, argv)], cwd=REPO,
+                          capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc.stdout
+
+
+def run_bench(*argv):
+    return run_script("bench.py", "--smoke", *argv)
 
 
 @pytest.mark.slow
@@ -176,11 +181,9 @@ def test_bench_dpo_times_a_dpo_run(run_model, tmp_path):
     """scripts/bench/bench_dpo.py runs train.py --method dpo on pairs of the asked lengths, one pair a row, and
     reports a step time from train.py's own count: padded tokens a step = pairs x the row length."""
     out = tmp_path / "dpo.json"
-    proc = subprocess.run([sys.executable, "scripts/bench/bench_dpo.py", "--model", run_model, "--out", str(out),
-                           "--pairs-per-step", "2", "--prompt-len", "24", "--completion-len", "16", "--steps", "2",
-                           "--warmup", "1", "--", "--device", "cpu", "--dtype", "fp32"],
-                          cwd=REPO, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    run_script("bench_dpo.py", "--model", run_model, "--out", out, "--pairs-per-step", "2", "--prompt-len", "24",
+               "--completion-len", "16", "--steps", "2", "--warmup", "1", "--", "--device", "cpu", "--dtype", "fp32",
+               timeout=600)
     r = json.loads(out.read_text())
     assert r["tokens_per_s_padded"] == pytest.approx(2 * r["max_len"] / r["step_s_median"])
     assert r["tokens_per_s_real"] < r["tokens_per_s_padded"] and r["loss_first"] == pytest.approx(0.6931, abs=1e-3)
@@ -192,11 +195,9 @@ def test_bench_grpo_times_rollout_and_update(run_model, tmp_path):
     --max-new-tokens tokens; the step's median time is about its parts' (medians of their own), and the decoding
     bound at a given bandwidth is the weights' and the KV cache's bytes of every decoding step over it."""
     out = tmp_path / "grpo.json"
-    proc = subprocess.run([sys.executable, "scripts/bench/bench_grpo.py", "--model", run_model, "--out", str(out),
-                           "--device", "cpu", "--prompts", "2", "--num-generations", "2", "--max-new-tokens", "3",
-                           "--steps", "2", "--warmup", "1", "--ignore-eos", "--bandwidth", "1e9"],
-                          cwd=REPO, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    stdout = run_script("bench_grpo.py", "--model", run_model, "--out", out, "--device", "cpu", "--prompts", "2",
+                        "--num-generations", "2", "--max-new-tokens", "3", "--steps", "2", "--warmup", "1",
+                        "--ignore-eos", "--bandwidth", "1e9", timeout=600)
     r = json.loads(out.read_text())
     assert [s["new_tokens"] for s in r["steps"]] == [2 * 2 * 3] * 3
     assert r["rollout_tokens_per_s"] == pytest.approx(12 / (r["rollout_ms_median"] / 1e3))
@@ -204,7 +205,7 @@ def test_bench_grpo_times_rollout_and_update(run_model, tmp_path):
     weights = sum(os.path.getsize(os.path.join(run_model, f)) for f in os.listdir(run_model)
                   if f.endswith(".safetensors"))
     assert 3 * weights / 1e9 < r["decode_bound_ms"] / 1e3 < 3 * 2 * weights / 1e9 + 1e-3  # fp32, LoRA, KV
-    assert "ms a step (rollout" in proc.stdout and not r["cuda_graphs"]
+    assert "ms a step (rollout" in stdout and not r["cuda_graphs"]
 
 
 # ----------------------------------------------------------------------------- bench_qlora.py
@@ -243,17 +244,15 @@ def test_predict_longest_fits_the_line_of_the_two_longest_rows():
 def test_bench_qlora_smoke(tmp_path):
     """bench_qlora.py --smoke end to end on CPU: an NF4 model built in memory trains, at 2 x T and at batch 1."""
     out = tmp_path / "qlora.json"
-    proc = subprocess.run([sys.executable, "scripts/bench/bench_qlora.py", "--smoke", "--shapes", "gemma-2-9b",
-                           "--ckpt", "on+offload", "--long", "96", "--out", str(out)],
-                          cwd=REPO, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    stdout = run_script("bench_qlora.py", "--smoke", "--shapes", "gemma-2-9b", "--ckpt", "on+offload", "--long", "96",
+                        "--out", out, timeout=600)
     rows = json.loads(out.read_text())["results"]
     assert [(r["shape"], r["batch"], r["seqlen"], r["ckpt"]) for r in rows] == [
         ("gemma-2-9b", 2, 64, "on+offload"), ("llama-3.1-8b", 1, 96, "on+offload")]
     for r in rows:
         assert r["status"] == "ok", r
         assert r["loss_final"] < r["loss_first"], r
-    assert "| gemma-2-9b | 2x64 | on+offload |" in proc.stdout
+    assert "| gemma-2-9b | 2x64 | on+offload |" in stdout
 
 
 def test_qlora_fp8_case_runs():
