@@ -14,8 +14,9 @@ kernel equals the reference bit for bit.
 
 A row of up to MAX_ONE_PASS values is read once, held in registers while its amax is found; a wider one is read
 twice (amax, then quantize). x may have any strides: a row-major x is read along its rows, one stored transposed
-(the MLP's H and [dG | dU]) in tiles of BLOCK_M rows along its contiguous dimension, so that both read whole
-memory segments. q is written row-major and contiguous, the layout _scaled_mm takes for its first operand, and
+(W's transposed copy Wᵀ, quantized once at load; the activations stored so take one scale for the tensor,
+kernels/fp8_quantize_tensor.py) in tiles of BLOCK_M rows along its contiguous dimension, so that both read
+whole memory segments. q is written row-major and contiguous, the layout _scaled_mm takes for its first operand, and
 for its second as q.t().
 
 e4m3 comes from the GPU's conversion (cvt.rn.satfinite, sm_89+) after a clamp to ±448 (exact, and saturating

@@ -12,6 +12,7 @@ This module imports torch only, so that those runs need no Triton.
     fused_linear_cross_entropy_reference   kernels/fused_linear_cross_entropy.py
     nf4_dequantize_reference               kernels/nf4_dequantize.py
     fp8_quantize_rows_reference            kernels/fp8_quantize.py
+    fp8_quantize_tensor_reference          kernels/fp8_quantize_tensor.py
     nf4_to_fp8_reference                   kernels/nf4_to_fp8.py
 """
 import math
@@ -273,6 +274,16 @@ def fp8_quantize_rows_reference(x):
     xf = x.float()
     s = fp8_scale(xf.abs().amax(dim=1)) if x.shape[1] else torch.ones(len(x), device=x.device)
     return to_e4m3(xf * fp8_reciprocal(s)[:, None]).contiguous(), s
+
+
+def fp8_quantize_tensor_reference(x):
+    """(q, s): all of x [M, K] (any strides, fp32/bf16/fp16) quantized to e4m3 with one scale,
+    fp8_scale(max_mk |x_mk|) given once per row, s (M,) fp32, and q = e4m3(x · (1 / s)) (M, K) contiguous, rounded
+    to nearest even; the product and the reciprocal in fp32, as the kernel computes them."""
+    assert x.dim() == 2 and x.dtype in DTYPES, f"fp8 quantize: x must be 2-D fp32/bf16/fp16, got {x.shape} {x.dtype}"
+    xf = x.float()
+    s = fp8_scale(xf.abs().amax()) if x.numel() else torch.ones((), device=x.device)
+    return to_e4m3(xf * fp8_reciprocal(s)).contiguous(), s.expand(len(x)).contiguous()
 
 
 def nf4_to_fp8_reference(q: NF4Data, shape, scale, transposed=False):

@@ -10,7 +10,13 @@ Every operand has one fp32 scale per row of the GEMM's reduction, s = amax / 448
     Y  = X Wᵀ:   _scaled_mm(e4m3(X / s_X), e4m3(W / s_W)ᵀ, scale_a=s_X (N, 1), scale_b=s_W (1, out))
     dX = dY W:   _scaled_mm(e4m3(dY / s_dY), e4m3(Wᵀ / s_Wᵀ)ᵀ, scale_a=s_dY (N, 1), scale_b=s_Wᵀ (1, in))
 
-s_X, s_dY: per token, from each pass's amax (kernels/fp8_quantize.py on CUDA, its torch reference elsewhere).
+s_X, s_dY: per token, from each pass's amax (kernels/fp8_quantize.py on CUDA, its torch reference elsewhere),
+where the operand is stored row-major (x and dY of q/k/v, o, down; x of gate/up). Where it is stored transposed,
+[features × tokens] (the MLP's H, the input of down, and [dG | dU], the dY of gate/up: see model/lora.py), a
+token's amax would be a reduction across the strided dimension; there the whole tensor takes one scale, from
+one amax over it (torchao's "tensorwise" recipe; kernels/fp8_quantize_tensor.py), both passes reading it in its
+stored layout. _scaled_mm still gets it as a per-token scale_a (the one value in every row), so that W keeps its
+per-row scales and the GEMMs are the same.
 s_W: per output row of W; s_Wᵀ: per input column of W, for the copy Wᵀ [in, out] that the input gradient reads
 (_scaled_mm's second operand is column-major, so dY W needs Wᵀ stored row-major). Projections that share an
 input (q, k, v; gate, up) share one [Σout, in] W and one [in, Σout] Wᵀ, whose column scales span the group.
@@ -32,7 +38,8 @@ otherwise the plain product is copied into that layout.
 
 Why e4m3 for dY too (not e5m2, the classic choice for gradients): with a scale per token, the range a row
 needs is its own, and e4m3's extra mantissa bit halves the rounding error, as DeepSeek-V3 and torchao's
-rowwise recipe do.
+rowwise recipe do. [dG | dU], with one scale, fits all tokens into e4m3's range: values below 2^-6 / 448 of the
+tensor's amax (3.5e-5) keep fewer than 3 mantissa bits, and those below 2^-10 / 448 of it (2.2e-6) round to zero.
 """
 import warnings
 
@@ -42,6 +49,7 @@ import torch.nn as nn
 from kernels.references import (
     E4M3,
     fp8_quantize_rows_reference,
+    fp8_quantize_tensor_reference,
     fp8_scale,
     nf4_block_absmax,
     nf4_to_fp8_reference,
@@ -63,6 +71,22 @@ def quantize_rows(x):
         from kernels.fp8_quantize import fp8_quantize_rows  # Triton is imported only where the kernel runs
         return fp8_quantize_rows(x)
     return fp8_quantize_rows_reference(x)
+
+
+def stored_transposed(x) -> bool:
+    """Whether x [M, K] is stored [K × M], column-major (the MLP's H and [dG | dU])."""
+    return x.stride(0) == 1 and x.stride(1) != 1
+
+
+def quantize_activation(x):
+    """(q, s): an activation or gradient x [M, K] as e4m3 [M, K] row-major with fp32 scales s (M,): one per row
+    where x is row-major, one for the whole tensor (in every row) where x is stored transposed."""
+    if not stored_transposed(x):
+        return quantize_rows(x)
+    if x.is_cuda:
+        from kernels.fp8_quantize_tensor import fp8_quantize_tensor  # Triton is imported only where the kernel runs
+        return fp8_quantize_tensor(x)
+    return fp8_quantize_tensor_reference(x)
 
 
 class FP8Weights(nn.Module):
@@ -200,12 +224,12 @@ def fp8_linear(projs, x, dtype, transposed=False):
     """X [W_1; W_2; ...]ᵀ (N, Σout) in `dtype`, without biases, from x (N, in) in `dtype`: one fp8 GEMM."""
     assert x.dtype == dtype, f"fp8 GEMM: x must be {dtype}, got {x.dtype}"
     w, sw = _weights(projs, transposed=False)
-    a, sa = quantize_rows(x)
+    a, sa = quantize_activation(x)
     return _mm(a, sa, w, sw, dtype, transposed)
 
 
 def fp8_input_grad(projs, dy, transposed=False):
     """dY [W_1; W_2; ...] (N, in) in dY's dtype, from dY (N, Σout): one fp8 GEMM with the transposed copy."""
     w, sw = _weights(projs, transposed=True)
-    a, sa = quantize_rows(dy)
+    a, sa = quantize_activation(dy)
     return _mm(a, sa, w, sw, dy.dtype, transposed)

@@ -197,7 +197,7 @@ def test_bench_grpo_times_rollout_and_update(run_model, tmp_path):
     out = tmp_path / "grpo.json"
     stdout = run_script("bench_grpo.py", "--model", run_model, "--out", out, "--device", "cpu", "--prompts", "2",
                         "--num-generations", "2", "--max-new-tokens", "3", "--steps", "2", "--warmup", "1",
-                        "--ignore-eos", "--bandwidth", "1e9", timeout=600)
+                        "--ignore-eos", "--bandwidth", "1e9", "--profile", timeout=600)
     r = json.loads(out.read_text())
     assert [s["new_tokens"] for s in r["steps"]] == [2 * 2 * 3] * 3
     assert r["rollout_tokens_per_s"] == pytest.approx(12 / (r["rollout_ms_median"] / 1e3))
@@ -205,7 +205,7 @@ def test_bench_grpo_times_rollout_and_update(run_model, tmp_path):
     weights = sum(os.path.getsize(os.path.join(run_model, f)) for f in os.listdir(run_model)
                   if f.endswith(".safetensors"))
     assert 3 * weights / 1e9 < r["decode_bound_ms"] / 1e3 < 3 * 2 * weights / 1e9 + 1e-3  # fp32, LoRA, KV
-    assert "ms a step (rollout" in stdout and not r["cuda_graphs"]
+    assert "ms a step (rollout" in stdout and "a decoding step (" in stdout and not r["cuda_graphs"]
 
 
 # ----------------------------------------------------------------------------- bench_qlora.py

@@ -1,7 +1,7 @@
 """The fp8 base GEMMs (model/fp8.py) through the fused LoRA Functions and a whole tiny model, on CPU with the real
 torch._scaled_mm (fp32 out):
-- tight: against an fp64 computation that applies the same e4m3 quantization (X, dY per row, W per row, Wᵀ per
-  column), so that only the GEMMs' own rounding differs;
+- tight: against an fp64 computation that applies the same e4m3 quantization (X, dY per row, the MLP's H and
+  [dG | dU] with one scale each, W per row, Wᵀ per column), so that only the GEMMs' own rounding differs;
 - loose: against the exact path (no fp8). e4m3 keeps 3 mantissa bits, so each quantized operand is off by up to
   2^-4 of its value (about 2.5% in norm): one projection's output by about 3.5%, and the gradients of a random
   tiny model, whose weights are large enough to saturate its norms, by up to tens of percent (NF4 alone moves
@@ -11,7 +11,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels.references import E4M3, fp8_quantize_rows_reference, nf4_dequantize_reference, nf4_to_fp8_reference
+from kernels.references import (
+    E4M3,
+    fp8_quantize_rows_reference,
+    fp8_quantize_tensor_reference,
+    nf4_dequantize_reference,
+    nf4_to_fp8_reference,
+)
 from model import LoRAConfig, load_model
 from model.fp8 import quantize_fp8_
 from model.lora import lora_mlp, lora_projections
@@ -26,24 +32,27 @@ def _seed():
     torch.manual_seed(0)
 
 
-def dequantized_rows(t):
-    """t's rows quantized as the fp8 path quantizes them (from t in fp32), back in fp64."""
-    q, s = fp8_quantize_rows_reference(t.reshape(-1, t.shape[-1]).float())
+def dequantized(t, tensorwise=False):
+    """t quantized as the fp8 path quantizes it (from t in fp32), back in fp64: each row with its own scale, or
+    tensorwise all of it with one (the MLP's operands stored transposed)."""
+    quantize = fp8_quantize_tensor_reference if tensorwise else fp8_quantize_rows_reference
+    q, s = quantize(t.reshape(-1, t.shape[-1]).float())
     return (q.double() * s[:, None]).view(t.shape)
 
 
 class EmulatedFP8(torch.autograd.Function):
-    """X̂ Ŵᵀ in fp64, X̂ = X's rows quantized; backward dY^ (Ŵᵀ)ᵀ with dY's rows quantized: the fp8 GEMMs' math.
-    w: W dequantized (out, in); wt: Wᵀ's e4m3 copy dequantized (in, out)."""
+    """X̂ Ŵᵀ in fp64, X̂ = X quantized; backward dY^ (Ŵᵀ)ᵀ with dY quantized: the fp8 GEMMs' math. w: W dequantized
+    (out, in); wt: Wᵀ's e4m3 copy dequantized (in, out); x_tensorwise, dy_tensorwise: X, dY with one scale
+    (`dequantized`)."""
 
     @staticmethod
-    def forward(ctx, x, w, wt):
-        ctx.wt = wt
-        return dequantized_rows(x) @ w.t()
+    def forward(ctx, x, w, wt, x_tensorwise, dy_tensorwise):
+        ctx.wt, ctx.dy_tensorwise = wt, dy_tensorwise
+        return dequantized(x, x_tensorwise) @ w.t()
 
     @staticmethod
     def backward(ctx, dy):
-        return dequantized_rows(dy) @ ctx.wt.t(), None, None
+        return dequantized(dy, ctx.dy_tensorwise) @ ctx.wt.t(), None, None, None, None
 
 
 def fp8_operands(projs):
@@ -63,10 +72,18 @@ def adapter(p, x):
     return y + (p.bias.double() if p.bias is not None else 0)
 
 
-def emulated_group(x, projs):
+def emulated_group(x, projs, x_tensorwise=False, dy_tensorwise=False):
     w, wt = fp8_operands(projs)
     ones = [torch.ones(p.out_features, dtype=torch.float64, device=x.device) for p in projs]
-    return EmulatedFP8.apply(x, w, wt) + torch.cat([adapter(p, x) * one for p, one in zip(projs, ones)], -1)
+    base = EmulatedFP8.apply(x, w, wt, x_tensorwise, dy_tensorwise)
+    return base + torch.cat([adapter(p, x) * one for p, one in zip(projs, ones)], -1)
+
+
+def emulated_mlp(x, gate, up, down):
+    """down(silu(gate(x)) ⊙ up(x)) in fp64 with the fused MLP's quantization: X and down's dY per row, H (down's
+    input) and [dG | dU] (gate/up's dY), stored transposed, with one scale each."""
+    g, u = emulated_group(x, (gate, up), dy_tensorwise=True).split(gate.out_features, -1)
+    return emulated_group(F.silu(g) * u, (down,), x_tensorwise=True)
 
 
 def grads(fn, x, projs, dy_seed=1):
@@ -116,13 +133,8 @@ def test_mlp_equals_emulated_fp8(nf4, tokens):
     projs = (gate, up, down)
     quantize_fp8_([(gate, up), (down,)])
     x = torch.randn(tokens, H)
-
-    def emulated(x):
-        g, u = emulated_group(x, (gate, up)).split(I, -1)
-        return emulated_group(F.silu(g) * u, (down,))
-
     fused = grads(lambda x: lora_mlp(x, projs, glu("silu")), x, projs)
-    check(fused, grads(emulated, x.double(), projs), 1e-4, "fp8 MLP vs emulated")
+    check(fused, grads(lambda x: emulated_mlp(x, *projs), x.double(), projs), 1e-4, "fp8 MLP vs emulated")
 
 
 def test_nf4_scales_bound_the_weight():

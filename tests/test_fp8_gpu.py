@@ -5,19 +5,19 @@ Run on a GPU machine with `python -m pytest -m gpu tests/test_fp8_gpu.py`.
 """
 import pytest
 import torch
-import torch.nn.functional as F
 
 import data
 import step
 from kernels.fp8_quantize import fp8_quantize_rows
+from kernels.fp8_quantize_tensor import fp8_quantize_tensor
 from kernels.nf4_to_fp8 import nf4_to_fp8
-from kernels.references import E4M3, fp8_quantize_rows_reference, nf4_to_fp8_reference
+from kernels.references import E4M3, fp8_quantize_rows_reference, fp8_quantize_tensor_reference, nf4_to_fp8_reference
 from model import LoRAConfig, load_model
 from model.fp8 import quantize_fp8_
 from model.lora import lora_mlp, lora_parameters, lora_projections
 from model.qlora import NF4Weight
 from tests.helpers import assert_bit_equal, frozen_projections, glu, randomize_lora_b, rel_err
-from tests.test_fp8 import emulated_group, grads
+from tests.test_fp8 import emulated_group, emulated_mlp, grads
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
@@ -38,6 +38,20 @@ def test_quantize_rows_kernel_on_gpu(shape, dtype, layout):
     x = x.t().contiguous().t() if layout == "transposed" else x
     q, s = fp8_quantize_rows(x)
     q_ref, s_ref = fp8_quantize_rows_reference(x)
+    assert_bit_equal(s, s_ref, "scales")
+    assert_bit_equal(q, q_ref, "e4m3 values")
+
+
+@pytest.mark.parametrize("shape", [(4096, 14336), (4096, 28672), (4093, 14336), (37, 4096)], ids=str)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("layout", ["rows", "transposed"])
+def test_quantize_tensor_kernel_on_gpu(shape, dtype, layout):
+    """The Llama-3.1-8B MLP's H [tokens, 14336] and [dG | dU] [tokens, 28672] of a 2 × 2048 batch, stored
+    transposed as the MLP keeps them, an odd token count and a few tokens, with values over 6 decades."""
+    x = (torch.randn(shape, device=DEV) * torch.logspace(-3, 3, shape[1], device=DEV)).to(dtype)
+    x = x.t().contiguous().t() if layout == "transposed" else x
+    q, s = fp8_quantize_tensor(x)
+    q_ref, s_ref = fp8_quantize_tensor_reference(x)
     assert_bit_equal(s, s_ref, "scales")
     assert_bit_equal(q, q_ref, "e4m3 values")
 
@@ -77,13 +91,9 @@ def test_fused_fp8_equals_emulated_on_gpu(nf4, tokens):
     for i, (a, e) in enumerate(zip(fused, emulated)):
         assert rel_err(a, e) < 2e-2, f"q/k/v tensor {i}: {rel_err(a, e):.3g}"
 
-    def mlp_emulated(x):
-        g, u = emulated_group(x, (gate, up)).split(I, -1)
-        return emulated_group(F.silu(g) * u, (down,))
-
     projs = (gate, up, down)
     fused = grads(lambda x: lora_mlp(x, projs, glu("silu", use_kernels=True)), x, projs)
-    for i, (a, e) in enumerate(zip(fused, grads(mlp_emulated, x.double(), projs))):
+    for i, (a, e) in enumerate(zip(fused, grads(lambda x: emulated_mlp(x, *projs), x.double(), projs))):
         assert rel_err(a, e) < 3e-2, f"MLP tensor {i}: {rel_err(a, e):.3g}"
 
 

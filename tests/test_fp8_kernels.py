@@ -1,13 +1,22 @@
 """The FP8 (e4m3) quantization kernels against their pure-torch references, bit for bit: row-wise quantization
-of activations (kernels/fp8_quantize.py) and NF4 straight to e4m3 (kernels/nf4_to_fp8.py), whose result is also
+of activations (kernels/fp8_quantize.py), tensor-wise quantization of those stored transposed
+(kernels/fp8_quantize_tensor.py) and NF4 straight to e4m3 (kernels/nf4_to_fp8.py), whose result is also
 bitsandbytes' dequantized fp32 weight quantized with the same scales. On CPU the kernels run in Triton's
 interpreter (tests/conftest.py); tests/test_fp8_gpu.py repeats them at real sizes on a GPU."""
 import pytest
 import torch
 
 from kernels.fp8_quantize import fp8_quantize_rows
+from kernels.fp8_quantize_tensor import fp8_quantize_tensor
 from kernels.nf4_to_fp8 import nf4_to_fp8
-from kernels.references import E4M3, fp8_quantize_rows_reference, fp8_scale, nf4_to_fp8_reference, to_e4m3
+from kernels.references import (
+    E4M3,
+    fp8_quantize_rows_reference,
+    fp8_quantize_tensor_reference,
+    fp8_scale,
+    nf4_to_fp8_reference,
+    to_e4m3,
+)
 from model.qlora import NF4Weight
 from tests.helpers import assert_bit_equal
 
@@ -90,6 +99,58 @@ def test_quantize_rows_refuses_bad_input():
         fp8_quantize_rows(torch.zeros(2, 3, 4, device=DEVICE))
     with pytest.raises(ValueError, match="2-D fp32/bf16/fp16"):
         fp8_quantize_rows(torch.zeros(2, 3, dtype=torch.float64, device=DEVICE))
+
+
+@pytest.mark.parametrize("shape", SHAPES + [(70, 130)], ids=str)
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("layout", ["rows", "transposed"])
+def test_quantize_tensor_equals_reference(shape, dtype, layout):
+    """Values over 11 decades (some in e4m3's subnormals, some flushed to zero), the amax in one row, and the input
+    stored transposed (the MLP's H and [dG | dU]) or row-major; (70, 130): partial tiles along both dimensions."""
+    x = torch.randn(shape, device=DEVICE) * torch.logspace(-8, 3, shape[1], device=DEVICE)
+    x[-1, -1] = -1e4
+    x = x.to(dtype)
+    if layout == "transposed":
+        x = x.t().contiguous().t()
+    q, s = fp8_quantize_tensor(x)
+    q_ref, s_ref = fp8_quantize_tensor_reference(x)
+    assert q.is_contiguous() and s.shape == (shape[0],) and s.is_contiguous()
+    assert_bit_equal(s, s_ref, "scales")
+    assert_bit_equal(q, q_ref, "e4m3 values")
+    amax = x.float().abs().amax()
+    assert (s == (amax.double() / 448).float()).all(), "one scale, amax / 448, in every row"
+    assert q[-1, -1].float().item() == -448.0
+
+
+def test_quantize_tensor_rounds_as_torch_at_every_edge():
+    """An amax of 448 gives scale 1: the kernel's e4m3 rounding of each value, stored transposed, is torch's."""
+    x = e4m3_edges().view(-1, 2).to(DEVICE)
+    x = x.t().contiguous().t()
+    q, s = fp8_quantize_tensor(x)
+    assert (s == 1).all()
+    assert_bit_equal(q, x.to(E4M3), "e4m3 rounding")
+
+
+@pytest.mark.parametrize("scale", [0.0, 1e-37], ids=["zeros", "tiny"])
+def test_quantize_tensor_of_tiny_values_has_scale_one(scale):
+    """A tensor whose amax / 448 is below fp32's smallest normal (all zeros, or tiny) has scale 1: zeros, no NaN."""
+    x = (torch.randn(40, 70, device=DEVICE) * scale).t()
+    q, s = fp8_quantize_tensor(x)
+    assert_bit_equal(q, fp8_quantize_tensor_reference(x)[0], "e4m3 values")
+    assert (s == 1).all() and s.shape == (70,) and not q.float().any()
+
+
+def test_quantize_tensor_of_an_empty_tensor():
+    for shape in [(0, 5), (5, 0)]:
+        q, s = fp8_quantize_tensor(torch.zeros(shape, device=DEVICE))
+        assert q.shape == shape and q.dtype == E4M3 and s.tolist() == [1.0] * shape[0]
+
+
+def test_quantize_tensor_refuses_bad_input():
+    with pytest.raises(ValueError, match="2-D fp32/bf16/fp16"):
+        fp8_quantize_tensor(torch.zeros(2, 3, 4, device=DEVICE))
+    with pytest.raises(ValueError, match="2-D fp32/bf16/fp16"):
+        fp8_quantize_tensor(torch.zeros(2, 3, dtype=torch.float64, device=DEVICE))
 
 
 def nf4_weight(shape, device=DEVICE):

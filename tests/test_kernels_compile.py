@@ -30,7 +30,7 @@ ARCHS = (80, 90)
 DTYPES = ("fp32", "bf16", "fp16")
 # The kernels that dequantize NF4 as bitsandbytes does, which must not fuse a multiply and an add.
 NF4_KERNELS = {"nf4_fma": "_nf4_dequantize_kernel", "nf4_to_fp8_fma": "_nf4_to_fp8_kernel"}
-E4M3_KERNELS = ("_fp8_quantize_rows_kernel", "_nf4_to_fp8_kernel")  # the kernels that store e4m3
+E4M3_KERNELS = ("_fp8_quantize_rows_kernel", "_fp8_quantize_tensor_kernel", "_nf4_to_fp8_kernel")  # store e4m3
 
 
 @dataclass(frozen=True)
@@ -57,6 +57,7 @@ def kernel_cases():
     """The launch configurations of the largest realistic shapes, from the launchers themselves."""
     import kernels.cross_entropy as ce
     import kernels.fp8_quantize as fq
+    import kernels.fp8_quantize_tensor as fqt
     import kernels.geglu as gg
     import kernels.glu as glu
     import kernels.nf4_dequantize as nf4
@@ -121,6 +122,11 @@ def kernel_cases():
         specs.append(("kernels.fp8_quantize", "_fp8_quantize_rows_kernel", fp8_sig,
                       {"BLOCK_M": block_m, "BLOCK_K": block_k, "ONE_PASS": one_pass, "MIN_SCALE": fq.MIN_SCALE},
                       flags("HARDWARE_E4M3"), warps, label))
+    specs.append(("kernels.fp8_quantize_tensor", "_fp8_quantize_tensor_kernel", lambda t: {
+        "x_ptr": f"*{t}", "x_row_stride": "i32", "x_col_stride": "i32", "amax_ptr": f"*{t}", "q_ptr": "*u8",
+        "s_ptr": "*fp32", "M": "i32", "K": "i32"},
+        {"BLOCK_M": fqt.BLOCK[0], "BLOCK_K": fqt.BLOCK[1], "MIN_SCALE": fq.MIN_SCALE}, flags("HARDWARE_E4M3"),
+        fqt.NUM_WARPS))
     specs.append(("kernels.nf4_to_fp8", "_nf4_to_fp8_kernel", lambda t: {
         "packed_ptr": "*u8", "absmax_ptr": "*u8", "absmax_scale_ptr": "*fp32", "absmax_offset_ptr": "*fp32",
         "absmax_code_ptr": "*fp32", "levels_ptr": "*fp32", "rcp_ptr": "*fp32", "out_ptr": "*u8",

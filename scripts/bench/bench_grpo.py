@@ -23,6 +23,7 @@ bandwidth (--bandwidth, by default 3.35e12 B/s on an H100, 4.8e12 on an H200), s
 steps: the least time the rollout's decoding can take.
 """
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -102,6 +103,8 @@ def main():
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--bandwidth", type=float, default=None, help="the GPU's memory bandwidth in B/s (default: by "
                    "device name, " + ", ".join(f"{k} {v:.3g}" for k, v in BANDWIDTH.items()) + ")")
+    p.add_argument("--profile", action="store_true", help="print the kernels of the last step's rollout "
+                   "(torch.profiler): how many a decoding step launches, and the 25 that take the most time")
     a = p.parse_args()
 
     device = torch.device(a.device)
@@ -135,8 +138,11 @@ def main():
         harness.synchronize(device)
         began = time.perf_counter()
         generator = torch.Generator(device).manual_seed(i)
-        rollouts, stats = roll_out(sampler, prompts[i * a.prompts:(i + 1) * a.prompts], cfg, tokenizer, stops,
-                                   [rewards.exact_answer], None, generator)
+        profiled = a.profile and i == total - 1
+        activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+        with torch.profiler.profile(activities=activities) if profiled else contextlib.nullcontext() as prof:
+            rollouts, stats = roll_out(sampler, prompts[i * a.prompts:(i + 1) * a.prompts], cfg, tokenizer, stops,
+                                       [rewards.exact_answer], None, generator)
         harness.synchronize(device)
         rolled = time.perf_counter()
         micro = collate(rollouts, max_len=cfg.max_len, pad_id=pad_id, packing=cfg.packing, rows=cfg.batch_size,
@@ -185,6 +191,12 @@ def main():
         line += (f"; decoding bound {bound * 1e3:.1f} ms ({most:,.0f} tokens/s at {bandwidth:.3g} B/s): rollout at "
                  f"{med['rollout_s'] / bound:.1f}x the bound")
     print(line)
+    if a.profile:
+        kernels = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+        launched = sum(e.count for e in kernels)
+        print(f"the last rollout launched {launched} kernels, {launched / a.max_new_tokens:.0f} a decoding step "
+              f"({launched / a.max_new_tokens / mcfg.n_layers:.1f} a layer)")
+        print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=25, max_name_column_width=80))
 
 
 if __name__ == "__main__":

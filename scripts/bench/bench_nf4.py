@@ -15,9 +15,12 @@ and the triton rows' effective bandwidth: the bytes it must move (0.5 B of codes
 plus the absmax codes and scales) over its time. Every way's values are checked bit-equal to bitsandbytes' first.
 
 Then the FP8 kernels of `--fp8` (model/fp8.py) on the same groups, each checked bit-equal to its reference:
-kernels/nf4_to_fp8.py making the group's e4m3 W (rows) and Wᵀ (transposed), and kernels/fp8_quantize.py on
-the activations of a 2 × 2048-token batch as the fp8 GEMMs read them (x and dY row-major; the MLP's H and
-[dG | dU] stored transposed), with GB/s over the bytes each must move (NF4 in, 1 B out a value; x in, 1 B out).
+kernels/nf4_to_fp8.py making the group's e4m3 W (rows) and Wᵀ (transposed), and the activations of a
+2 × 2048-token batch quantized as the fp8 GEMMs read them: x and dY row-major with a scale per token
+(kernels/fp8_quantize.py); the MLP's H and [dG | dU], stored transposed, with one scale for the tensor (its
+amax, then kernels/fp8_quantize_tensor.py: what model/fp8.py runs), and beside it with a scale per token (the
+row-wise kernel reading across the strided dimension). GB/s over the bytes each must move: NF4 in, 1 B out a
+value; x in, 1 B out a value, x read twice for one scale per tensor (amax, then quantize).
 """
 import argparse
 import json
@@ -29,8 +32,14 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: `model`, `scripts`
 from kernels.fp8_quantize import fp8_quantize_rows  # noqa: E402
+from kernels.fp8_quantize_tensor import fp8_quantize_tensor  # noqa: E402
 from kernels.nf4_to_fp8 import nf4_to_fp8  # noqa: E402
-from kernels.references import E4M3, fp8_quantize_rows_reference, nf4_to_fp8_reference  # noqa: E402
+from kernels.references import (  # noqa: E402
+    E4M3,
+    fp8_quantize_rows_reference,
+    fp8_quantize_tensor_reference,
+    nf4_to_fp8_reference,
+)
 from model.qlora import NF4Weight  # noqa: E402
 from scripts.bench.bench_qlora import model_config  # noqa: E402
 from scripts.bench.harness import median_ms  # noqa: E402
@@ -98,16 +107,22 @@ def bench_fp8_weights(shapes):
     return result
 
 
-def bench_fp8_quantize(width, transposed):
-    """(ms, GB/s) of quantizing a [TOKENS, width] bf16 activation, row-major or stored transposed."""
+QUANTIZE = {"token": (fp8_quantize_rows, fp8_quantize_rows_reference, 3),  # (kernel, reference, bytes a value)
+            "tensor": (fp8_quantize_tensor, fp8_quantize_tensor_reference, 5)}
+
+
+def bench_fp8_quantize(width, transposed, scales):
+    """(ms, GB/s) of quantizing a [TOKENS, width] bf16 activation, row-major or stored transposed, with one scale
+    per token or per tensor (`scales`)."""
     x = torch.randn(width, TOKENS, device="cuda", dtype=torch.bfloat16).t() if transposed else \
         torch.randn(TOKENS, width, device="cuda", dtype=torch.bfloat16)
-    q, s = fp8_quantize_rows(x)
-    q_ref, s_ref = fp8_quantize_rows_reference(x)
+    kernel, reference, moved = QUANTIZE[scales]
+    q, s = kernel(x)
+    q_ref, s_ref = reference(x)
     if not (torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8)) and torch.equal(s, s_ref)):
-        raise AssertionError(f"fp8_quantize_rows {tuple(x.shape)}: values differ from the reference")
-    ms = median_ms(lambda: fp8_quantize_rows(x), "cuda")
-    return ms, x.numel() * 3 / ms / 1e6
+        raise AssertionError(f"{kernel.__name__} {tuple(x.shape)}: values differ from the reference")
+    ms = median_ms(lambda: kernel(x), "cuda")
+    return ms, x.numel() * moved / ms / 1e6
 
 
 def activations(shape):
@@ -140,15 +155,16 @@ def main():
             ms, gbs, ms_t, gbs_t = bench_fp8_weights(shapes)
             fp8.append({"shape": shape, "group": group, "W ms": ms, "W GB/s": gbs, "Wt ms": ms_t, "Wt GB/s": gbs_t})
             print(f"| {shape} | {group} | {ms:.3f} | {gbs:.0f} | {ms_t:.3f} | {gbs_t:.0f} |", flush=True)
-    print(f"\n| shape | activation [{TOKENS}, width] | width | layout | quantize ms | GB/s |\n"
-          "|---|---|---:|---|---:|---:|", flush=True)
+    print(f"\n| shape | activation [{TOKENS}, width] | width | layout | one scale per | quantize ms | GB/s |\n"
+          "|---|---|---:|---|---|---:|---:|", flush=True)
     for shape in SHAPES:
         for name, width, transposed in activations(shape):
-            ms, gbs = bench_fp8_quantize(width, transposed)
-            fp8.append({"shape": shape, "activation": name, "width": width, "transposed": transposed, "ms": ms,
-                        "GB/s": gbs})
-            print(f"| {shape} | {name} | {width} | {'transposed' if transposed else 'rows'} | {ms:.3f} | {gbs:.0f} |",
-                  flush=True)
+            for scales in ("tensor", "token") if transposed else ("token",):  # the first: what model/fp8.py runs
+                ms, gbs = bench_fp8_quantize(width, transposed, scales)
+                fp8.append({"shape": shape, "activation": name, "width": width, "transposed": transposed,
+                            "scales": scales, "ms": ms, "GB/s": gbs})
+                print(f"| {shape} | {name} | {width} | {'transposed' if transposed else 'rows'} | {scales} | "
+                      f"{ms:.3f} | {gbs:.0f} |", flush=True)
     if args.out:
         args.out.write_text(json.dumps({"device": torch.cuda.get_device_name(), "rows": out, "fp8": fp8}, indent=1))
 

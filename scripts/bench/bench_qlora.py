@@ -11,8 +11,9 @@
 The shapes are the real models' configs (SHAPES); the model is built in memory with stand-in weights and
 quantized to NF4 with double quantization as it is built (`model.load.random_model`): nothing is written
 or downloaded. The step is scripts/bench/harness.py's (LoRA r=16 alpha=16 on all 7 projections, bf16,
-fused AdamW, random token ids), timed after warm-up steps, median; each case runs in its own process so
-that its peak memory is its own. The peers (Unsloth, transformers + PEFT + bitsandbytes) need a checkpoint
+fused AdamW, random token ids), replayed from a CUDA graph on a GPU as train.py's default does, timed after
+warm-up steps (2 + 5 at 2 x 2048, 1 + 1 for a long row), median; each case runs in its own process so that its
+peak memory is its own. The peers (Unsloth, transformers + PEFT + bitsandbytes) need a checkpoint
 on disk: shared/anchors/qlora_big.py writes one and times them beside nanotune.
 
 Long rows run at batch 1 with checkpointing and offload (the long-context mode). After them, the longest
@@ -69,8 +70,8 @@ SHAPES = {
 SMOKE_SIZES = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                    num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=16, sliding_window=32,
                    sliding_window_pattern=2)
-FULL = dict(batch=2, seqlen=2048, long=(32768, 65536, 131072), warmup=2, steps=5)
-SMOKE = dict(batch=2, seqlen=64, long=(64, 128), warmup=1, steps=2)
+FULL = dict(batch=2, seqlen=2048, long=(32768, 65536, 131072), warmup=2, steps=5, long_warmup=1, long_steps=1)
+SMOKE = dict(batch=2, seqlen=64, long=(64, 128), warmup=1, steps=2, long_warmup=1, long_steps=1)
 LENGTH_STEP = 1024  # the predicted longest length is a multiple of this
 HEADROOM = 0.97  # of the GPU's memory that the prediction fills: the allocator's fragmentation needs the rest
 GiB = 1024 ** 3
@@ -106,7 +107,8 @@ def run_case(shape, batch, seqlen, ckpt, smoke, warmup, steps, fp8=False) -> dic
     res = {"status": "ok", "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu"}
     try:
         t0 = time.perf_counter()
-        step = harness.nanotune_step(model_config(shape, smoke), device, ckpt, quantize="nf4", fp8=fp8)
+        step = harness.nanotune_step(model_config(shape, smoke), device, ckpt, quantize="nf4", fp8=fp8,
+                                     cuda_graphs="on" if device.type == "cuda" else "off")
         res["build_s"] = time.perf_counter() - t0
         if warmup == 0:
             step.init_optimizer_state()
@@ -205,7 +207,7 @@ def main(argv=None):
         for ckpt in ckpts:
             run(shape, sizes["batch"], sizes["seqlen"], ckpt)
     for shape in long_shapes:
-        long_rows = [run(shape, 1, T, "on+offload") for T in lengths]
+        long_rows = [run(shape, 1, T, "on+offload", sizes["long_warmup"], sizes["long_steps"]) for T in lengths]
         capacity = next((r["capacity_bytes"] for r in long_rows if r.get("capacity_bytes")), None)
         if args.no_longest or capacity is None:
             continue
