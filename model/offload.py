@@ -20,6 +20,7 @@ plain copies into CPU buffers, which keeps the bookkeeping testable there.
 The hooks are torch's saved-tensor hooks around the reentrant checkpoint of one layer: the
 checkpoint saves its inputs (x, the RoPE tables, the mask), and only x is moved.
 """
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -44,6 +45,8 @@ class ActivationOffload:
         self.stream = None  # the copy stream (made on first use, on the device of the inputs)
         self.buffers = {}  # layer index -> flat CPU buffer (pinned on CUDA), grown for a longer batch
         self.kept = []  # every buffer ever made: a graph captured with an older one still reads it
+        self.pinned = []  # the CUDA buffers among them, registered with the driver until this object goes
+        weakref.finalize(self, _unregister, self.pinned).atexit = False  # at exit the process's memory goes anyway
         self.saved = []  # this forward's layer inputs, in layer order
         self.leaving = []  # (GPU tensor, event): inputs being copied out, freed once the compute stream waits
         self.step = 0
@@ -125,7 +128,8 @@ class ActivationOffload:
         buf = self.buffers.get(i)
         if buf is None or buf.numel() < t.numel() or buf.dtype != t.dtype:
             size = t.numel() if buf is None or buf.dtype != t.dtype else max(t.numel(), 2 * buf.numel())
-            buf = self.buffers[i] = torch.empty(size, dtype=t.dtype, pin_memory=t.is_cuda)
+            buf = _pinned(size, t.dtype, self.pinned) if t.is_cuda else torch.empty(size, dtype=t.dtype)
+            self.buffers[i] = buf
             self.kept.append(buf)
         return buf[:t.numel()].view(t.shape)
 
@@ -133,3 +137,25 @@ class ActivationOffload:
         if self.stream is None:
             self.stream = torch.cuda.Stream(device)
         return self.stream
+
+
+def _pinned(size, dtype, pinned):
+    """A flat CPU buffer of exactly `size` elements in page-locked memory, appended to `pinned`. torch's pinned
+    allocator (`pin_memory=True`) rounds each request up to a power of two, so a layer input of 2.5 GiB would hold
+    4 GiB of host memory and a long sequence would run the host out of memory at 2/3 of the length it can take;
+    ordinary memory registered with the CUDA driver is page-locked at its own size."""
+    buf = torch.empty(size, dtype=dtype)
+    nbytes = buf.numel() * buf.element_size()
+    error = int(torch.cuda.cudart().cudaHostRegister(buf.data_ptr(), nbytes, 0))
+    if error:
+        raise RuntimeError(f"activation offload could not page-lock {nbytes / 2**30:.2f} GiB of host memory (CUDA "
+                           f"error {error}): shorten the sequences, or turn offload off (--no-offload-activations)")
+    pinned.append(buf)
+    return buf
+
+
+def _unregister(pinned):
+    """Unlock the host buffers of an `ActivationOffload` that is gone, before their memory is freed."""
+    for buf in pinned:
+        torch.cuda.cudart().cudaHostUnregister(buf.data_ptr())
+    pinned.clear()

@@ -123,6 +123,19 @@ def test_cuda_offload_gives_the_checkpointed_results(llama_folder, dtype):
 
 @pytest.mark.gpu
 @gpu
+def test_cuda_offload_buffers_are_page_locked_at_their_own_size(llama_folder):
+    """torch's pinned allocator would round a 2 x 24-token layer input up to a power of two: the offload's buffers
+    are registered with the driver at exactly the size they hold, and they still read as pinned."""
+    model, cfg = load_model(llama_folder, device="cuda", lora=LoRAConfig(r=4), gradient_checkpointing=True,
+                            offload_activations=True)
+    _loss_and_grads(model, *_batch(cfg.vocab_size, 2, 24, "cuda"))
+    buffers = list(model.offload.buffers.values())
+    assert len(buffers) == cfg.n_layers and [id(b) for b in model.offload.pinned] == [id(b) for b in buffers]
+    assert all(b.is_pinned() and b.numel() == 2 * 24 * cfg.hidden_size for b in buffers)
+
+
+@pytest.mark.gpu
+@gpu
 def test_cuda_offload_lowers_peak_memory():
     """With 16 layers whose inputs dominate, offload keeps about two of them on the GPU, not sixteen."""
     cfg = ModelConfig(vocab_size=512, hidden_size=256, intermediate_size=512, n_layers=16, n_heads=4,

@@ -134,10 +134,11 @@ def spawn(case: dict, smoke, timeout) -> dict:
             p = subprocess.run(cmd, capture_output=True, text=True, timeout=max(timeout, 1), cwd=REPO)
         except subprocess.TimeoutExpired:
             return {"status": "timeout", "reason": f"killed after {timeout:.0f} s (time budget)"}
-        if os.path.exists(out):
+        if os.path.exists(out) and os.path.getsize(out):
             with open(out) as f:
                 return json.load(f)
-        return {"status": "crashed", "reason": f"exit code {p.returncode}",
+        killed = f"killed by signal {-p.returncode} (the host's out-of-memory killer, if 9)" if p.returncode < 0 else ""
+        return {"status": "crashed", "reason": killed or f"exit code {p.returncode}",
                 "traceback": "\n".join(p.stderr.strip().splitlines()[-15:])}
 
 
@@ -159,8 +160,10 @@ def main(argv=None):
     p.add_argument("--shapes", default=",".join(SHAPES), help=f"comma-separated of {names}, or none")
     p.add_argument("--ckpt", default=",".join(CKPT_MODES), help="checkpointing modes of the 2 x 2048 rows")
     p.add_argument("--long-shapes", default="llama-3.1-8b", help="shapes of the batch-1 long rows, or none")
-    p.add_argument("--long", help="their lengths, comma-separated (default 32768,65536,131072)")
+    p.add_argument("--long", help="their lengths, comma-separated (default 32768,65536,131072), or none")
     p.add_argument("--no-longest", action="store_true", help="skip the predicted longest length and its step")
+    p.add_argument("--longest", type=int, default=None, help="one step at this length instead of the predicted "
+                   "one (a length an earlier run predicted; give --long none to skip the rows it came from)")
     p.add_argument("--smoke", action="store_true", help="tiny shapes, few steps: CPU is fine")
     p.add_argument("--fp8", action="store_true", help="the base GEMMs in fp8 (train.py's --fp8; a GPU of compute "
                    "capability 8.9+, or the CPU's torch._scaled_mm with --smoke)")
@@ -188,7 +191,8 @@ def main(argv=None):
     ckpts = args.ckpt.split(",")
     if any(c not in CKPT_MODES for c in ckpts):
         p.error(f"--ckpt {args.ckpt}: expected some of {','.join(CKPT_MODES)}")
-    lengths = [int(t) for t in args.long.split(",")] if args.long else list(sizes["long"])
+    long = args.long or ",".join(map(str, sizes["long"]))
+    lengths = [] if long == "none" else [int(t) for t in long.split(",")]
     deadline = time.monotonic() + args.time_budget
     rows = []
 
@@ -209,6 +213,9 @@ def main(argv=None):
     for shape in long_shapes:
         long_rows = [run(shape, 1, T, "on+offload", sizes["long_warmup"], sizes["long_steps"]) for T in lengths]
         capacity = next((r["capacity_bytes"] for r in long_rows if r.get("capacity_bytes")), None)
+        if args.longest:
+            run(shape, 1, args.longest, "on+offload", warmup=0, steps=1)
+            continue
         if args.no_longest or capacity is None:
             continue
         predicted = predict_longest(long_rows, capacity)
