@@ -42,8 +42,8 @@ What PyTorch initialises lazily (cuBLAS and cuDNN handles, the autograd engine's
 start inside a capture: a step must have run in the process before the first capture. Where none has,
 the run's first step is issued eagerly, on a side stream, as a real step, and its shape is captured
 at its next use. Later captures, of other shapes, go without: inside them the kernels for the new
-shapes load, and the activation offload grows its pinned buffers, as the GPU tests of a bucket
-change check.
+shapes load, as the GPU tests of a bucket change check; the activation offload's pinned buffers for the
+new shape are made just before (`reserve_offload`).
 
 What a process does once, at its first step (Triton's start, each CUDA kernel's first load), runs
 earlier, beside the model's loading: `WarmStart` steps a one-layer copy of the model in a thread.
@@ -179,6 +179,9 @@ class GraphStep:
         return warm_up(lambda: self.eager(batch, num_targets, loss_mult))
 
     def _capture(self, batch, num_targets, loss_mult):
+        reserve = getattr(self.eager.forward, "reserve_offload", None)
+        if reserve is not None:  # host memory is page-locked at its own size only outside a capture
+            reserve(*batch["input_ids"].shape)
         g = _Graph(batch, self.device)
         g.load(batch, num_targets, loss_mult)
         for p in self.params:  # accumulate into fixed buffers: .grad must exist before the capture

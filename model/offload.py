@@ -123,15 +123,26 @@ class ActivationOffload:
             torch.cuda.current_stream(t.device).wait_event(done)
         self.leaving = []
 
+    def reserve(self, layers, numel, dtype, cuda):
+        """Layers 0 to layers - 1 given buffers of at least `numel` elements of `dtype` now: before a CUDA graph's
+        capture (step.py), since a buffer first made inside one comes from torch's pinned allocator, at a power of
+        two (`_pinned`)."""
+        for i in range(layers):
+            self._buffer(i, numel, dtype, cuda)
+
     def _host_view(self, i, t):
-        """A (B, T, H) view of layer i's CPU buffer, made or grown (at least doubled) when too small."""
+        """A (B, T, H) view of layer i's CPU buffer."""
+        return self._buffer(i, t.numel(), t.dtype, t.is_cuda)[:t.numel()].view(t.shape)
+
+    def _buffer(self, i, numel, dtype, cuda):
+        """Layer i's CPU buffer, made or grown (at least doubled) when it holds fewer than numel elements."""
         buf = self.buffers.get(i)
-        if buf is None or buf.numel() < t.numel() or buf.dtype != t.dtype:
-            size = t.numel() if buf is None or buf.dtype != t.dtype else max(t.numel(), 2 * buf.numel())
-            buf = _pinned(size, t.dtype, self.pinned) if t.is_cuda else torch.empty(size, dtype=t.dtype)
+        if buf is None or buf.numel() < numel or buf.dtype != dtype:
+            size = numel if buf is None or buf.dtype != dtype else max(numel, 2 * buf.numel())
+            buf = _pinned(size, dtype, self.pinned) if cuda else torch.empty(size, dtype=dtype)
             self.buffers[i] = buf
             self.kept.append(buf)
-        return buf[:t.numel()].view(t.shape)
+        return buf
 
     def _stream(self, device):
         if self.stream is None:
@@ -143,7 +154,10 @@ def _pinned(size, dtype, pinned):
     """A flat CPU buffer of exactly `size` elements in page-locked memory, appended to `pinned`. torch's pinned
     allocator (`pin_memory=True`) rounds each request up to a power of two, so a layer input of 2.5 GiB would hold
     4 GiB of host memory and a long sequence would run the host out of memory at 2/3 of the length it can take;
-    ordinary memory registered with the CUDA driver is page-locked at its own size."""
+    ordinary memory registered with the CUDA driver is page-locked at its own size. A CUDA graph's capture refuses
+    the registration, so a buffer first needed inside one comes from torch's allocator (`reserve` avoids that)."""
+    if torch.cuda.is_current_stream_capturing():
+        return torch.empty(size, dtype=dtype, pin_memory=True)
     buf = torch.empty(size, dtype=dtype)
     nbytes = buf.numel() * buf.element_size()
     error = int(torch.cuda.cudart().cudaHostRegister(buf.data_ptr(), nbytes, 0))

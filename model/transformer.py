@@ -488,6 +488,14 @@ class Transformer(nn.Module):
             offload.end()
         return self.model.norm(x)
 
+    def reserve_offload(self, batch, seqlen):
+        """The activation offload's pinned buffers for a (batch, seqlen) forward, made now (before a CUDA graph's
+        capture: step.py); nothing without checkpointing and offload."""
+        if self.gradient_checkpointing and self.offload_activations:
+            weight = self.model.norm.weight
+            self.offload.reserve(len(self.model.layers), batch * seqlen * self.config.hidden_size, weight.dtype,
+                                 weight.is_cuda)
+
     def logits(self, h):
         """Logits (..., V) of final-norm hidden states h (..., H), softcapped where the model is."""
         logits = F.linear(h, self.lm_head.weight.to(h.dtype))  # a trained lm_head is fp32

@@ -87,6 +87,21 @@ def test_offload_buffers_are_kept_and_grown(llama_folder):
     assert all(off.buffers[i] is b for i, b in grown.items())
 
 
+def test_reserve_makes_the_buffers_a_forward_would(llama_folder):
+    """reserve_offload (before a CUDA graph's capture) makes each layer's buffer for a batch shape, as that forward
+    would, so the forward then reuses them; nothing without offload."""
+    model, cfg = load_model(llama_folder, lora=LoRAConfig(r=4), gradient_checkpointing=True, offload_activations=True)
+    model.reserve_offload(2, 16)
+    reserved = dict(model.offload.buffers)
+    assert sorted(reserved) == list(range(cfg.n_layers))
+    assert all(b.numel() == 2 * 16 * cfg.hidden_size and b.dtype == torch.float32 for b in reserved.values())
+    _loss_and_grads(model, *_batch(cfg.vocab_size, 2, 16, "cpu"))
+    assert all(model.offload.buffers[i] is b for i, b in reserved.items())
+    model.offload_activations = False
+    model.reserve_offload(4, 16)
+    assert all(model.offload.buffers[i] is b for i, b in reserved.items())
+
+
 def test_a_second_forward_before_backward_is_refused(llama_folder):
     """The buffers hold one forward's inputs: backward through an older forward would read the newer ones."""
     model, cfg = load_model(llama_folder, lora=LoRAConfig(r=4), gradient_checkpointing=True,
@@ -132,6 +147,9 @@ def test_cuda_offload_buffers_are_page_locked_at_their_own_size(llama_folder):
     buffers = list(model.offload.buffers.values())
     assert len(buffers) == cfg.n_layers and [id(b) for b in model.offload.pinned] == [id(b) for b in buffers]
     assert all(b.is_pinned() and b.numel() == 2 * 24 * cfg.hidden_size for b in buffers)
+    model.reserve_offload(2, 40)  # a longer batch's, before a capture: at least doubled, as a forward grows them
+    assert all(b.is_pinned() and b.numel() == 2 * 48 * cfg.hidden_size for b in model.offload.buffers.values())
+    assert len(model.offload.pinned) == 2 * cfg.n_layers
 
 
 @pytest.mark.gpu
