@@ -1,4 +1,5 @@
-"""NF4 weights (double-quantized absmax) straight to FP8 (e4m3) with given scales, row-major or transposed.
+"""NF4 weights (double-quantized absmax) straight to FP8 (e4m3) with given scales, row-major or transposed: the
+weights of a group of projections that share an input (q, k, v; gate, up) into one buffer, in one launch.
 
 References: kernels/nf4_dequantize.py (the NF4 format and its dequantization, bit-equal to bitsandbytes'
 `dequantize_4bit`); kernels/fp8_quantize.py (e4m3, and its rounding).
@@ -8,25 +9,29 @@ A weight W [R, K] stored as NF4 (kernels.references.NF4Data) has values, in fp32
     W_rk = NF4[q_i] · a_{i // 64},   a_b = D[c_b] · s_{b // 256} + o,   i = r K + k
 
 computed as nf4_dequantize computes them (no fused multiply-add, so W_rk is bitsandbytes' fp32 value). This
-kernel writes them as e4m3 without a bf16 copy in between:
+kernel writes the group [W_1; W_2; ...] [Σout, K] as e4m3 without a bf16 copy in between, with one fp32 scale
+per row of what it writes:
 
-    row-wise:    out[r, k] = e4m3(W_rk / scale_r)     scale (R,): W's rows, the forward GEMM's operand X Wᵀ
-    transposed:  out[k, r] = e4m3(W_rk / scale_k)     scale (K,): Wᵀ's rows, the input gradient's dY W
+    row-wise:    out[g, k] = e4m3(W_gk · (1 / scale_g))     scale (Σout,): the forward GEMM's operand X Wᵀ
+    transposed:  out[k, g] = e4m3(W_gk · (1 / scale_k))     scale (K,): Wᵀ's rows, the input gradient's dY W
 
-The division by the scale is a multiply by its reciprocal, as the reference computes it: the launcher takes
-the reciprocals once (kernels.references.fp8_reciprocal, R or K values), as a thread may hold values of many
-columns; e4m3 comes from kernels/fp8_quantize.py's `e4m3_bits` (the GPU's
-conversion on sm_89+, else the fp32 bits).
+where g is a row of the group (row r of projection j is g = r + R_1 + ... + R_{j-1}). The launcher takes the
+reciprocals 1 / scale (kernels.references.fp8_reciprocal), which model/fp8.py computes once at load: a product
+by them is the reference's, and a thread holds values of many rows or columns. e4m3 comes from
+kernels/fp8_quantize.py's `e4m3_bits` (the GPU's conversion on sm_89+, else the fp32 bits).
 
-`out` may be the rows [r0, r0 + R) of a larger [Σout, K] buffer, or, transposed, the columns [r0, r0 + R) of a
-larger [K, Σout] one (the packed q, k, v of model/lora.py): its row stride is an argument. One program
-converts a BLOCK_R × BLOCK_K tile of W. Where K is a multiple of 64 (every real model), each tile row holds
-whole 64-value blocks: the program reads each block's absmax once and each packed byte once (both nibbles,
-joined), as kernels/nf4_dequantize.py does. Otherwise blocks and bytes may straddle rows, and each value
-gathers its own. The transposed tile is transposed in registers (`tl.trans`), so that its store runs along
-out's contiguous dimension too.
+One launch covers the group: each projection keeps its own NF4 tensors (a tuple of pointers per argument),
+and the grid's first axis runs over the row tiles of every projection in turn, so that a tile never spans two
+projections; the program picks its projection by its tile index. One program converts a BLOCK_R × BLOCK_K
+tile of W. Where K is a multiple of 64 (every real model), each tile row holds whole 64-value blocks: the
+program reads each block's absmax once and each packed byte once (both nibbles, joined), as
+kernels/nf4_dequantize.py does. Otherwise blocks and bytes may straddle rows, and each value gathers its own.
+The transposed tile is transposed in registers (`tl.trans`), so that its store runs along out's contiguous
+dimension too: BLOCK_R bytes a row of out, whole 32-byte sectors.
 
-Reference: kernels.references.nf4_to_fp8_reference.
+`out` may be a slice of a larger buffer whose last dimension is contiguous: its row stride is an argument.
+
+Reference: kernels.references.nf4_to_fp8_reference, per projection.
 """
 from functools import lru_cache
 
@@ -35,7 +40,7 @@ import triton
 import triton.language as tl
 
 from kernels.fp8_quantize import e4m3_bits, hardware_e4m3
-from kernels.references import E4M3, NF4_ABSMAX_BLOCK, NF4_BLOCK, NF4_LEVELS, NF4Data, check_nf4_args, fp8_reciprocal
+from kernels.references import E4M3, NF4_ABSMAX_BLOCK, NF4_BLOCK, NF4_LEVELS, check_nf4_args
 
 BLOCK_R, BLOCK_K = 64, 128  # a tile: 64 contiguous bytes of out a row when transposed, 128 when not
 # Fusion off: a · s + o is rounded twice, as bitsandbytes rounds it (kernels/nf4_dequantize.py).
@@ -52,14 +57,11 @@ def _block_absmax(block, mask, absmax_ptr, absmax_scale_ptr, absmax_offset_ptr, 
 
 
 @triton.jit
-def _nf4_to_fp8_kernel(packed_ptr, absmax_ptr, absmax_scale_ptr, absmax_offset_ptr, absmax_code_ptr, levels_ptr,
-                       rcp_ptr, out_ptr, out_row_stride, R, K, TRANSPOSED: tl.constexpr, WHOLE_BLOCKS: tl.constexpr,
-                       HARDWARE_E4M3: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
-                       BLOCK: tl.constexpr, ABSMAX_BLOCK: tl.constexpr):
-    r = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)  # (BLOCK_R,)
-    k0 = tl.program_id(1).to(tl.int64) * BLOCK_K
-    k = k0 + tl.arange(0, BLOCK_K)  # (BLOCK_K,)
-    ok = (r[:, None] < R) & (k[None, :] < K)
+def _nf4_tile(packed_ptr, absmax_ptr, absmax_scale_ptr, absmax_offset_ptr, absmax_code_ptr, levels_ptr, r, k0, R, K,
+              WHOLE_BLOCKS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK: tl.constexpr,
+              ABSMAX_BLOCK: tl.constexpr):
+    """W[r, k0:k0 + BLOCK_K] (BLOCK_R, BLOCK_K) fp32 of one NF4 weight W [R, K], for the BLOCK_R rows r (zeros
+    outside W)."""
     if WHOLE_BLOCKS:  # K % BLOCK == 0 and BLOCK_K % BLOCK == 0: a tile row is BLOCK_K // BLOCK whole blocks
         NB: tl.constexpr = BLOCK_K // BLOCK
         HALF: tl.constexpr = BLOCK // 2  # bytes a block
@@ -71,19 +73,41 @@ def _nf4_to_fp8_kernel(packed_ptr, absmax_ptr, absmax_scale_ptr, absmax_offset_p
         p = tl.load(packed_ptr + byte, mask=block_ok[:, :, None], other=0)  # uint8
         high = tl.load(levels_ptr + (p >> 4)) * a  # value 2j
         low = tl.load(levels_ptr + (p & 15)) * a  # value 2j + 1
-        w = tl.reshape(tl.join(high, low), (BLOCK_R, BLOCK_K))  # (BLOCK_R, NB, HALF, 2) -> values in order
+        return tl.reshape(tl.join(high, low), (BLOCK_R, BLOCK_K))  # (BLOCK_R, NB, HALF, 2) -> values in order
     else:
+        k = k0 + tl.arange(0, BLOCK_K)
+        ok = (r[:, None] < R) & (k[None, :] < K)
         i = r[:, None] * K + k[None, :]  # (BLOCK_R, BLOCK_K): flat index into W
         a = _block_absmax(i // BLOCK, ok, absmax_ptr, absmax_scale_ptr, absmax_offset_ptr, absmax_code_ptr,
                           ABSMAX_BLOCK)
         p = tl.load(packed_ptr + i // 2, mask=ok, other=0)  # uint8: value 2j in the high nibble, 2j + 1 in the low
-        w = tl.load(levels_ptr + tl.where(i % 2 == 0, p >> 4, p & 15)) * a
-    if TRANSPOSED:
-        q = e4m3_bits(w * tl.load(rcp_ptr + k, mask=k < K, other=1.0)[None, :], HARDWARE_E4M3)
-        tl.store(out_ptr + k[:, None] * out_row_stride + r[None, :], tl.trans(q), mask=tl.trans(ok))
-    else:
-        q = e4m3_bits(w * tl.load(rcp_ptr + r, mask=r < R, other=1.0)[:, None], HARDWARE_E4M3)
-        tl.store(out_ptr + r[:, None] * out_row_stride + k[None, :], q, mask=ok)
+        return tl.load(levels_ptr + tl.where(i % 2 == 0, p >> 4, p & 15)) * a
+
+
+@triton.jit
+def _nf4_to_fp8_kernel(weights, rows, first_rows, first_tiles, levels_ptr, rcp_ptr, out_ptr, out_row_stride, K,
+                       N: tl.constexpr, TRANSPOSED: tl.constexpr, WHOLE_BLOCKS: tl.constexpr,
+                       HARDWARE_E4M3: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+                       BLOCK: tl.constexpr, ABSMAX_BLOCK: tl.constexpr):
+    """weights: N tuples (packed, absmax, absmax_scale, absmax_offset, absmax_code), one a projection; rows: their
+    R_j; first_rows: the group's row where each starts; first_tiles: the row tile where each starts, and the end."""
+    tile = tl.program_id(0)
+    k0 = tl.program_id(1).to(tl.int64) * BLOCK_K
+    k = k0 + tl.arange(0, BLOCK_K)  # (BLOCK_K,)
+    for j in tl.static_range(N):  # the one projection whose rows this tile holds
+        if (tile >= first_tiles[j]) & (tile < first_tiles[j + 1]):
+            packed_ptr, absmax_ptr, absmax_scale_ptr, absmax_offset_ptr, absmax_code_ptr = weights[j]
+            r = (tile - first_tiles[j]).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)  # (BLOCK_R,): rows of W_j
+            w = _nf4_tile(packed_ptr, absmax_ptr, absmax_scale_ptr, absmax_offset_ptr, absmax_code_ptr, levels_ptr,
+                          r, k0, rows[j], K, WHOLE_BLOCKS, BLOCK_R, BLOCK_K, BLOCK, ABSMAX_BLOCK)
+            ok = (r[:, None] < rows[j]) & (k[None, :] < K)
+            g = first_rows[j] + r  # (BLOCK_R,): rows of the group
+            if TRANSPOSED:
+                q = e4m3_bits(w * tl.load(rcp_ptr + k, mask=k < K, other=1.0)[None, :], HARDWARE_E4M3)
+                tl.store(out_ptr + k[:, None] * out_row_stride + g[None, :], tl.trans(q), mask=tl.trans(ok))
+            else:
+                q = e4m3_bits(w * tl.load(rcp_ptr + g, mask=r < rows[j], other=1.0)[:, None], HARDWARE_E4M3)
+                tl.store(out_ptr + g[:, None] * out_row_stride + k[None, :], q, mask=ok)
 
 
 @lru_cache
@@ -91,26 +115,36 @@ def _levels(device):
     return torch.tensor(NF4_LEVELS, dtype=torch.float32, device=device)
 
 
-def nf4_to_fp8(q: NF4Data, shape, scale, out, transposed=False):
-    """W [R, K] of `q` into `out` as e4m3 with the fp32 `scale`: out [R, K] and scale (R,) per row, or
-    transposed, out [K, R] and scale (K,) per row of Wᵀ. out may be a slice of a larger buffer whose last
-    dimension is contiguous (rows of [Σout, K]; columns of [K, Σout]). Returns `out`."""
-    R, K = shape
-    expected = (K, R) if transposed else (R, K)
-    if out.dtype != E4M3 or tuple(out.shape) != expected or out.stride(1) != 1 or out.device != q.packed.device:
-        raise ValueError(f"NF4 to fp8: out must be {expected} e4m3 with a contiguous last dimension on "
-                         f"{q.packed.device}; got {tuple(out.shape)} {out.dtype}, strides {out.stride()}, "
-                         f"on {out.device}")
-    n_scales = K if transposed else R
-    if scale.dtype != torch.float32 or scale.shape != (n_scales,) or scale.device != out.device:
-        raise ValueError(f"NF4 to fp8: scale must be ({n_scales},) fp32 on {out.device}, got {tuple(scale.shape)} "
-                         f"{scale.dtype} on {scale.device}")
-    check_nf4_args(q, R * K)
-    if R * K > 0:
-        grid = (triton.cdiv(R, BLOCK_R), triton.cdiv(K, BLOCK_K))
-        _nf4_to_fp8_kernel[grid](q.packed, q.absmax, q.absmax_scale, q.absmax_offset, q.absmax_code,
-                                 _levels(out.device), fp8_reciprocal(scale), out.view(torch.uint8), out.stride(0), R, K,
-                                 TRANSPOSED=transposed, WHOLE_BLOCKS=K % NF4_BLOCK == 0,
-                                 HARDWARE_E4M3=hardware_e4m3(out.device), BLOCK_R=BLOCK_R, BLOCK_K=BLOCK_K,
-                                 BLOCK=NF4_BLOCK, ABSMAX_BLOCK=NF4_ABSMAX_BLOCK, **OPTIONS)
+def nf4_to_fp8(weights, reciprocal, out, transposed=False):
+    """The group [W_1; W_2; ...] [Σout, K] of `weights`, a list of (NF4Data, (R_j, K)), into `out` as e4m3 with
+    the reciprocals of its fp32 scales (kernels.references.fp8_reciprocal): out [Σout, K] and reciprocal
+    (Σout,) per row, or transposed, out [K, Σout] and reciprocal (K,) per row of Wᵀ. out may be a slice of a
+    larger buffer whose last dimension is contiguous. One launch. Returns `out`."""
+    if not weights or len({K for _, (_, K) in weights}) != 1:
+        raise ValueError(f"NF4 to fp8: weights must be one or more (NF4Data, (R, K)) of one K, got shapes "
+                         f"{[tuple(shape) for _, shape in weights]}")
+    rows = [R for _, (R, _) in weights]
+    total, K, device = sum(rows), weights[0][1][1], weights[0][0].packed.device
+    expected = (K, total) if transposed else (total, K)
+    if out.dtype != E4M3 or tuple(out.shape) != expected or out.stride(1) != 1 or out.device != device:
+        raise ValueError(f"NF4 to fp8: out must be {expected} e4m3 with a contiguous last dimension on {device}; "
+                         f"got {tuple(out.shape)} {out.dtype}, strides {out.stride()}, on {out.device}")
+    n = K if transposed else total
+    if reciprocal.dtype != torch.float32 or reciprocal.shape != (n,) or reciprocal.device != device:
+        raise ValueError(f"NF4 to fp8: reciprocal must be ({n},) fp32 on {device}, got {tuple(reciprocal.shape)} "
+                         f"{reciprocal.dtype} on {reciprocal.device}")
+    for q, (R, _) in weights:
+        check_nf4_args(q, R * K)
+    if total * K == 0:
+        return out
+    tiles = [0]
+    for R in rows:
+        tiles.append(tiles[-1] + triton.cdiv(R, BLOCK_R))
+    first_rows = [sum(rows[:j]) for j in range(len(rows))]
+    grid = (tiles[-1], triton.cdiv(K, BLOCK_K))
+    _nf4_to_fp8_kernel[grid](tuple(tuple(q) for q, _ in weights), tuple(rows), tuple(first_rows), tuple(tiles),
+                             _levels(device), reciprocal, out.view(torch.uint8), out.stride(0), K, N=len(weights),
+                             TRANSPOSED=transposed, WHOLE_BLOCKS=K % NF4_BLOCK == 0,
+                             HARDWARE_E4M3=hardware_e4m3(device), BLOCK_R=BLOCK_R, BLOCK_K=BLOCK_K, BLOCK=NF4_BLOCK,
+                             ABSMAX_BLOCK=NF4_ABSMAX_BLOCK, **OPTIONS)
     return out

@@ -23,8 +23,9 @@ input (q, k, v; gate, up) share one [Σout, in] W and one [in, Σout] Wᵀ, whos
 
 Where W comes from:
 - a bf16 base: quantized once at load (`quantize_fp8_`); the e4m3 W and Wᵀ replace the bf16 weight.
-- an NF4 base (--quantize nf4): per pass, straight from NF4 by kernels/nf4_to_fp8.py (no bf16 copy), into a
-  temporary freed after its GEMM, as the bf16 path's dequantized weights are. Its scales are set at load from
+- an NF4 base (--quantize nf4): per pass, straight from NF4 by kernels/nf4_to_fp8.py (no bf16 copy), the whole
+  group in one launch, into a temporary freed after its GEMM, as the bf16 path's dequantized weights are. Its
+  scales and their reciprocals (what the kernel multiplies by) are set at load, the scales from
   the NF4 block absmaxes, without a pass over the weight: |W_rk| ≤ |a_b| for the block b that holds W_rk (the
   NF4 levels lie in [-1, 1]), so row r's amax is at most the largest |a_b| of its blocks, and column k's at most
   the largest over rows of the |a_b| that holds it (the largest of the whole weight when rows do not start
@@ -50,6 +51,7 @@ from kernels.references import (
     E4M3,
     fp8_quantize_rows_reference,
     fp8_quantize_tensor_reference,
+    fp8_reciprocal,
     fp8_scale,
     nf4_block_absmax,
     nf4_to_fp8_reference,
@@ -92,8 +94,9 @@ def quantize_activation(x):
 class FP8Weights(nn.Module):
     """The e4m3 base weights of projections that read one input, [W_1; W_2; ...] (Σout, in), for the fp8 GEMMs:
     its row scales `scale` (Σout,), the column scales `scale_t` (in,) of its transposed copy, and, for a bf16
-    base, the e4m3 `weight` (Σout, in) and `weight_t` (in, Σout) themselves (None for NF4: made per pass).
-    Every projection of the group holds this one module as its `fp8`."""
+    base, the e4m3 `weight` (Σout, in) and `weight_t` (in, Σout) themselves. For an NF4 base, made per pass,
+    `weight` and `weight_t` are None and the scales' reciprocals `reciprocal` and `reciprocal_t`, which the
+    kernel multiplies by, are kept instead. Every projection of the group holds this one module as its `fp8`."""
 
     def __init__(self, projs):
         super().__init__()
@@ -106,12 +109,15 @@ class FP8Weights(nn.Module):
             scale = fp8_scale(torch.cat([rows for rows, _ in bounds]))
             scale_t = fp8_scale(torch.stack([cols for _, cols in bounds]).amax(0))
             weight = weight_t = None
+            reciprocal, reciprocal_t = fp8_reciprocal(scale), fp8_reciprocal(scale_t)  # once, not every pass
         else:
             w = torch.cat([p.weight for p in projs]) if len(projs) > 1 else projs[0].weight  # (Σout, in)
             self.weight_dtype = w.dtype
             weight, scale = quantize_rows(w)
             weight_t, scale_t = quantize_rows(w.t())  # (in, Σout): one scale per column of W
-        for name, t in (("weight", weight), ("scale", scale), ("weight_t", weight_t), ("scale_t", scale_t)):
+            reciprocal = reciprocal_t = None
+        for name, t in (("weight", weight), ("scale", scale), ("weight_t", weight_t), ("scale_t", scale_t),
+                        ("reciprocal", reciprocal), ("reciprocal_t", reciprocal_t)):
             self.register_buffer(name, t, persistent=False)  # made from the checkpoint's weights at every load
 
     def dequantize(self, name):
@@ -181,14 +187,15 @@ def _weights(projs, transposed):
         return (fp8.weight_t if transposed else fp8.weight), scale
     K, total = projs[0].in_features, len(fp8.scale)
     w = torch.empty((K, total) if transposed else (total, K), dtype=E4M3, device=scale.device)
+    if w.is_cuda:
+        from kernels.nf4_to_fp8 import nf4_to_fp8  # Triton is imported only where the kernel runs
+        nf4_to_fp8([(p.nf4.data(), p.nf4.shape) for p in projs], fp8.reciprocal_t if transposed else fp8.reciprocal,
+                   w, transposed)
+        return w, scale
     for p in projs:
         rows = fp8.spans[p.name]
         out, s = (w[:, rows], scale) if transposed else (w[rows], scale[rows])
-        if w.is_cuda:
-            from kernels.nf4_to_fp8 import nf4_to_fp8  # Triton is imported only where the kernel runs
-            nf4_to_fp8(p.nf4.data(), p.nf4.shape, s, out, transposed)
-        else:
-            out.copy_(nf4_to_fp8_reference(p.nf4.data(), p.nf4.shape, s, transposed))
+        out.copy_(nf4_to_fp8_reference(p.nf4.data(), p.nf4.shape, s, transposed))
     return w, scale
 
 

@@ -15,6 +15,7 @@ from kernels.references import (
     E4M3,
     fp8_quantize_rows_reference,
     fp8_quantize_tensor_reference,
+    fp8_reciprocal,
     nf4_dequantize_reference,
     nf4_to_fp8_reference,
 )
@@ -146,6 +147,21 @@ def test_nf4_scales_bound_the_weight():
     w = torch.cat([nf4_dequantize_reference(p.nf4.data(), p.nf4.shape, torch.float32) for p in projs]).abs()
     assert (fp8.scale * 448 >= w.amax(1)).all() and (fp8.scale_t * 448 >= w.amax(0)).all()
     assert (fp8.scale * 448 <= 1.5 * w.amax(1)).all()
+
+
+@pytest.mark.parametrize("nf4", [False, True], ids=["bf16-base", "nf4-base"])
+def test_group_keeps_the_reciprocals_of_its_nf4_scales(nf4):
+    """An NF4 group's scales' reciprocals, what the kernel multiplies by, are taken once at load (bit for bit the
+    reference's) and kept as buffers, so that they move with the model; a bf16 base, stored in e4m3, needs none."""
+    projs = projections(nf4)
+    quantize_fp8_([projs])
+    fp8 = projs[0].fp8
+    if not nf4:
+        assert fp8.reciprocal is None and fp8.reciprocal_t is None
+        return
+    assert torch.equal(fp8.reciprocal, fp8_reciprocal(fp8.scale)) and fp8.reciprocal.shape == (128,)
+    assert torch.equal(fp8.reciprocal_t, fp8_reciprocal(fp8.scale_t)) and fp8.reciprocal_t.shape == (H,)
+    assert {"reciprocal", "reciprocal_t"} <= dict(fp8.named_buffers()).keys()
 
 
 def test_group_that_does_not_fit_stays_exact():

@@ -11,9 +11,15 @@ import step
 from kernels.fp8_quantize import fp8_quantize_rows
 from kernels.fp8_quantize_tensor import fp8_quantize_tensor
 from kernels.nf4_to_fp8 import nf4_to_fp8
-from kernels.references import E4M3, fp8_quantize_rows_reference, fp8_quantize_tensor_reference, nf4_to_fp8_reference
+from kernels.references import (
+    E4M3,
+    fp8_quantize_rows_reference,
+    fp8_quantize_tensor_reference,
+    fp8_reciprocal,
+    nf4_to_fp8_reference,
+)
 from model import LoRAConfig, load_model
-from model.fp8 import quantize_fp8_
+from model.fp8 import _weights, quantize_fp8_
 from model.lora import lora_mlp, lora_parameters, lora_projections
 from model.qlora import NF4Weight
 from tests.helpers import assert_bit_equal, frozen_projections, glu, randomize_lora_b, rel_err
@@ -56,17 +62,44 @@ def test_quantize_tensor_kernel_on_gpu(shape, dtype, layout):
     assert_bit_equal(q, q_ref, "e4m3 values")
 
 
-@pytest.mark.parametrize("shape", [(4096, 4096), (14336, 4096), (1024, 14336)], ids=str)
+@pytest.mark.parametrize("rows, K", [((4096, 1024, 1024), 4096), ((14336, 14336), 4096), ((4096,), 14336),
+                                     ((1040, 208, 208), 4096), ((37, 1024), 1040)], ids=str)
 @pytest.mark.parametrize("transposed", [False, True], ids=["rows", "transposed"])
-def test_nf4_to_fp8_kernel_on_gpu(shape, transposed):
-    nf4 = NF4Weight(torch.randn(shape, device=DEV, dtype=torch.bfloat16))
-    R, K = shape
-    scale = torch.rand(K if transposed else R, device=DEV) * 0.05 + 0.01
-    out = torch.empty((K, R) if transposed else (R, K), dtype=E4M3, device=DEV)
-    expected = nf4_to_fp8_reference(nf4.data(), shape, scale, transposed)
-    assert_bit_equal(nf4_to_fp8(nf4.data(), shape, scale, out, transposed), expected, "kernel")
+def test_nf4_to_fp8_kernel_on_gpu(rows, K, transposed):
+    """Llama-3.1-8B's q|k|v, gate|up and down groups, one launch each, then groups whose projections end inside
+    a row tile, with and without whole 64-value blocks a row."""
+    weights = [NF4Weight(torch.randn(R, K, device=DEV, dtype=torch.bfloat16)) for R in rows]
+    scale = torch.rand(K if transposed else sum(rows), device=DEV) * 0.05 + 0.01
+    out = torch.empty((K, sum(rows)) if transposed else (sum(rows), K), dtype=E4M3, device=DEV)
+    starts = [sum(rows[:j]) for j in range(len(rows))]
+    expected = [nf4_to_fp8_reference(w.data(), w.shape, scale if transposed else scale[a:a + w.shape[0]], transposed)
+                for w, a in zip(weights, starts)]
+    nf4_to_fp8([(w.data(), w.shape) for w in weights], fp8_reciprocal(scale), out, transposed)
+    assert_bit_equal(out, torch.cat(expected, 1 if transposed else 0), "kernel")
 
 
+@pytest.mark.parametrize("transposed", [False, True], ids=["rows", "transposed"])
+def test_fp8_group_weights_in_one_launch(transposed, monkeypatch):
+    """The fp8 path makes an NF4 group's e4m3 W (or Wᵀ) with one kernel launch and no per-pass op on its scales
+    (their reciprocals are taken at load), its values the reference's."""
+    import kernels.nf4_to_fp8 as module
+    qkv = projections(True, (("q_proj", 1040), ("k_proj", 208), ("v_proj", 208)), 1040)
+    quantize_fp8_([qkv])
+    fp8 = qkv[0].fp8
+    _weights(qkv, transposed)  # compiles the kernel
+    launches = []
+    kernel = module._nf4_to_fp8_kernel
+    monkeypatch.setattr(module, "_nf4_to_fp8_kernel", type("Counted", (), {
+        "__getitem__": lambda self, grid: launches.append(grid) or kernel[grid]})())
+    with torch.profiler.profile() as prof:
+        w, s = _weights(qkv, transposed)
+    assert len(launches) == 1
+    assert not {"aten::div", "aten::reciprocal", "aten::_to_copy", "aten::copy_"} & {e.name for e in prof.events()}
+    scale = fp8.scale_t if transposed else fp8.scale
+    expected = [nf4_to_fp8_reference(p.nf4.data(), p.nf4.shape, scale if transposed else scale[fp8.spans[p.name]],
+                                     transposed) for p in qkv]
+    assert s is scale
+    assert_bit_equal(w, torch.cat(expected, 1 if transposed else 0), "group")
 
 
 def projections(nf4, outs, in_f):

@@ -13,6 +13,7 @@ from kernels.references import (
     E4M3,
     fp8_quantize_rows_reference,
     fp8_quantize_tensor_reference,
+    fp8_reciprocal,
     fp8_scale,
     nf4_to_fp8_reference,
     to_e4m3,
@@ -173,44 +174,65 @@ def test_nf4_to_fp8_equals_quantized_bitsandbytes(shape, transposed):
     w = nf4.dequantize(kernel=False)  # bitsandbytes, fp32
     expected = to_e4m3(w / scale[None, :]).t() if transposed else to_e4m3(w / scale[:, None])
     out = torch.empty((K, R) if transposed else (R, K), dtype=E4M3, device=DEVICE)
-    assert nf4_to_fp8(nf4.data(), shape, scale, out, transposed) is out
+    assert nf4_to_fp8([(nf4.data(), shape)], fp8_reciprocal(scale), out, transposed) is out
     assert_bit_equal(out, expected.contiguous(), "kernel")
     assert_bit_equal(nf4_to_fp8_reference(nf4.data(), shape, scale, transposed), expected.contiguous(), "reference")
 
 
-@pytest.mark.parametrize("shape", [(37, 75), (70, 192)], ids=str)
+def group_reference(weights, scale, transposed):
+    """The group [W_1; W_2; ...] as e4m3, from nf4_to_fp8_reference per projection."""
+    if transposed:
+        return torch.cat([nf4_to_fp8_reference(w.data(), w.shape, scale, True) for w in weights], 1)
+    ends = torch.tensor([w.shape[0] for w in weights]).cumsum(0).tolist()
+    return torch.cat([nf4_to_fp8_reference(w.data(), w.shape, scale[e - w.shape[0]:e]) for w, e in zip(weights, ends)])
+
+
+@pytest.mark.parametrize("rows, K", [((37,), 75), ((70,), 192), ((64, 16, 16), 128), ((70, 5, 24), 64),
+                                     ((3, 65, 1), 75)], ids=str)
 @pytest.mark.parametrize("transposed", [False, True], ids=["rows", "transposed"])
-def test_nf4_to_fp8_against_the_reference(shape, transposed):
-    """(37, 75): an odd number of values (bytes straddle rows); (70, 192): whole 64-value blocks a row, over
-    several row tiles and a partial column tile."""
-    nf4 = nf4_weight(shape)
-    scale = scales(shape[1] if transposed else shape[0])
-    out = torch.empty(shape[::-1] if transposed else shape, dtype=E4M3, device=DEVICE)
-    assert_bit_equal(nf4_to_fp8(nf4.data(), shape, scale, out, transposed),
-                     nf4_to_fp8_reference(nf4.data(), shape, scale, transposed), "kernel")
+def test_nf4_to_fp8_of_a_group_in_one_launch(rows, K, transposed, monkeypatch):
+    """A group of projections [W_1; W_2; ...] (q, k, v) in one launch, each projection's values its reference's.
+    (37,) x 75: an odd number of values (bytes straddle rows); (70,) x 192: whole 64-value blocks a row, over
+    several row tiles and a partial column tile; (64, 16, 16): whole tiles, then projections smaller than one;
+    (70, 5, 24) and (3, 65, 1): projections that end inside a tile, with and without whole blocks a row."""
+    import kernels.nf4_to_fp8 as module
+    launches = []
+    kernel = module._nf4_to_fp8_kernel
+    monkeypatch.setattr(module, "_nf4_to_fp8_kernel", type("Counted", (), {
+        "__getitem__": lambda self, grid: launches.append(grid) or kernel[grid]})())
+    weights = [nf4_weight((R, K)) for R in rows]
+    scale = scales(K if transposed else sum(rows))
+    out = torch.empty((K, sum(rows)) if transposed else (sum(rows), K), dtype=E4M3, device=DEVICE)
+    assert nf4_to_fp8([(w.data(), w.shape) for w in weights], fp8_reciprocal(scale), out, transposed) is out
+    assert len(launches) == 1
+    assert_bit_equal(out, group_reference(weights, scale, transposed), "kernel")
 
 
-def test_nf4_to_fp8_writes_into_slices_of_a_buffer():
-    """Two weights into consecutive rows of one [Σout, K] buffer, and transposed into consecutive columns of one
-    [K, Σout] buffer (the packed q, k, v): each its own slice, exactly, and nothing else written."""
+@pytest.mark.parametrize("transposed", [False, True], ids=["rows", "transposed"])
+def test_nf4_to_fp8_writes_into_a_slice_of_a_buffer(transposed):
+    """A group into rows [3, 35) of a larger buffer, or transposed into its columns [3, 35): exactly its slice,
+    nothing else written."""
     weights, K = [nf4_weight((24, 64)), nf4_weight((8, 64))], 64
-    row_scale, col_scale = scales(32), scales(K)
-    rows = torch.full((40, K), 3.0, device=DEVICE).to(E4M3)
-    cols = torch.full((K, 40), 3.0, device=DEVICE).to(E4M3)
-    for nf4, (a, b) in zip(weights, [(3, 27), (27, 35)]):
-        nf4_to_fp8(nf4.data(), (b - a, K), row_scale[a - 3:b - 3], rows[a:b])
-        nf4_to_fp8(nf4.data(), (b - a, K), col_scale, cols[:, a:b], transposed=True)
-        assert_bit_equal(rows[a:b], nf4_to_fp8_reference(nf4.data(), (b - a, K), row_scale[a - 3:b - 3]), "rows")
-        assert_bit_equal(cols[:, a:b], nf4_to_fp8_reference(nf4.data(), (b - a, K), col_scale, True), "columns")
-    for untouched in (rows[:3], rows[35:], cols[:, :3], cols[:, 35:]):
-        assert (untouched.float() == 3).all(), "values outside the slices were written"
+    scale = scales(K if transposed else 32)
+    buffer = torch.full((K, 40) if transposed else (40, K), 3.0, device=DEVICE).to(E4M3)
+    out = buffer[:, 3:35] if transposed else buffer[3:35]
+    nf4_to_fp8([(w.data(), w.shape) for w in weights], fp8_reciprocal(scale), out, transposed)
+    assert_bit_equal(out, group_reference(weights, scale, transposed), "slice")
+    for untouched in ((buffer[:, :3], buffer[:, 35:]) if transposed else (buffer[:3], buffer[35:])):
+        assert (untouched.float() == 3).all(), "values outside the slice were written"
 
 
-def test_nf4_to_fp8_refuses_a_mismatched_output():
+def test_nf4_to_fp8_refuses_mismatched_arguments():
     nf4 = nf4_weight((8, 64))
+    q = [(nf4.data(), (8, 64))]
     with pytest.raises(ValueError, match=r"out must be \(64, 8\) e4m3"):
-        nf4_to_fp8(nf4.data(), (8, 64), scales(64), torch.empty(8, 64, dtype=E4M3, device=DEVICE), transposed=True)
+        nf4_to_fp8(q, scales(64), torch.empty(8, 64, dtype=E4M3, device=DEVICE), transposed=True)
     with pytest.raises(ValueError, match="out must be"):
-        nf4_to_fp8(nf4.data(), (8, 64), scales(8), torch.empty(8, 64, device=DEVICE))
-    with pytest.raises(ValueError, match=r"scale must be \(8,\) fp32"):
-        nf4_to_fp8(nf4.data(), (8, 64), scales(64), torch.empty(8, 64, dtype=E4M3, device=DEVICE))
+        nf4_to_fp8(q, scales(8), torch.empty(8, 64, device=DEVICE))
+    with pytest.raises(ValueError, match=r"reciprocal must be \(8,\) fp32"):
+        nf4_to_fp8(q, scales(64), torch.empty(8, 64, dtype=E4M3, device=DEVICE))
+    with pytest.raises(ValueError, match="of one K"):
+        nf4_to_fp8(q + [(nf4_weight((8, 128)).data(), (8, 128))], scales(16),
+                   torch.empty(16, 64, dtype=E4M3, device=DEVICE))
+    with pytest.raises(ValueError, match="packed must be 512"):
+        nf4_to_fp8([(nf4.data(), (16, 64))], scales(16), torch.empty(16, 64, dtype=E4M3, device=DEVICE))

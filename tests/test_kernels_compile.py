@@ -127,11 +127,13 @@ def kernel_cases():
         "s_ptr": "*fp32", "M": "i32", "K": "i32"},
         {"BLOCK_M": fqt.BLOCK[0], "BLOCK_K": fqt.BLOCK[1], "MIN_SCALE": fq.MIN_SCALE}, flags("HARDWARE_E4M3"),
         fqt.NUM_WARPS))
+    group = 3  # projections in one launch (q, k, v), each with its NF4 tensors
     specs.append(("kernels.nf4_to_fp8", "_nf4_to_fp8_kernel", lambda t: {
-        "packed_ptr": "*u8", "absmax_ptr": "*u8", "absmax_scale_ptr": "*fp32", "absmax_offset_ptr": "*fp32",
-        "absmax_code_ptr": "*fp32", "levels_ptr": "*fp32", "rcp_ptr": "*fp32", "out_ptr": "*u8",
-        "out_row_stride": "i32", "R": "i32", "K": "i32"},
-        {"BLOCK_R": nf8.BLOCK_R, "BLOCK_K": nf8.BLOCK_K, "BLOCK": NF4_BLOCK, "ABSMAX_BLOCK": NF4_ABSMAX_BLOCK},
+        "weights": (("*u8", "*u8", "*fp32", "*fp32", "*fp32"),) * group, "rows": ("i32",) * group,
+        "first_rows": ("i32",) * group, "first_tiles": ("i32",) * (group + 1), "levels_ptr": "*fp32",
+        "rcp_ptr": "*fp32", "out_ptr": "*u8", "out_row_stride": "i32", "K": "i32"},
+        {"N": group, "BLOCK_R": nf8.BLOCK_R, "BLOCK_K": nf8.BLOCK_K, "BLOCK": NF4_BLOCK,
+         "ABSMAX_BLOCK": NF4_ABSMAX_BLOCK},
         flags("TRANSPOSED", "WHOLE_BLOCKS", "HARDWARE_E4M3"), nf8.OPTIONS["num_warps"]))
 
     cases = []

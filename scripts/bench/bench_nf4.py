@@ -15,7 +15,10 @@ and the triton rows' effective bandwidth: the bytes it must move (0.5 B of codes
 plus the absmax codes and scales) over its time. Every way's values are checked bit-equal to bitsandbytes' first.
 
 Then the FP8 kernels of `--fp8` (model/fp8.py) on the same groups, each checked bit-equal to its reference:
-kernels/nf4_to_fp8.py making the group's e4m3 W (rows) and Wᵀ (transposed), and the activations of a
+kernels/nf4_to_fp8.py making the group's e4m3 W (rows) and Wᵀ (transposed), one launch a group with the scales'
+reciprocals taken once, as model/fp8.py runs it. Each is timed called from Python (eager: the launch's host
+time, which a small group's kernel does not cover) and replayed from a CUDA graph (the GPU's time, as a step in
+train.py's CUDA graphs sees it); GB/s over the graph's time. Then the activations of a
 2 × 2048-token batch quantized as the fp8 GEMMs read them: x and dY row-major with a scale per token
 (kernels/fp8_quantize.py); the MLP's H and [dG | dU], stored transposed, with one scale for the tensor (its
 amax, then kernels/fp8_quantize_tensor.py: what model/fp8.py runs), and beside it with a scale per token (the
@@ -38,6 +41,7 @@ from kernels.references import (  # noqa: E402
     E4M3,
     fp8_quantize_rows_reference,
     fp8_quantize_tensor_reference,
+    fp8_reciprocal,
     nf4_to_fp8_reference,
 )
 from model.qlora import NF4Weight  # noqa: E402
@@ -79,31 +83,42 @@ def bench_group(shapes):
     return result
 
 
+def replayed(fn):
+    """fn captured once in a CUDA graph (after a warm-up call that compiles its kernels): its replay."""
+    fn()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()  # a capture begins on a side stream that has run its work once
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
+
+
 def bench_fp8_weights(shapes):
-    """(rows ms, rows GB/s, transposed ms, transposed GB/s): the group's e4m3 W [Σout, in] and Wᵀ [in, Σout]."""
+    """(eager ms, graph ms, GB/s) for the group's e4m3 W [Σout, in], then for Wᵀ [in, Σout]."""
     weights = [NF4Weight(torch.randn(s, device="cuda", dtype=torch.bfloat16) * 0.02) for s in shapes]
     rows = torch.tensor([0] + [s[0] for s in shapes]).cumsum(0).tolist()
-    spans, total, K = list(zip(weights, rows, rows[1:])), rows[-1], shapes[0][1]
+    total, K = rows[-1], shapes[0][1]
+    group = [(w.data(), w.shape) for w in weights]
 
-    def convert(out, scale, transposed, kernel=True):
-        for w, a, b in spans:
-            s = scale if transposed else scale[a:b]
-            if kernel:
-                nf4_to_fp8(w.data(), w.shape, s, out[:, a:b] if transposed else out[a:b], transposed)
-            else:
-                (out[:, a:b] if transposed else out[a:b]).copy_(nf4_to_fp8_reference(w.data(), w.shape, s, transposed))
-        return out
+    def reference(scale, transposed):
+        parts = [nf4_to_fp8_reference(w.data(), w.shape, scale if transposed else scale[a:b], transposed)
+                 for w, a, b in zip(weights, rows, rows[1:])]
+        return torch.cat(parts, 1 if transposed else 0)
 
     result = []
     for transposed in (False, True):
         out = torch.empty((K, total) if transposed else (total, K), dtype=E4M3, device="cuda")
         scale = torch.rand(K if transposed else total, device="cuda") * 0.05 + 0.01
-        expected = convert(torch.empty_like(out), scale, transposed, kernel=False)
-        if not torch.equal(convert(out, scale, transposed).view(torch.uint8), expected.view(torch.uint8)):
+        convert = partial(nf4_to_fp8, group, fp8_reciprocal(scale), out, transposed)
+        if not torch.equal(convert().view(torch.uint8), reference(scale, transposed).view(torch.uint8)):
             raise AssertionError(f"nf4_to_fp8 (transposed={transposed}): values differ from the reference")
-        ms = median_ms(partial(convert, out, scale, transposed), "cuda")
+        eager, graph = median_ms(convert, "cuda"), median_ms(replayed(convert), "cuda")
         moved = sum(sum(b.numel() * b.element_size() for b in w.buffers()) for w in weights) + out.numel()
-        result += [ms, moved / ms / 1e6]
+        result += [eager, graph, moved / graph / 1e6]
     return result
 
 
@@ -148,13 +163,16 @@ def main():
             out.append(r)
             print(f"| {shape} | {group} | {r['bitsandbytes + cat']:.3f} | {r['bitsandbytes rows']:.3f} | "
                   f"{r['triton rows']:.3f} | {r['triton GB/s']:.0f} |", flush=True)
-    print("\n| shape | group | nf4→fp8 W ms | GB/s | nf4→fp8 Wᵀ ms | GB/s |\n|---|---|---:|---:|---:|---:|", flush=True)
+    print("\n| shape | group | nf4→fp8 W eager ms | graph ms | GB/s | nf4→fp8 Wᵀ eager ms | graph ms | GB/s |\n"
+          "|---|---|---:|---:|---:|---:|---:|---:|", flush=True)
     fp8 = []
     for shape in SHAPES:
         for group, shapes in groups(shape):
-            ms, gbs, ms_t, gbs_t = bench_fp8_weights(shapes)
-            fp8.append({"shape": shape, "group": group, "W ms": ms, "W GB/s": gbs, "Wt ms": ms_t, "Wt GB/s": gbs_t})
-            print(f"| {shape} | {group} | {ms:.3f} | {gbs:.0f} | {ms_t:.3f} | {gbs_t:.0f} |", flush=True)
+            times = bench_fp8_weights(shapes)
+            fp8.append({"shape": shape, "group": group, **dict(zip(
+                ("W eager ms", "W graph ms", "W GB/s", "Wt eager ms", "Wt graph ms", "Wt GB/s"), times))})
+            print(f"| {shape} | {group} | " + " | ".join(f"{t:.0f}" if i % 3 == 2 else f"{t:.3f}"
+                                                         for i, t in enumerate(times)) + " |", flush=True)
     print(f"\n| shape | activation [{TOKENS}, width] | width | layout | one scale per | quantize ms | GB/s |\n"
           "|---|---|---:|---|---|---:|---:|", flush=True)
     for shape in SHAPES:
