@@ -25,6 +25,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.nf4_dequantize import _to_bf16
+
 BLOCK = 2048
 NUM_WARPS = 8
 
@@ -33,7 +35,7 @@ NUM_WARPS = 8
 def _adamw_master_kernel(master_ptr, exp_avg_ptr, exp_avg_sq_ptr, grad_ptr, weight_ptr, factor_ptr, found_inf_ptr,
                          coefs_ptr, n, lr_decay, beta1, beta2, eps, BLOCK: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)  # (BLOCK,)
-    ok = (offs < n) & (tl.load(found_inf_ptr) == 0)  # a skipped step reads and writes nothing
+    ok = offs < tl.where(tl.load(found_inf_ptr) == 0, n, 0)  # a skipped step reads and writes nothing
     factor = tl.load(factor_ptr).to(tl.float32)
     step_size = tl.load(coefs_ptr)  # lr / c1
     c2_sqrt = tl.load(coefs_ptr + 1)
@@ -49,7 +51,10 @@ def _adamw_master_kernel(master_ptr, exp_avg_ptr, exp_avg_sq_ptr, grad_ptr, weig
     tl.store(master_ptr + offs, p, mask=ok)
     tl.store(exp_avg_ptr + offs, m, mask=ok)
     tl.store(exp_avg_sq_ptr + offs, v, mask=ok)
-    tl.store(weight_ptr + offs, p.to(weight_ptr.dtype.element_ty), mask=ok)
+    if weight_ptr.dtype.element_ty == tl.bfloat16:  # nearest even on the GPU and in the interpreter alike
+        tl.store(weight_ptr + offs, _to_bf16(p), mask=ok)
+    else:
+        tl.store(weight_ptr + offs, p.to(weight_ptr.dtype.element_ty), mask=ok)
 
 
 def adamw_master_(master, exp_avg, exp_avg_sq, grad, weight, factor, found_inf, coefs, *, lr, weight_decay, betas,
