@@ -169,8 +169,8 @@ class MasterAdamW(torch.optim.Optimizer):
                        weight_decay=group["weight_decay"], betas=group["betas"], eps=group["eps"])
 
     def state_dict(self):
-        """torch.optim.AdamW's state_dict, each tensor a copy (the state's tensors are views of shared buffers,
-        which a safetensors file cannot hold)."""
+        """torch.optim.AdamW's state_dict, each tensor a copy: the state's tensors are views of the flat buffers,
+        and a group's weights share one step count, which a safetensors file cannot hold twice."""
         sd = super().state_dict()
         sd["state"] = {i: {k: v.clone() for k, v in st.items()} for i, st in sd["state"].items()}
         return sd

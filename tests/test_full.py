@@ -210,7 +210,7 @@ def test_memory_check_refuses_what_a_gpu_cannot_hold(monkeypatch):
     assert full.weight_counts(mcfg, full.train_filter(None, mcfg)) == (total, total)
     counts = full.weight_counts(mcfg, full.train_filter("q_proj", mcfg))
     assert counts == (total, sum(p.numel() for n, p in hf.named_parameters() if "q_proj" in n))
-    assert memory.training_bytes(total, total, torch.bfloat16) == total * (2 + 2 + 8 + 8)
+    assert memory.training_bytes(total, total, torch.bfloat16) == total * (2 + 2 + 4 + 8)
     assert memory.training_bytes(total, total, torch.float32) == total * (4 + 4 + 8)
     line = memory.full_finetuning_fit(mcfg, counts, torch.bfloat16, torch.device("cpu"), 1)
     assert line.startswith("full fine-tuning: ") and "GiB" in line
