@@ -1,22 +1,30 @@
-"""fp32 master weights for the weights a run trains in bf16 or fp16 (full fine-tuning).
+"""fp32 master weights for the weights a run trains in bf16 or fp16 (full fine-tuning), and their optimizer.
 
     masters = Masters(trainable_parameters(model))   # the model's trained weights, by name
-    optimizer = torch.optim.AdamW(masters.params, fused=True)
+    optimizer = masters.optimizer(param_groups(masters.named(), ...), lr, use_kernels)
     ...forward and backward: gradients in the model's weights' .grad...
-    masters.take_grads()                             # upcast into the masters' .grad
-    scaler.unscale_(masters.params); clip; scaler.step(optimizer, ...)
-    masters.copy_back()                              # the updated masters, rounded into the model's weights
-    masters.zero_grad(set_to_none)                   # both sets of gradients
+    grad_norm = masters.unscale_and_clip_(scaler, max_norm)
+    scaler.step(optimizer, ...)                      # updates the masters and rounds them into the weights
+    masters.zero_grad(set_to_none)
 
 Why masters: AdamW's update lr·m/(√v+ε) is often below half a bf16 ulp of the weight (bf16 keeps 8 bits of
 mantissa: a weight of 1.0 moves only by steps of 2⁻⁷), so updates applied to bf16 weights round away and
-training stalls. The optimizer therefore steps fp32 copies, and the model computes with their rounding. An
-fp32 weight (every LoRA weight, and every weight of an fp32 run) is its own master: nothing is copied, and
-take_grads and copy_back do nothing for it. Memory per trained bf16 weight: 2 bytes of weight, 2 of gradient,
-4 of master, 4 of its gradient, 8 of AdamW moments (`memory.training_bytes`).
+training stalls. The optimizer therefore steps fp32 copies, and the model computes with their rounding.
+
+Two layouts:
+- every trained weight fp32 (every LoRA weight and trained embedding, every weight of an fp32 run): each weight
+  is its own master, nothing is copied, and torch's fused AdamW steps them.
+- trained weights in bf16 or fp16 (--full): the weights, their gradients, the masters and AdamW's two moments are
+  each one flat buffer, of which every tensor is a view (the model's weights are re-pointed into theirs, the
+  gradients accumulate into theirs). `MasterAdamW` then steps a whole buffer in one pass
+  (kernels/adamw_master.py): it reads the low-precision gradient, unscales and clips it with a device factor,
+  updates master and moments, and writes the rounded weight. The gradient norm is taken from the low-precision
+  gradients, accumulated in fp32. Memory per trained bf16 weight: 2 bytes of weight, 2 of gradient, 4 of
+  master, 8 of AdamW moments (`memory.training_bytes`).
 
 The masters are what the optimizer and a checkpoint hold (`named`): a resume restores them, and rounds them into
-the model's weights again, so it continues exactly as the uninterrupted run.
+the model's weights again, so it continues exactly as the uninterrupted run. MasterAdamW's state_dict is
+torch.optim.AdamW's, so that a checkpoint loads in either.
 
 The optimizer's parameter groups (`param_groups`) are made of the masters, with their names (`param_names`, which
 checkpoints read) and a learning-rate multiplier each (`lr_scale`; the loop sets every group's lr to the schedule's
@@ -24,7 +32,17 @@ lr × lr_scale).
 """
 import torch
 
+from kernels.references import adamw_master_reference
 from model.lora import is_lora_param
+
+BETAS = (0.9, 0.999)
+
+
+def bias_corrections(step, lr, betas):
+    """[lr / c₁, √c₂] (fp32, on the device) for the step count `step` (a 0-dim device tensor): c₁ = 1 − β₁ᵗ,
+    c₂ = 1 − β₂ᵗ, computed in fp64 as aten's fused AdamW does (in fp32, 1 − β₂ᵗ keeps few digits for small t)."""
+    t = step.double()
+    return torch.stack([lr / (1 - betas[0] ** t), (1 - betas[1] ** t).sqrt()]).float()
 
 
 class Masters:
@@ -32,43 +50,152 @@ class Masters:
         """named: (name, parameter) of the model's trained weights."""
         self.names = [n for n, _ in named]
         self.weights = [p for _, p in named]  # the model's: they get the gradients
-        self.params = [p if p.dtype == torch.float32 else p.detach().float().requires_grad_() for p in self.weights]
-        self._low = [(w, m) for w, m in zip(self.weights, self.params) if w is not m]  # the pairs that differ
+        dtypes = {p.dtype for p in self.weights}
+        self.flat = dtypes != {torch.float32} and bool(self.weights)
+        if not self.flat:
+            self.params = self.weights
+            return
+        if len(dtypes) > 1:
+            raise ValueError(f"the trained weights mix dtypes ({sorted(map(str, dtypes))}): fp32 masters need them "
+                             "all in one of bf16 or fp16")
+        (dtype,), device = dtypes, self.weights[0].device
+        sizes = [p.numel() for p in self.weights]
+        self.offsets = [sum(sizes[:i]) for i in range(len(sizes) + 1)]
+        n = self.offsets[-1]
+        self.weight_buffer = torch.empty(n, dtype=dtype, device=device)
+        self.master_buffer = torch.empty(n, dtype=torch.float32, device=device)
+        self.grad_buffer = torch.zeros(n, dtype=dtype, device=device)
+        self.params = []
+        with torch.no_grad():
+            for w, view, master, grad in zip(self.weights, self.views(self.weight_buffer),
+                                             self.views(self.master_buffer), self.views(self.grad_buffer)):
+                view.copy_(w)
+                master.copy_(w)
+                w.data = view  # the weight now lives in the flat buffer, which the optimizer writes in one pass
+                w.grad = grad  # backward accumulates into a .grad that exists, in place
+                self.params.append(master)
+
+    def views(self, buffer):
+        """Each trained weight's view of a flat buffer, in its shape."""
+        return [buffer[a:b].view(w.shape) for w, a, b in zip(self.weights, self.offsets, self.offsets[1:])]
 
     def named(self):
         """(name, fp32 tensor) of every trained weight, as the optimizer holds it."""
         return list(zip(self.names, self.params))
 
-    def take_grads(self):
-        """Each master's .grad = its weight's gradient in fp32 (None where the weight got none)."""
-        for w, m in self._low:
-            m.grad = None if w.grad is None else w.grad.float()
+    def optimizer(self, groups, lr, use_kernels):
+        """AdamW over `groups` (param_groups of `named`): torch's fused one where the weights are their own
+        masters, else MasterAdamW over the flat buffers."""
+        if not self.flat:
+            return torch.optim.AdamW(groups, lr=lr, betas=BETAS, fused=True)  # one kernel for all weights
+        return MasterAdamW(groups, self, lr, use_kernels)
 
-    @torch.no_grad()
-    def copy_back(self):
-        """The model's weights = their masters, rounded to the model's dtype. After a skipped step (NaN/inf) the
-        masters are unchanged, so this copies the weights' own values."""
-        if self._low:
-            torch._foreach_copy_([w for w, _ in self._low], [m for _, m in self._low])
-
-    @torch.no_grad()
-    def load(self, tensors):
-        """Copy {name: tensor} (a checkpoint's) into the masters and, rounded, into the model's weights."""
-        for name, w, m in zip(self.names, self.weights, self.params):
-            m.copy_(tensors[name])
-            if w is not m:
-                w.copy_(m)
+    def unscale_and_clip_(self, scaler, max_norm):
+        """The gradient norm (a 0-dim fp32 device tensor) after the loss scale's unscaling, clipped to max_norm
+        (None or 0: not clipped) as torch.nn.utils.clip_grad_norm_ clips. With flat buffers nothing is written:
+        the factor clip_coef / scale goes to the optimizer's pass (`grad_factor`)."""
+        max_norm = max_norm or float("inf")
+        if not self.flat:
+            scaler.unscale_(self.params)
+            return torch.nn.utils.clip_grad_norm_(self.params, max_norm)
+        norms = torch._foreach_norm(self.views(self.grad_buffer), 2, dtype=torch.float32)  # fp32 sums of squares
+        norm = torch.linalg.vector_norm(torch.stack(norms)) / scaler.scale  # a power of two: exact
+        self.grad_factor = (max_norm / (norm + 1e-6)).clamp(max=1.0) / scaler.scale
+        return norm
 
     def zero_grad(self, set_to_none=True):
         """Clear the weights' gradients: set to None, or zeroed in place where a CUDA graph adds into fixed .grad
-        buffers (step.GraphStep.zero_grad). The masters' fp32 gradients go: take_grads makes them anew."""
+        buffers (step.GraphStep.zero_grad). The flat gradient buffer is always zeroed in place: one memset."""
+        if self.flat:
+            self.grad_buffer.zero_()
+            return
         for w in self.weights:
             if w.grad is not None and set_to_none:
                 w.grad = None
             elif w.grad is not None:
                 w.grad.zero_()
-        for _, m in self._low:
-            m.grad = None
+
+
+class MasterAdamW(torch.optim.Optimizer):
+    """torch.optim.AdamW over the flat buffers of `Masters`, in one pass per parameter group
+    (kernels/adamw_master.py; its pure-torch reference with use_kernels False). The gradients are the weights'
+    (low precision) times `masters.grad_factor`; every weight steps every step (a weight without gradient, with
+    a zero one, as under CUDA graphs). As the fused torch.optim.AdamW, it reads `found_inf` (a 0-dim device
+    tensor set by precision.LossScaler.step) and then changes nothing, the step counts included."""
+    reads_found_inf = True
+
+    def __init__(self, groups, masters, lr, use_kernels):
+        # torch.optim.AdamW's group keys, so that a checkpoint of either loads in the other.
+        defaults = dict(lr=lr, betas=BETAS, eps=1e-8, weight_decay=1e-2, amsgrad=False, maximize=False, foreach=None,
+                        capturable=False, differentiable=False, fused=True, decoupled_weight_decay=True)
+        super().__init__(groups, defaults)
+        self.masters, self.use_kernels = masters, use_kernels
+        self.exp_avg = torch.zeros_like(masters.master_buffer)
+        self.exp_avg_sq = torch.zeros_like(masters.master_buffer)
+        index = {id(m): i for i, m in enumerate(masters.params)}
+        avgs, avg_sqs = masters.views(self.exp_avg), masters.views(self.exp_avg_sq)
+        self.runs = []  # per group: its step count, and the [start, end) runs of the flat buffers it covers
+        for group in self.param_groups:
+            step = torch.zeros((), dtype=torch.float32, device=masters.master_buffer.device)
+            ids = sorted(index[id(p)] for p in group["params"])
+            for p in group["params"]:
+                i = index[id(p)]
+                self.state[p] = {"step": step, "exp_avg": avgs[i], "exp_avg_sq": avg_sqs[i]}
+            runs = []
+            for i in ids:
+                a, b = masters.offsets[i], masters.offsets[i + 1]
+                if runs and runs[-1][1] == a:
+                    runs[-1][1] = b
+                else:
+                    runs.append([a, b])
+            self.runs.append((step, runs))
+
+    @torch.no_grad()
+    def step(self):
+        found_inf = getattr(self, "found_inf", None)
+        if found_inf is None:
+            found_inf = torch.zeros((), device=self.exp_avg.device)
+        update = adamw_master_reference
+        if self.use_kernels:
+            from kernels.adamw_master import adamw_master_  # imports Triton: only with kernels on
+            update = adamw_master_
+        m = self.masters
+        for group, (step, runs) in zip(self.param_groups, self.runs):
+            step.add_(1).sub_(found_inf)  # as torch's fused AdamW: a skipped step does not count
+            coefs = bias_corrections(step, group["lr"], group["betas"])
+            for a, b in runs:
+                update(m.master_buffer[a:b], self.exp_avg[a:b], self.exp_avg_sq[a:b], m.grad_buffer[a:b],
+                       m.weight_buffer[a:b], m.grad_factor, found_inf, coefs, lr=group["lr"],
+                       weight_decay=group["weight_decay"], betas=group["betas"], eps=group["eps"])
+
+    def state_dict(self):
+        """torch.optim.AdamW's state_dict, each tensor a copy: the state's tensors are views of the flat buffers,
+        and a group's weights share one step count, which a safetensors file cannot hold twice."""
+        sd = super().state_dict()
+        sd["state"] = {i: {k: v.clone() for k, v in st.items()} for i, st in sd["state"].items()}
+        return sd
+
+    @torch.no_grad()
+    def load_state_dict(self, state_dict):
+        """Copy a torch.optim.AdamW or MasterAdamW state_dict (a checkpoint's) into the buffers. A group's step
+        count is the largest of its weights' (they differ only where a weight once had no gradient)."""
+        saved = state_dict["param_groups"]
+        if [len(g["params"]) for g in saved] != [len(g["params"]) for g in self.param_groups]:
+            raise ValueError("the optimizer state does not fit these parameter groups")
+        for group, g, (step, _) in zip(self.param_groups, saved, self.runs):
+            group.update({k: v for k, v in g.items() if k != "params"})
+            group["betas"] = tuple(group["betas"])
+            steps = [0.0]
+            for p, i in zip(group["params"], g["params"]):
+                st = state_dict["state"].get(i)
+                if st is None:  # never stepped
+                    self.state[p]["exp_avg"].zero_()
+                    self.state[p]["exp_avg_sq"].zero_()
+                    continue
+                self.state[p]["exp_avg"].copy_(st["exp_avg"])
+                self.state[p]["exp_avg_sq"].copy_(st["exp_avg_sq"])
+                steps.append(float(st["step"]))
+            step.fill_(max(steps))
 
 
 def param_groups(named, weight_decay, lora_plus_ratio=1.0):

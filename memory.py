@@ -100,10 +100,10 @@ def warm_start_fits(mcfg, small, batch, dtype, use_kernels, free):
 
 def training_bytes(total, trained, dtype):
     """The memory of a run's weights and optimizer, in bytes: `total` weights at `dtype`; for each of the `trained`
-    ones its gradient at `dtype`, AdamW's two fp32 moments and, below fp32, its fp32 master and the master's
-    gradient (masters.py). Activations come on top (`activation_bytes`)."""
+    ones its gradient at `dtype`, AdamW's two fp32 moments and, below fp32, its fp32 master (masters.py: the
+    optimizer reads the low-precision gradient itself). Activations come on top (`activation_bytes`)."""
     size = torch.finfo(dtype).bits // 8
-    return total * size + trained * (size + 8 + (8 if dtype != torch.float32 else 0))
+    return total * size + trained * (size + 8 + (4 if dtype != torch.float32 else 0))
 
 
 def full_finetuning_fit(mcfg, counts, dtype, device, world):

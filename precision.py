@@ -33,11 +33,13 @@ class LossScaler:
         """optimizer.step() where `loss` and `grad_norm` (0-dim device tensors) are finite, else nothing; then
         the scale's update. Returns whether the update was applied.
 
-        Fused Adam and AdamW read `found_inf` on the device and leave the weights and their state as they were
-        where it is 1, so for them the update is queued before the host reads the two numbers: the CPU issues it
-        while the GPU still runs the backward. Any other optimizer steps only after the host has seen them."""
+        Fused Adam and AdamW (and masters.MasterAdamW) read `found_inf` on the device and leave the weights and
+        their state as they were where it is 1, so for them the update is queued before the host reads the two
+        numbers: the CPU issues it while the GPU still runs the backward. Any other optimizer steps only after the
+        host has seen them."""
         finite = loss.isfinite() & grad_norm.isfinite()
-        if optimizer.defaults.get("fused") and isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
+        if getattr(optimizer, "reads_found_inf", False) or (  # masters.MasterAdamW, or torch's fused Adam(W)
+                optimizer.defaults.get("fused") and isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW))):
             optimizer.found_inf = (~finite).float()
             optimizer.step()
             applied = bool(finite)

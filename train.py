@@ -123,7 +123,6 @@ def main(cfg) -> int:
             log(f"embeddings: {mcfg.vocab_size} rows ({len(new_ids)} new), training "
                 f"{'every row' if cfg.train_embeddings else 'the new rows'} in fp32")
         masters = Masters(trainable_parameters(model))  # fp32 masters of bf16/fp16 weights; LoRA's are fp32 already
-        params = masters.params  # what the optimizer steps
         checkpointing, why = choose_checkpointing(cfg, mcfg, dtype, use_kernels, device, world)
         model.gradient_checkpointing = checkpointing
         log(f"gradient checkpointing {'on' if checkpointing else 'off'}: {why}")
@@ -131,7 +130,7 @@ def main(cfg) -> int:
         what = "model" if cfg.full else "adapter"  # the run's result: out/model/ or out/adapter/
         trained = (f"weights ({cfg.train_modules or 'all'})" if cfg.full else
                    f"LoRA parameters (r={cfg.lora_r} on {cfg.lora_targets})")
-        log(f"model {cfg.model}: {mcfg.n_layers} layers, {sum(p.numel() for p in params) / 1e6:.2f}M trainable "
+        log(f"model {cfg.model}: {mcfg.n_layers} layers, {sum(p.numel() for p in masters.params) / 1e6:.2f}M trainable "
             f"{trained}; {len(train_enc)} train / {len(eval_enc)} "
             f"eval examples, {len(batches)} batches per epoch{' (packed)' if cfg.packing else ' (padded)'}")
         if cfg.dora and cfg.lora_dropout:
@@ -150,8 +149,7 @@ def main(cfg) -> int:
 
         # ----------------------------------------------------------------------------- optimizer and scaler
         groups = param_groups(masters.named(), cfg.weight_decay, cfg.lora_plus_ratio)  # LoRA+: B's lr x ratio
-        optimizer = torch.optim.AdamW(groups, lr=cfg.lr, betas=(0.9, 0.999),
-                                      fused=True)  # one kernel for all weights; skips NaN/inf steps on the device
+        optimizer = masters.optimizer(groups, cfg.lr, use_kernels)  # fused AdamW; skips NaN/inf steps on the device
         scaler = LossScaler(cfg.loss_scale, cfg.scale_growth_interval, enabled=dtype == torch.float16)
 
         # ----------------------------------------------------------------------------- resume
@@ -208,12 +206,9 @@ def main(cfg) -> int:
                         loss_sum += train_step(batch, num_targets, scaler.scale * world)  # forward, backward
                 tokens += sum(b["input_ids"].numel() for b in micro) * world
 
-                masters.take_grads()  # bf16/fp16 gradients upcast into the fp32 masters' (--full)
-                scaler.unscale_(params)
-                grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip or float("inf"))
+                grad_norm = masters.unscale_and_clip_(scaler, cfg.grad_clip)  # of the fp16 loss scale's unscaled grads
                 loss_sum = sum_over_ranks(loss_sum, world, device)  # every rank decides alike
                 applied = scaler.step(optimizer, loss_sum, grad_norm)  # skipped if NaN/inf
-                masters.copy_back()  # the model's bf16/fp16 weights = their updated masters, rounded
                 train_step.zero_grad(masters)
                 loss, norm = loss_sum.item(), grad_norm.item()
                 pref = objective.take(num_targets, lambda t: sum_over_ranks(t, world, device)) if objective else {}

@@ -12,6 +12,7 @@ their modules (`from kernels.rms_norm import rms_norm`).
     nf4_dequantize.py              NF4 weights (double-quantized absmax) into a given buffer, as bitsandbytes
     nf4_to_fp8.py                  a group's NF4 weights straight to e4m3 with given scales, row-major or
                                    transposed, in one launch
+    adamw_master.py                AdamW over flat fp32 masters, rounding the weights back, in one pass
     fp8_quantize.py                row-wise e4m3 quantization of activations (a scale per row)
     references.py                  the pure-torch reference of every kernel (torch only, no Triton):
                                    what the tests compare against and the model runs with kernels off

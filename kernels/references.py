@@ -14,6 +14,7 @@ This module imports torch only, so that those runs need no Triton.
     fp8_quantize_rows_reference            kernels/fp8_quantize.py
     fp8_quantize_tensor_reference          kernels/fp8_quantize_tensor.py
     nf4_to_fp8_reference                   kernels/nf4_to_fp8.py
+    adamw_master_reference                 kernels/adamw_master.py
 """
 import math
 from dataclasses import dataclass
@@ -294,3 +295,19 @@ def nf4_to_fp8_reference(q: NF4Data, shape, scale, transposed=False):
     if transposed:
         return to_e4m3(w * fp8_reciprocal(scale)[None, :]).t().contiguous()
     return to_e4m3(w * fp8_reciprocal(scale)[:, None])
+
+
+# ----------------------------------------------------------------------------- AdamW over fp32 masters
+
+@torch.no_grad()
+def adamw_master_reference(master, exp_avg, exp_avg_sq, grad, weight, factor, found_inf, coefs, *, lr, weight_decay,
+                           betas, eps):
+    """kernels/adamw_master.py's step, in place, operation for operation in fp32 (its docstring has the math)."""
+    if found_inf.item():
+        return
+    g = grad.float() * factor
+    master.sub_(lr * weight_decay * master)
+    exp_avg.mul_(betas[0]).add_((1 - betas[0]) * g)
+    exp_avg_sq.mul_(betas[1]).add_((1 - betas[1]) * g * g)
+    master.sub_(coefs[0] * exp_avg / (exp_avg_sq.sqrt() / coefs[1] + eps))
+    weight.copy_(master)

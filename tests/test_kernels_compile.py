@@ -55,6 +55,7 @@ def flag_id(d):
 
 def kernel_cases():
     """The launch configurations of the largest realistic shapes, from the launchers themselves."""
+    import kernels.adamw_master as adam
     import kernels.cross_entropy as ce
     import kernels.fp8_quantize as fq
     import kernels.fp8_quantize_tensor as fqt
@@ -135,6 +136,11 @@ def kernel_cases():
         {"N": group, "BLOCK_R": nf8.BLOCK_R, "BLOCK_K": nf8.BLOCK_K, "BLOCK": NF4_BLOCK,
          "ABSMAX_BLOCK": NF4_ABSMAX_BLOCK},
         flags("TRANSPOSED", "WHOLE_BLOCKS", "HARDWARE_E4M3"), nf8.OPTIONS["num_warps"]))
+    specs.append(("kernels.adamw_master", "_adamw_master_kernel", lambda t: {  # t: the gradient's and weight's
+        "master_ptr": "*fp32", "exp_avg_ptr": "*fp32", "exp_avg_sq_ptr": "*fp32", "grad_ptr": f"*{t}",
+        "weight_ptr": f"*{t}", "factor_ptr": "*fp32", "found_inf_ptr": "*fp32", "coefs_ptr": "*fp32", "n": "i64",
+        "lr_decay": "fp32", "beta1": "fp32", "beta2": "fp32", "eps": "fp32"}, {"BLOCK": adam.BLOCK}, [{}],
+        adam.NUM_WARPS))
 
     cases = []
     for module, kernel, signature, base, combos, warps, *label in specs:  # label: one of a kernel's configurations
