@@ -390,6 +390,9 @@ def scale_rows(gate, up, scale=None, bias=None):
     scale, bias (2 · rows,): the torch reference of the GLU kernels' affine (kernels/glu.py). No scale: gate, up."""
     if scale is None:
         return gate, up
+    both = _rows_view([gate, up])  # the MLP's halves of one (2 · rows, n) buffer: one op for both
+    if both is not None:
+        return (both * scale[:, None] if bias is None else torch.addcmul(bias[:, None], both, scale[:, None])).chunk(2)
     s_gate, s_up = scale[:, None].chunk(2)
     if bias is None:
         return gate * s_gate, up * s_up
