@@ -105,6 +105,25 @@ def geglu_reference(gate, up, approximate="tanh"):
     return F.gelu(gate, approximate=approximate) * up
 
 
+# ----------------------------------------------------------------------------- DoRA's backward
+
+def check_dora_backward_args(dy, p, g, inv, out=None):
+    """dY, P (and out) (N, C) of one dtype, g (C,) in it, inv (C,) in fp32."""
+    assert p.dtype in DTYPES, f"dora_backward: P must be fp32/bf16/fp16, got {p.dtype}"
+    assert p.dim() == 2 and dy.shape == p.shape and dy.dtype == p.dtype, \
+        f"dora_backward: dY and P must share a 2-D shape and dtype; got {tuple(dy.shape)} {dy.dtype}, {tuple(p.shape)}"
+    assert g.shape == inv.shape == p.shape[1:] and g.dtype == p.dtype and inv.dtype == torch.float32, \
+        f"dora_backward: g ({p.shape[1]},) in {p.dtype} and inv ({p.shape[1]},) in fp32; got {g.dtype}, {inv.dtype}"
+    assert out is None or (out.shape == p.shape and out.dtype == p.dtype), "dora_backward: out must be like P"
+
+
+def dora_backward_reference(dy, p, g, inv, out=None):
+    """(g ⊙ dY, Σ_n dY ⊙ P · inv) in torch: dP in dY's dtype (into `out` when given), dm in fp32. It also takes
+    fp64 (gradcheck runs), which the kernel does not."""
+    dm = (dy * p).sum(0, dtype=torch.float32).mul_(inv)
+    return torch.mul(dy, g, out=out) if out is not None else dy * g, dm
+
+
 # ----------------------------------------------------------------------------- cross-entropy
 
 REDUCTIONS = ("mean", "sum", "none")

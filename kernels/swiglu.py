@@ -21,27 +21,27 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.glu import glu_backward, glu_forward
+from kernels.glu import glu_backward, glu_forward, load_gate_up
 from kernels.references import check_glu_args
 
 
 @triton.jit
-def _swiglu_forward_kernel(gate_ptr, up_ptr, h_ptr, n, BLOCK: tl.constexpr):
+def _swiglu_forward_kernel(gate_ptr, up_ptr, scale_ptr, bias_ptr, h_ptr, n, n_cols,
+                           AFFINE: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
-    g = tl.load(gate_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    u = tl.load(up_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    g, u = load_gate_up(gate_ptr, up_ptr, scale_ptr, bias_ptr, offs, mask, n, n_cols, AFFINE, HAS_BIAS)
     h = g * tl.sigmoid(g) * u
     tl.store(h_ptr + offs, h.to(h_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
-def _swiglu_backward_kernel(dh_ptr, gate_ptr, up_ptr, dgate_ptr, dup_ptr, n, BLOCK: tl.constexpr):
+def _swiglu_backward_kernel(dh_ptr, gate_ptr, up_ptr, scale_ptr, bias_ptr, dgate_ptr, dup_ptr, n, n_cols,
+                            AFFINE: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
     dh = tl.load(dh_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    g = tl.load(gate_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    u = tl.load(up_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    g, u = load_gate_up(gate_ptr, up_ptr, scale_ptr, bias_ptr, offs, mask, n, n_cols, AFFINE, HAS_BIAS)
     s = tl.sigmoid(g)
     dup = dh * g * s
     dgate = dh * u * s * (1.0 + g * (1.0 - s))
@@ -49,17 +49,20 @@ def _swiglu_backward_kernel(dh_ptr, gate_ptr, up_ptr, dgate_ptr, dup_ptr, n, BLO
     tl.store(dup_ptr + offs, dup.to(dup_ptr.dtype.element_ty), mask=mask)
 
 
-def swiglu_forward(gate, up):
-    """h = silu(gate) * up, a new contiguous tensor of gate's shape and dtype."""
+def swiglu_forward(gate, up, scale=None, bias=None):
+    """h = silu(gate) * up, a new contiguous tensor of gate's shape and dtype. scale, bias: a per-row affine
+    of gate and up first (kernels/glu.py)."""
     check_glu_args("swiglu", gate, up)
-    return glu_forward(_swiglu_forward_kernel, gate, up)
+    return glu_forward(_swiglu_forward_kernel, gate, up, scale, bias)
 
 
-def swiglu_backward(dh, gate, up, inplace=False):
+def swiglu_backward(dh, gate, up, inplace=False, scale=None, bias=None):
     """(dgate, dup). inplace=True writes them into gate and up (which must be contiguous) and
-    returns those tensors; use it only when the caller owns gate and up and is done with them."""
+    returns those tensors; use it only when the caller owns gate and up and is done with them.
+    scale, bias: the gradients with respect to the per-row affine of gate and up (kernels/glu.py), in new
+    tensors."""
     check_glu_args("swiglu", dh, gate, up)
-    return glu_backward(_swiglu_backward_kernel, dh, gate, up, inplace, "swiglu_backward")
+    return glu_backward(_swiglu_backward_kernel, dh, gate, up, inplace, "swiglu_backward", scale, bias)
 
 
 class _SwiGLU(torch.autograd.Function):

@@ -15,11 +15,14 @@ the adapter starts as a no-op. With dropout on, the base term of g reads X̃ too
 Y = X Wᵀ + b + (g - 1) ⊙ X̃ Wᵀ + g ⊙ s (X̃ Aᵀ) Bᵀ (the unfused path only: it costs a GEMM more).
 
 The fused Functions carry DoRA without dropout: with P = X Wᵀ + s (X Aᵀ) Bᵀ (N, out) they return
-Y = g ⊙ P + b and save P (for the MLP's gate and up, P in place of [G | U], which backward scales
-again), and backward starts from dY with
+Y = g ⊙ P + b and save P, and backward starts from dY with
 
     dm = Σ_n dY ⊙ P / ‖W + s·B·A‖      [out]     (the norm a constant)
     dP = g ⊙ dY                                    (then the LoRA backward below, with dP for dY)
+
+both in one pass over dY and P (kernels/dora_backward.py). For the MLP's gate and up, P is saved in place of
+[G | U], and the gated activation's kernels read P and compute G = g ⊙ P + b in registers, forward and
+backward (kernels/glu.py), so that [G | U] is never written.
 
 References: Hu et al. 2021 "LoRA"; Kalajdzievski 2023 "rsLoRA"; Liu et al. 2024 "DoRA"; torchtune
 `modules/peft/lora.py` (LoRALinear owns the frozen weight, so checkpoint keys match);
@@ -110,6 +113,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from kernels.references import dora_backward_reference
 from model.fp8 import fp8_input_grad, fp8_linear
 
 ALL_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -372,15 +376,39 @@ def fusable(projs):
 
 class GLU(NamedTuple):
     """The MLP activation H = act(G) ⊙ U, built by `model.transformer.Ops.glu`: a differentiable
-    function for the unfused path, and a forward/backward pair for `lora_mlp`."""
+    function for the unfused path, and a forward/backward pair for `lora_mlp`. The pair takes keywords
+    scale and bias: G and U are then the per-row affine of gate and up (`scale_rows`; DoRA's g ⊙ P + b),
+    and backward returns dG, dU in new tensors."""
     function: Callable  # (gate, up) -> h, with its own autograd
-    forward: Callable  # (gate, up) -> h, no graph
-    backward: Callable  # (dh, gate, up) -> (dgate, dup)
-    inplace: bool  # backward writes dgate, dup over gate, up (saves two [N, I] buffers)
+    forward: Callable  # (gate, up, scale=None, bias=None) -> h, no graph
+    backward: Callable  # (dh, gate, up, scale=None, bias=None) -> (dgate, dup)
+    inplace: bool  # backward without scale writes dgate, dup over gate, up (saves two [N, I] buffers)
 
 
-def autograd_backward(fn, dh, gate, up):
-    """(dgate, dup) of fn(gate, up) by autograd: a torch reference's own gradient, as a GLU backward."""
+def scale_rows(gate, up, scale=None, bias=None):
+    """(gate ⊙ scale[:rows] + bias[:rows], up ⊙ scale[rows:] + bias[rows:]) per row, for gate and up (rows, n) and
+    scale, bias (2 · rows,): the torch reference of the GLU kernels' affine (kernels/glu.py). No scale: gate, up."""
+    if scale is None:
+        return gate, up
+    both = _rows_view([gate, up])  # the MLP's halves of one (2 · rows, n) buffer: one op for both
+    if both is not None:
+        return (both * scale[:, None] if bias is None else torch.addcmul(bias[:, None], both, scale[:, None])).chunk(2)
+    s_gate, s_up = scale[:, None].chunk(2)
+    if bias is None:
+        return gate * s_gate, up * s_up
+    b_gate, b_up = bias[:, None].chunk(2)
+    return torch.addcmul(b_gate, gate, s_gate), torch.addcmul(b_up, up, s_up)
+
+
+def affine_forward(fn, gate, up, scale=None, bias=None):
+    """fn(G, U) of the per-row affine G, U of gate, up (`scale_rows`): a torch reference as a GLU forward."""
+    return fn(*scale_rows(gate, up, scale, bias))
+
+
+def autograd_backward(fn, dh, gate, up, scale=None, bias=None):
+    """(dG, dU) of fn(G, U) by autograd, G, U the per-row affine of gate, up (`scale_rows`): a torch reference's own
+    gradient, as a GLU backward."""
+    gate, up = scale_rows(gate, up, scale, bias)
     with torch.enable_grad():
         gate, up = gate.detach().requires_grad_(), up.detach().requires_grad_()
         return torch.autograd.grad(fn(gate, up), (gate, up), dh)
@@ -600,23 +628,22 @@ def _dora_scales(projs, groups, saved, mags, masters, dtype, store=None):
     return out
 
 
-def _dora_output(pre, g, b, transposed=False):
-    """Y = g ⊙ P + b (columns scaled), a new tensor, from DoRA's P = X Wᵀ + s (X Aᵀ) Bᵀ (N, Σout). transposed: P is
-    stored as the contiguous (Σout, N), and Y is returned in that layout too (the MLP's [G | U])."""
-    if transposed:
-        return (pre.t() * g[:, None] if b is None else torch.addcmul(b[:, None], pre.t(), g[:, None])).t()
+def _dora_output(pre, g, b):
+    """Y = g ⊙ P + b (columns scaled), a new tensor, from DoRA's P = X Wᵀ + s (X Aᵀ) Bᵀ (N, Σout), in one op. (The
+    MLP's gate and up are scaled inside the activation instead: `GLU`.)"""
     return pre * g if b is None else torch.addcmul(b, pre, g)
 
 
-def _dora_backward(projs, m_dtypes, dy, pre, g, inv, need_m, dms):
+def _dora_backward(fn, projs, m_dtypes, dy, pre, g, inv, need_m, dms, inplace=False):
     """DoRA's part of backward, from dY (N, Σout) of Y = g ⊙ P + b: each magnitude's gradient Σ_n dY ⊙ P / ‖W + s·B·A‖
     (in its master's dtype, m_dtypes[i], into dms[i] where need_m[i]; inv = 1 / ‖W + s·B·A‖), and dP = g ⊙ dY,
-    returned: what the base and the adapters backpropagate."""
-    dm = (dy * pre).sum(0, dtype=torch.float32).mul_(inv)  # (Σout,)
+    returned (written over dY when inplace): what the base and the adapters backpropagate. fn: the one-pass kernel
+    or its torch reference (`Ops.dora_backward`, kernels/dora_backward.py)."""
+    dp, dm = fn(dy, pre, g, inv, out=dy if inplace else None)  # (N, Σout), (Σout,)
     for i, (dtype, cols) in enumerate(zip(m_dtypes, _spans(projs))):
         if dtype is not None and need_m[i]:
             dms[i] = dm[cols].to(dtype)
-    return dy * g
+    return dp
 
 
 def _base_backward(projs, dy, transposed=False):
@@ -754,7 +781,7 @@ class _LoRAProjections(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, projs, store, x, *inputs):
+    def forward(ctx, projs, store, dora_backward, x, *inputs):
         dtype, n = compute_dtype(x), len(projs)
         lora, mags = inputs[:3 * n], inputs[3 * n:]
         names = ["x"] + [f"{n} of {p.name}" for p in projs for n in ("dropout(x)", "lora_A", "lora_B")] + [
@@ -774,7 +801,7 @@ class _LoRAProjections(torch.autograd.Function):
                 y = _dora_output(y, scales[0], _bias(projs, dtype))
         _expect(y, dtype, "output of " + "/".join(p.name for p in projs))
         ctx.save_for_backward(xc, *x_loras, *saved)
-        ctx.projs, ctx.groups, ctx.dora = projs, groups, dora
+        ctx.projs, ctx.groups, ctx.dora, ctx.dora_backward = projs, groups, dora, dora_backward
         return y
 
     @staticmethod
@@ -782,7 +809,7 @@ class _LoRAProjections(torch.autograd.Function):
         projs, n = ctx.projs, len(ctx.projs)
         xc, *saved = ctx.saved_tensors
         x_loras, saved = saved[:n], saved[n:]
-        need = ctx.needs_input_grad[2:]  # x, then (X̃_i, A_i, B_i) per projection, then m_i per projection
+        need = ctx.needs_input_grad[3:]  # x, then (X̃_i, A_i, B_i) per projection, then m_i per projection
         need_lora, need_m = need[:3 * n + 1], need[3 * n + 1:]
         masters = ctx.dtypes[2:3 * n:3]  # lora_A's dtype per projection (lora_B's is asserted equal by _check_grads)
         da, db, dm = [None] * n, [None] * n, [None] * n
@@ -790,13 +817,13 @@ class _LoRAProjections(torch.autograd.Function):
         with torch.autocast(xc.device.type, enabled=False):
             if ctx.dora:
                 *saved, pre, g, inv = saved
-                dy = _dora_backward(projs, ctx.dtypes[3 * n + 1:], dy, pre, g, inv, need_m, dm)
+                dy = _dora_backward(ctx.dora_backward, projs, ctx.dtypes[3 * n + 1:], dy, pre, g, inv, need_m, dm)
             dx = _base_backward(projs, dy) if need[0] else None
             dx_loras = _adapt_groups_backward(projs, ctx.groups, saved, dy, x_loras, xc, dx, need_lora[1::3],
                                               need_lora[2::3], need_lora[3::3], masters, da, db)
         x_dtype = ctx.dtypes[0]  # X's, and every X̃_i's (asserted in forward)
         grads = [t for i in range(n) for t in (_to(dx_loras[i], x_dtype), da[i], db[i])]
-        return (None, None, *_check_grads(ctx, [_to(dx, x_dtype)] + grads + dm))
+        return (None, None, None, *_check_grads(ctx, [_to(dx, x_dtype)] + grads + dm))
 
 
 def _halves(gu):
@@ -821,7 +848,7 @@ class _LoRAMLP(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, projs, glu, output, store, x, x_gate, x_up, *inputs):
+    def forward(ctx, projs, glu, output, store, dora_backward, x, x_gate, x_up, *inputs):
         gate, up, down = projs
         dtype = compute_dtype(x)
         ab, mags = inputs[:6], inputs[6:]
@@ -840,10 +867,11 @@ class _LoRAMLP(torch.autograd.Function):
             saved = _adapt_groups(gu, projs[:2], groups, x_loras, xc, a_masters, b_masters, dtype)
             pre_gu = gu  # what is saved: [G | U], or DoRA's P before its scaling
             dora = []  # g, 1 / ‖W + s·B·A‖ of gate/up; then P, g, 1 / ‖W + s·B·A‖ of down
+            affine = {}  # DoRA's [G | U] = g ⊙ P + b, which the activation computes as it reads P
             if dora_gu:
                 dora += _dora_scales(projs[:2], groups, saved, mags[:2], (a_masters, b_masters), dtype, store)
-                gu = _dora_output(pre_gu, dora[0], _bias(projs[:2], dtype), transposed=True)
-            h = glu.forward(*_halves(gu)).t()  # (N, I)
+                affine = dict(scale=dora[0], bias=_bias(projs[:2], dtype))
+            h = glu.forward(*_halves(gu), **affine).t()  # (N, I)
             keep, h_lora = None, None
             if p_drop > 0:
                 mask = F.dropout(h.new_ones(h.shape), p_drop)  # 0 or 1/(1-p), drawn as F.dropout(h) draws
@@ -864,7 +892,7 @@ class _LoRAMLP(torch.autograd.Function):
             _expect(t, dtype, f"MLP {name}")
         ctx.save_for_backward(xc, *x_loras, pre_gu, keep, *dora, *saved)
         ctx.projs, ctx.glu, ctx.p_drop, ctx.groups = projs, glu, p_drop, groups
-        ctx.dora_gu, ctx.dora_d = dora_gu, dora_d
+        ctx.dora_gu, ctx.dora_d, ctx.dora_backward = dora_gu, dora_d, dora_backward
         return y
 
     @staticmethod
@@ -881,21 +909,20 @@ class _LoRAMLP(torch.autograd.Function):
         dora_gu, saved = (saved[:2], saved[2:]) if ctx.dora_gu else (None, saved)  # g, 1 / ‖W + s·B·A‖
         dora_d, saved = (saved[:3], saved[3:]) if ctx.dora_d else (None, saved)  # P, g, 1 / ‖W + s·B·A‖
         x_loras, projs, down = [x_gate, x_up], ctx.projs, ctx.projs[2]
-        need = ctx.needs_input_grad[4:]  # x, X̃_gate, X̃_up, A_g, B_g, A_u, B_u, A_d, B_d, m_g, m_u, m_d
+        need = ctx.needs_input_grad[5:]  # x, X̃_gate, X̃_up, A_g, B_g, A_u, B_u, A_d, B_d, m_g, m_u, m_d
         need_a, need_b, need_m = need[3:9:2], need[4:9:2], need[9:]  # of gate, up, down
         masters, m_dtypes = ctx.dtypes[3:9:2], ctx.dtypes[9:]  # lora_A's and m's dtypes of gate, up, down
         da, db, dm = [None] * 3, [None] * 3, [None] * 3
         _expect(dy, xc.dtype, "gradient of the MLP output")
         with torch.autocast(xc.device.type, enabled=False):
-            pre_gu = gu
-            if dora_gu is not None:  # [G | U] again from the saved P: a new tensor, which the kernels may overwrite
-                gu = _dora_output(pre_gu, dora_gu[0], _bias(projs[:2], xc.dtype), transposed=True)
+            # DoRA: gu holds P, which the activation scales as it reads it (its backward then writes new tensors)
+            affine = {} if dora_gu is None else dict(scale=dora_gu[0], bias=_bias(projs[:2], xc.dtype))
             if dora_d is not None:
                 dm_d = [None]
-                dy = _dora_backward((down,), m_dtypes[2:], dy, *dora_d, need_m[2:], dm_d)
+                dy = _dora_backward(ctx.dora_backward, (down,), m_dtypes[2:], dy, *dora_d, need_m[2:], dm_d)
                 dm[2] = dm_d[0]
             g, u = _halves(gu)
-            h = ctx.glu.forward(g, u).t()  # (N, I), recomputed: never saved
+            h = ctx.glu.forward(g, u, **affine).t()  # (N, I), recomputed: never saved
             dh = _base_backward((down,), dy, transposed=True)  # (N, I), stored as (I, N) like Gᵀ and Uᵀ
             if down.r:  # the down adapter reads H, or H̃ = H ⊙ M_d with dropout: dH gets (s dY B) A, ⊙ M_d then
                 mask = None if keep is None else keep.to(h.dtype).div_(1 - ctx.p_drop)  # as F.dropout scales
@@ -907,18 +934,21 @@ class _LoRAMLP(torch.autograd.Function):
                     dh.addcmul_(dh_lora, mask)
                 del mask, dh_lora
             del h
-            dg, du = ctx.glu.backward(dh.t(), g, u)  # with the kernels: written over Gᵀ and Uᵀ, i.e. into gu
+            dg, du = ctx.glu.backward(dh.t(), g, u, **affine)  # kernels, no DoRA: written over Gᵀ and Uᵀ, into gu
             del dh
-            dgu = gu if ctx.glu.inplace else torch.cat([dg, du]).t()  # [dG | dU] (N, 2I)
+            if dora_gu is not None:  # dP = g ⊙ [dG | dU], written over [dG | dU] (new tensors)
+                dgu = _dora_backward(ctx.dora_backward, projs[:2], m_dtypes[:2], _packed([dg, du]).t(), gu,
+                                     *dora_gu, need_m[:2], dm, inplace=True)
+            else:
+                dgu = gu if ctx.glu.inplace else torch.cat([dg, du]).t()  # [dG | dU] (N, 2I)
             del gu, dg, du
-            if dora_gu is not None:
-                dgu = _dora_backward(projs[:2], m_dtypes[:2], dgu, pre_gu, *dora_gu, need_m[:2], dm)
             dx = _base_backward(projs[:2], dgu) if need[0] else None
             dx_loras = _adapt_groups_backward(projs[:2], ctx.groups, saved, dgu, x_loras, xc, dx, need[1:3], need_a,
                                               need_b, masters, da, db)
         x_dtype = ctx.dtypes[0]  # X's, and X̃_gate's and X̃_up's (asserted in forward)
         dxs = [_to(t, x_dtype) for t in (dx, *dx_loras)]
-        return (None, None, None, None, *_check_grads(ctx, dxs + [da[0], db[0], da[1], db[1], da[2], db[2]] + dm))
+        return (None, None, None, None, None,
+                *_check_grads(ctx, dxs + [da[0], db[0], da[1], db[1], da[2], db[2]] + dm))
 
 
 def _magnitudes(projs):
@@ -926,24 +956,24 @@ def _magnitudes(projs):
     return [p.lora_magnitude_vector if p.dora and p.r else None for p in projs]
 
 
-def lora_projections(x, projs, store=None):
+def lora_projections(x, projs, store=None, dora_backward=dora_backward_reference):
     """tuple(p(x) for p in projs) as one autograd Function: one GEMM for the base of all of them (`_base`),
     X cast and saved once, and dX in one GEMM too. x (..., in); the outputs are column slices of one
     (..., Σout) tensor. store: a dict that keeps DoRA's scales for a checkpointed layer's recompute
-    (`_dora_scales`)."""
+    (`_dora_scales`). dora_backward: DoRA's one-pass backward, the kernel or its reference (`_dora_backward`)."""
     x2 = x.reshape(-1, x.shape[-1])  # (N, in)
     lora = [t for p in projs for t in (p.lora_input(x2), p.lora_A, p.lora_B)]
-    y = _LoRAProjections.apply(projs, store, x2, *lora, *_magnitudes(projs))
+    y = _LoRAProjections.apply(projs, store, dora_backward, x2, *lora, *_magnitudes(projs))
     y = y.view(*x.shape[:-1], y.shape[-1])
     return (y,) if len(projs) == 1 else y.split([p.out_features for p in projs], dim=-1)
 
 
-def lora_mlp(x, projs, glu: GLU, output=True, store=None):
+def lora_mlp(x, projs, glu: GLU, output=True, store=None, dora_backward=dora_backward_reference):
     """down(act(gate(x)) ⊙ up(x)) for projs = (gate, up, down), as one autograd Function. x (..., H).
     output=False: zeros in place of the output, the graph and what backward needs as with True (`_LoRAMLP`).
-    store: as for `lora_projections`."""
+    store, dora_backward: as for `lora_projections`."""
     gate, up, down = projs
     x2 = x.reshape(-1, x.shape[-1])  # (N, H)
-    y = _LoRAMLP.apply(projs, glu, output, store, x2, gate.lora_input(x2), up.lora_input(x2),
+    y = _LoRAMLP.apply(projs, glu, output, store, dora_backward, x2, gate.lora_input(x2), up.lora_input(x2),
                        gate.lora_A, gate.lora_B, up.lora_A, up.lora_B, down.lora_A, down.lora_B, *_magnitudes(projs))
     return y.view(*x.shape[:-1], y.shape[-1])

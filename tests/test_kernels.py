@@ -12,10 +12,12 @@ import torch.nn.functional as F
 
 import kernels.fused_linear_cross_entropy as flce_module
 from kernels.cross_entropy import cross_entropy
+from kernels.dora_backward import dora_backward
 from kernels.fused_linear_cross_entropy import fused_linear_cross_entropy
 from kernels.geglu import geglu, geglu_backward, geglu_forward
 from kernels.references import (
     cross_entropy_reference,
+    dora_backward_reference,
     fused_linear_cross_entropy_reference,
     geglu_reference,
     rms_norm_reference,
@@ -25,6 +27,7 @@ from kernels.references import (
 from kernels.rms_norm import rms_norm
 from kernels.rope import apply_rope
 from kernels.swiglu import swiglu, swiglu_backward, swiglu_forward
+from model.lora import affine_forward, autograd_backward
 from model.transformer import rope_cos_sin
 from tests.helpers import assert_close
 
@@ -443,10 +446,10 @@ def test_rope_general_tables():
 ACTIVATIONS = {
     "swiglu": (swiglu, swiglu_reference, swiglu_forward, swiglu_backward),
     "geglu_tanh": (lambda g, u: geglu(g, u, "tanh"), lambda g, u: geglu_reference(g, u, "tanh"),
-                   lambda g, u: geglu_forward(g, u, "tanh"),
+                   lambda g, u, **kw: geglu_forward(g, u, "tanh", **kw),
                    lambda dh, g, u, **kw: geglu_backward(dh, g, u, "tanh", **kw)),
     "geglu_erf": (lambda g, u: geglu(g, u, "none"), lambda g, u: geglu_reference(g, u, "none"),
-                  lambda g, u: geglu_forward(g, u, "none"),
+                  lambda g, u, **kw: geglu_forward(g, u, "none", **kw),
                   lambda dh, g, u, **kw: geglu_backward(dh, g, u, "none", **kw)),
 }
 
@@ -491,6 +494,51 @@ def test_activation_low_level_inplace(act):
     assert dgate.data_ptr() == gate.data_ptr() and dup.data_ptr() == up.data_ptr()
     close(dgate, g_ref.grad, torch.float32, "dgate")
     close(dup, u_ref.grad, torch.float32, "dup")
+
+
+@pytest.mark.parametrize("act", list(ACTIVATIONS))
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("has_bias", [False, True])
+def test_activation_per_row_affine(act, dtype, has_bias):
+    """With a per-row scale and bias (DoRA's G = g ⊙ P + b of the MLP's gate and up, stored as (rows, N)), the
+    kernels' h and (dG, dU) equal the torch reference's on the affine G, U, and the backward leaves gate and up
+    (the P that DoRA's backward still reads) as they were, even when asked to work in place."""
+    _, reference, forward, backward = ACTIVATIONS[act]
+    rows, n = 37, 129
+    gate = (torch.randn(rows, n, device=DEVICE) * 3).to(dtype)
+    up, dh = (torch.randn(rows, n, device=DEVICE).to(dtype) for _ in range(2))
+    scale = (torch.rand(2 * rows, device=DEVICE) + 0.5).to(dtype)
+    bias = torch.randn(2 * rows, device=DEVICE).to(dtype) if has_bias else None
+    kept = gate.clone(), up.clone()
+    close(forward(gate, up, scale=scale, bias=bias), affine_forward(reference, gate, up, scale, bias), dtype, "h",
+          scale=2)
+    dgate, dup = backward(dh, gate, up, inplace=True, scale=scale, bias=bias)
+    ref_dgate, ref_dup = autograd_backward(reference, dh, gate, up, scale, bias)
+    close(dgate, ref_dgate, dtype, "dG", scale=4)
+    close(dup, ref_dup, dtype, "dU", scale=2)
+    assert torch.equal(gate, kept[0]) and torch.equal(up, kept[1])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("N,C,transposed", [(1, 7, False), (300, 45, False), (517, 200, True), (129, 1, True)])
+def test_dora_backward(dtype, N, C, transposed):
+    """DoRA's one-pass backward: g ⊙ dY and Σ_n dY ⊙ P · inv equal the torch reference's, row-major and in the
+    MLP's transposed layout (dY given in another layout is read in P's), out of place and over dY."""
+    def make(*shape):
+        t = torch.randn(*shape, device=DEVICE).to(dtype)
+        return t.t().contiguous().t() if transposed else t
+    p, dy = make(N, C), make(N, C)
+    g = (torch.rand(C, device=DEVICE) + 0.5).to(dtype)
+    inv = torch.rand(C, device=DEVICE) + 0.1
+    ref_dp, _ = dora_backward_reference(dy, p, g, inv)
+    _, ref_dm = dora_backward_reference(dy.float(), p.float(), g.float(), inv)  # the kernel sums dY ⊙ P in fp32
+    dp, dm = dora_backward(dy.contiguous(), p, g, inv)
+    assert dp.stride() == p.stride() and dm.dtype == torch.float32
+    close(dp, ref_dp, dtype, "dP")
+    close(dm, ref_dm, torch.float32, "dm", scale=10)
+    out, dm2 = dora_backward(dy, p, g, inv, out=dy)
+    assert out.data_ptr() == dy.data_ptr() and torch.equal(dm2, dm)
+    close(dy, ref_dp, dtype, "dP in place")
 
 
 # ----------------------------------------------------------------------------- no Triton needed

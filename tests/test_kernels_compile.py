@@ -57,6 +57,7 @@ def kernel_cases():
     """The launch configurations of the largest realistic shapes, from the launchers themselves."""
     import kernels.adamw_master as adam
     import kernels.cross_entropy as ce
+    import kernels.dora_backward as db
     import kernels.fp8_quantize as fq
     import kernels.fp8_quantize_tensor as fqt
     import kernels.geglu as gg
@@ -99,13 +100,22 @@ def kernel_cases():
         {"BLOCK_HQ": block_hq, "BLOCK_HK": block_hk, "BLOCK_HALF": block_half},
         flags("BACKWARD"), warps))
 
-    for mod, name, approx in ((sw, "swiglu", []), (gg, "geglu", flags("APPROX_TANH"))):
+    for mod, name, approx in ((sw, "swiglu", ()), (gg, "geglu", ("APPROX_TANH",))):
         specs.append((mod.__name__, f"_{name}_forward_kernel", lambda t: {
-            "gate_ptr": f"*{t}", "up_ptr": f"*{t}", "h_ptr": f"*{t}", "n": "i32"},
-            {"BLOCK": glu.BLOCK}, approx or [{}], glu.NUM_WARPS))
+            "gate_ptr": f"*{t}", "up_ptr": f"*{t}", "scale_ptr": f"*{t}", "bias_ptr": f"*{t}", "h_ptr": f"*{t}",
+            "n": "i32", "n_cols": "i32"}, {"BLOCK": glu.BLOCK}, flags(*approx, "AFFINE", "HAS_BIAS"), glu.NUM_WARPS))
         specs.append((mod.__name__, f"_{name}_backward_kernel", lambda t: {
-            "dh_ptr": f"*{t}", "gate_ptr": f"*{t}", "up_ptr": f"*{t}", "dgate_ptr": f"*{t}", "dup_ptr": f"*{t}",
-            "n": "i32"}, {"BLOCK": glu.BLOCK}, approx or [{}], glu.NUM_WARPS))
+            "dh_ptr": f"*{t}", "gate_ptr": f"*{t}", "up_ptr": f"*{t}", "scale_ptr": f"*{t}", "bias_ptr": f"*{t}",
+            "dgate_ptr": f"*{t}", "dup_ptr": f"*{t}", "n": "i32", "n_cols": "i32"}, {"BLOCK": glu.BLOCK},
+            flags(*approx, "AFFINE", "HAS_BIAS"), glu.NUM_WARPS))
+
+    for transposed in (False, True):  # the row-major and the transposed (MLP gate/up) tiles
+        block_n, block_c = db.launch_config(transposed)
+        specs.append(("kernels.dora_backward", "_dora_backward_kernel", lambda t: {
+            "dy_ptr": f"*{t}", "p_ptr": f"*{t}", "g_ptr": f"*{t}", "inv_ptr": "*fp32", "dp_ptr": f"*{t}",
+            "partial_ptr": "*fp32", "N": "i32", "C": "i32", "stride_n": "i32", "stride_c": "i32"},
+            {"ROWS": db.ROWS, "BLOCK_N": block_n, "BLOCK_C": block_c}, [{}], db.NUM_WARPS,
+            "transposed" if transposed else "rows"))
 
     specs.append(("kernels.nf4_dequantize", "_nf4_dequantize_kernel", lambda t: {
         "packed_ptr": "*u8", "absmax_ptr": "*u8", "absmax_scale_ptr": "*fp32", "absmax_offset_ptr": "*fp32",

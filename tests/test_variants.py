@@ -149,12 +149,13 @@ def dora_run(folder, lora, fused, dtype=torch.float32, **options):
 
 
 @pytest.mark.parametrize("family,kernels,checkpointing", [(f, False, False) for f in FAMILIES] + [
-    ("qwen2", False, True), ("llama", True, True)])
+    ("qwen2", False, True), ("llama", True, True), ("gemma", True, False)])
 def test_dora_fused_path_equals_unfused(family, kernels, checkpointing, base, monkeypatch):
     """The fused LoRA Functions carry DoRA (without dropout): logits and every adapter gradient (A, B, magnitudes)
     equal the unfused reference's, with some projections unadapted (llama: a q/k/v and a gate/up group with
     DoRA and plain members), with biases (Qwen2), under a checkpointed layer's recompute (output=False) and
-    with the Triton kernels' in-place activation backward."""
+    with the Triton kernels (SwiGLU and GeGLU reading gate and up through DoRA's scaling, the one-pass
+    magnitude gradient)."""
     folder = base(family)
     targets = ("q_proj", "v_proj", "o_proj", "up_proj", "down_proj") if family == "llama" else ALL
     lora = LoRAConfig(r=4, alpha=8.0, dora=True, targets=targets)
