@@ -56,6 +56,7 @@ def flag_id(d):
 def kernel_cases():
     """The launch configurations of the largest realistic shapes, from the launchers themselves."""
     import kernels.cross_entropy as ce
+    import kernels.decode_attention as da
     import kernels.fp8_quantize as fq
     import kernels.fp8_quantize_tensor as fqt
     import kernels.geglu as gg
@@ -64,6 +65,7 @@ def kernel_cases():
     import kernels.nf4_to_fp8 as nf8
     import kernels.rms_norm as rn
     import kernels.rope as rp
+    import kernels.rope_cache as rc
     import kernels.swiglu as sw
     from kernels.references import NF4_ABSMAX_BLOCK, NF4_BLOCK
     specs = []  # (module, kernel, signature(dtype), base constexprs, flag combos, num_warps[, label])
@@ -97,6 +99,18 @@ def kernel_cases():
         "cs_token_stride": "i32", "T": "i32", "HQ": "i32", "HK": "i32", "HALF": "i32"},
         {"BLOCK_HQ": block_hq, "BLOCK_HK": block_hk, "BLOCK_HALF": block_half},
         flags("BACKWARD"), warps))
+    specs.append((rc.__name__, "_rope_into_cache_kernel", lambda t: {
+        "q_ptr": f"*{t}", "k_ptr": f"*{t}", "v_ptr": f"*{t}", "q_row_stride": "i32", "k_row_stride": "i32",
+        "v_row_stride": "i32", "q_out_ptr": f"*{t}", "k_cache_ptr": f"*{t}", "v_cache_ptr": f"*{t}", "at_ptr": "*i64",
+        "cos_ptr": f"*{t}", "sin_ptr": f"*{t}", "cs_row_stride": "i32", "S": "i32", "HQ": "i32", "HK": "i32",
+        "HALF": "i32"}, {"BLOCK_HQ": block_hq, "BLOCK_HK": block_hk, "BLOCK_HALF": block_half}, [{}], warps))
+    for label, (rep, D) in (("small", (3, 64)), ("large", (8, 256))):  # SmolLM2's heads; Gemma's widest
+        block_rep, block_s, block_d = da.launch_config(rep, D)
+        specs.append((da.__name__, "_decode_attention_kernel", lambda t: {
+            "q_ptr": f"*{t}", "k_ptr": f"*{t}", "v_ptr": f"*{t}", "y_ptr": f"*{t}", "first_ptr": "*i64",
+            "at_ptr": "*i64", "S": "i32", "HK": "i32", "D": "i32", "window": "i32", "scale": "fp32",
+            "softcap": "fp32"}, {"REP": rep, "BLOCK_REP": block_rep, "BLOCK_S": block_s, "BLOCK_D": block_d},
+            flags("HAS_FIRST", "HAS_WINDOW", "HAS_SOFTCAP"), da.NUM_WARPS, label))
 
     for mod, name, approx in ((sw, "swiglu", []), (gg, "geglu", flags("APPROX_TANH"))):
         specs.append((mod.__name__, f"_{name}_forward_kernel", lambda t: {
