@@ -68,6 +68,23 @@ def test_logps_equal_the_full_forward(tiny, temperature):
         assert_close(torch.tensor(lp), want, atol=1e-5, rtol=1e-5, name=f"row {i} log-probs")
 
 
+def test_logps_with_the_decoding_kernels(tmp_path):
+    """With the kernels (the GPU's decoding path: rope into the cache, attention over it from each row's first
+    slot), each sampled token's log-prob equals the full forward's, for left-padded prompts, in fp32, with Gemma 2's
+    softcap and window (8)."""
+    save_tiny("gemma2", str(tmp_path))
+    model, _ = load_model(str(tmp_path), use_kernels=True, lora=LoRAConfig(r=4, alpha=8))
+    randomize_lora_b(model)
+    model.eval()
+    plain, _ = load_model(str(tmp_path), lora=LoRAConfig(r=4, alpha=8))  # the reference, without the interpreter
+    plain.load_state_dict(model.state_dict())
+    out, logps = sample_groups(model, PROMPTS, 2, max_new_tokens=6, temperature=1.0,
+                               generator=torch.Generator().manual_seed(0))
+    for i, (completion, lp) in enumerate(zip(out, logps, strict=True)):
+        want = reference_logps(plain.eval(), PROMPTS[i // 2], completion, 1.0)
+        assert_close(torch.tensor(lp), want, atol=1e-5, rtol=1e-5, name=f"row {i} log-probs")
+
+
 def test_the_next_rollout_samples_from_the_updated_adapters(llama_folder):
     """A sampler decodes with merged weights, refreshed at every call: after an optimizer step on the adapters its
     log-probs are those of the full forward under the new adapters, and differ from the step before's."""
