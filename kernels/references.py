@@ -6,6 +6,7 @@ reference, and the model runs the references when the kernels are off (`--no-ker
 This module imports torch only, so that those runs need no Triton.
 
     rms_norm_reference                     kernels/rms_norm.py
+    add_rms_norm_reference                 kernels/add_rms_norm.py
     rope_reference                         kernels/rope.py
     rope_into_cache_reference              kernels/rope_cache.py
     decode_attention_reference             kernels/decode_attention.py
@@ -48,6 +49,12 @@ def rms_norm_reference(x, weight, eps=1e-6, offset=0.0, cast="llama"):
         return (xhat * (offset + weight.float())).type_as(x)
     w = weight if offset == 0.0 else offset + weight
     return w * xhat.to(x.dtype)
+
+
+def add_rms_norm_reference(x, r, weight, eps=1e-6, offset=0.0, cast="llama"):
+    """Pure torch: (x + r, rms_norm_reference(x + r))."""
+    s = x + r
+    return s, rms_norm_reference(s, weight, eps, offset, cast)
 
 
 # ----------------------------------------------------------------------------- RoPE

@@ -58,8 +58,10 @@ class Ops:
     def __init__(self, use_kernels: bool, fused_lora: bool = True):
         self.use_kernels = use_kernels
         self.fused_lora = fused_lora  # projections through model/lora.py's fused autograd Functions
-        self.rope_into_cache = self.decode_attention = None  # a decoding step's kernels (`decode_attend`)
+        # a decoding step's kernels (`decode_attend`, `Transformer.decode_layers`)
+        self.rope_into_cache = self.decode_attention = self.add_rms_norm = None
         if use_kernels:
+            from kernels.add_rms_norm import add_rms_norm
             from kernels.decode_attention import decode_attention
             from kernels.fused_linear_cross_entropy import fused_linear_cross_entropy
             from kernels.geglu import geglu, geglu_backward, geglu_forward
@@ -70,6 +72,7 @@ class Ops:
             self.rms_norm, self.rope, self.swiglu, self.geglu = rms_norm, apply_rope, swiglu, geglu
             self.linear_cross_entropy = fused_linear_cross_entropy
             self.rope_into_cache, self.decode_attention = rope_into_cache, decode_attention
+            self.add_rms_norm = add_rms_norm
             self._glu_pairs = {"silu": (swiglu_forward, swiglu_backward), "gelu": (geglu_forward, geglu_backward)}
         else:
             self.rms_norm, self.rope, self.swiglu, self.geglu = (rms_norm_reference, rope_reference,
@@ -95,6 +98,10 @@ class RMSNorm(nn.Module):
 
     def forward(self, x):
         return self.ops.rms_norm(x, self.weight, eps=self.eps, offset=self.offset, cast=self.cast)
+
+    def after_add(self, x, r):
+        """(x + r, this norm of x + r) in one kernel, without gradients (a decoding step, `decode_layers`)."""
+        return self.ops.add_rms_norm(x, r, self.weight, eps=self.eps, offset=self.offset, cast=self.cast)
 
 
 # ----------------------------------------------------------------------------- RoPE
@@ -494,6 +501,8 @@ class Transformer(nn.Module):
             masks[t] = (DecodeMask(cache.first, at, self.window(t)) if decoding else
                         cache.mask(self.window(t)) if at is not None else
                         self.layer_mask(t, doc_ids, docs, (B, T), start, dev, x.dtype))
+        if decoding and not cfg.sandwich_norm:
+            return self.decode_layers(x, tables, masks, cache)
         # Recomputing a layer would append its keys and values to a cache a second time.
         recompute = self.gradient_checkpointing and torch.is_grad_enabled() and cache is None
         if recompute and not x.requires_grad:
@@ -516,6 +525,21 @@ class Transformer(nn.Module):
         if offload:
             offload.end()
         return self.model.norm(x)
+
+    def decode_layers(self, x, tables, masks, cache):
+        """The layers of a decoding step (`hidden_states`) with each residual add and the norm after it in one
+        kernel (`RMSNorm.after_add`): a layer's post-attention norm, then the next layer's input norm or the final
+        norm. A small model's step costs its launches (model/generate.py); the values are the layers' own. Not for
+        sandwich norms (Gemma 2/3), whose adds follow a norm of the sublayer's output."""
+        layers = self.model.layers
+        h = layers[0].input_layernorm(x)
+        for i, layer in enumerate(layers):
+            cos, sin = tables[layer.layer_type]
+            a = layer.self_attn(h, cos, sin, masks[layer.layer_type], cache.layers[i])
+            x, h = layer.post_attention_layernorm.after_add(x, a)
+            norm = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.model.norm
+            x, h = norm.after_add(x, layer.mlp(h))
+        return h
 
     def logits(self, h):
         """Logits (..., V) of final-norm hidden states h (..., H), softcapped where the model is."""

@@ -55,6 +55,7 @@ def flag_id(d):
 
 def kernel_cases():
     """The launch configurations of the largest realistic shapes, from the launchers themselves."""
+    import kernels.add_rms_norm as arn
     import kernels.cross_entropy as ce
     import kernels.decode_attention as da
     import kernels.fp8_quantize as fq
@@ -87,6 +88,10 @@ def kernel_cases():
     specs.append(("kernels.rms_norm", "_rms_norm_forward_kernel", lambda t: {
         "x_ptr": f"*{t}", "x_row_stride": "i32", "w_ptr": f"*{t}", "y_ptr": f"*{t}", "rstd_ptr": "*fp32",
         "H": "i32", "eps": "fp32", "offset": "fp32"}, {"BLOCK": block}, flags("GEMMA_CAST"), warps))
+    specs.append((arn.__name__, "_add_rms_norm_kernel", lambda t: {
+        "x_ptr": f"*{t}", "r_ptr": f"*{t}", "w_ptr": f"*{t}", "s_ptr": f"*{t}", "y_ptr": f"*{t}",
+        "x_row_stride": "i32", "r_row_stride": "i32", "H": "i32", "eps": "fp32", "offset": "fp32"},
+        {"BLOCK": block}, flags("GEMMA_CAST"), warps))
     specs.append(("kernels.rms_norm", "_rms_norm_backward_kernel", lambda t: {
         "dy_ptr": f"*{t}", "dy_row_stride": "i32", "x_ptr": f"*{t}", "x_row_stride": "i32", "w_ptr": f"*{t}",
         "rstd_ptr": "*fp32", "dx_ptr": f"*{t}", "dw_partial_ptr": "*fp32", "N": "i32", "H": "i32",

@@ -1,11 +1,14 @@
 """A decoding step's kernels against their references: `rope_into_cache` bit-equal to the rope kernel and the
 cache's index_copy_ writes it replaces; `decode_attention` against a float64 reference, for grouped and plain kv
-heads, odd cache lengths, left-padded rows, sliding windows and softcaps. On CPU in Triton's interpreter."""
+heads, odd cache lengths, left-padded rows, sliding windows and softcaps; `add_rms_norm` bit-equal to the add and
+the rms_norm kernel. On CPU in Triton's interpreter."""
 import pytest
 import torch
 
+from kernels.add_rms_norm import add_rms_norm
 from kernels.decode_attention import decode_attention
-from kernels.references import decode_attention_reference
+from kernels.references import add_rms_norm_reference, decode_attention_reference
+from kernels.rms_norm import rms_norm
 from kernels.rope import apply_rope
 from kernels.rope_cache import rope_into_cache
 from model.transformer import rope_cos_sin
@@ -68,3 +71,23 @@ def test_decode_attention_refuses_a_cache_of_another_shape():
     q, k = torch.randn(2, 1, 6, 16), torch.randn(2, 4, 9, 16)
     with pytest.raises(ValueError, match="kv heads do not divide"):
         decode_attention(q, k, k, None, torch.tensor([3]), 0.25)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(16, 1, 64), (3, 1, 200), (2, 5, 33)])
+@pytest.mark.parametrize("cast, offset", [("llama", 0.0), ("gemma", 1.0)])
+def test_add_rms_norm_equals_add_then_rms_norm(dtype, shape, cast, offset):
+    """The residual sum and its norm equal bit for bit torch's add (rounded to the dtype) followed by the rms_norm
+    kernel, and the float64 reference within the dtype's rounding; the residual r a strided view."""
+    x = torch.randn(shape, device=DEVICE).to(dtype)
+    r = torch.randn(*shape[:-1], 2 * shape[-1], device=DEVICE).to(dtype)[..., ::2]
+    w = torch.randn(shape[-1], device=DEVICE).to(dtype)
+    s, y = add_rms_norm(x, r, w, eps=1e-6, offset=offset, cast=cast)
+    if DEVICE == "cuda" or dtype != torch.bfloat16:
+        assert torch.equal(s, x + r)
+    else:  # Triton's interpreter rounds fp32 to bf16 toward zero, where torch and the GPU round to nearest
+        assert_close(s, x + r, atol=0, rtol=2 ** -7, name="s")
+    assert torch.equal(y, rms_norm(s, w, eps=1e-6, offset=offset, cast=cast))
+    want = add_rms_norm_reference(x.double(), r.double(), w.double(), 1e-6, offset, cast)[1]
+    rtol = RTOL[dtype] * 2  # the norm rounds twice under cast="llama"
+    assert_close(y, want, atol=rtol * want.abs().max().item(), rtol=rtol, name="y")

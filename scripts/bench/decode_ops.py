@@ -6,12 +6,13 @@ cache (the step a `GroupSampler` replays as a CUDA graph), on CPU in bf16, a pro
 A decoding step of a small model replays one graph whose time is about its kernel count times a few µs, so the
 count predicts the rollout's time (dev/perf-notes.md). Counted: the aten ops that no other aten op called, less
 those that launch no work (views, reshapes, transposes, aliases, detach, a cast or contiguous() that returns its
-input). Printed for the adapter path and the merged path (`MergedAdapters`), per layer (the ops inside each
-DecoderLayer) and for the whole step, with the op names of one layer and of the rest of the step. By default the
-torch references run in place of the Triton kernels that a CUDA model uses (rms_norm, rope, the gated activation):
-each of those is one kernel on the GPU where the reference is several ops here. --kernels runs the model a CUDA
-GPU runs (the kernels, the decoding step's own attention path) in Triton's interpreter, and counts each launch
-as one op (`triton::<kernel>`), not the interpreter's bookkeeping ops inside it.
+input). Printed for the adapter path and the merged path (`MergedAdapters`), per layer (what a model of
+2 × --layers layers launches more than one of --layers, divided by --layers: a step may fuse the end of one layer
+with the start of the next) and for the whole step, with the op names of one layer and of the rest of the step. By
+default the torch references run in place of the Triton kernels that a CUDA model uses (rms_norm, rope, the gated
+activation): each of those is one kernel on the GPU where the reference is several ops here. --kernels runs
+the model a CUDA GPU runs (the kernels, the decoding step's own path) in Triton's interpreter, and counts each
+launch as one op (`triton::<kernel>`), not the interpreter's bookkeeping ops inside it.
 """
 import argparse
 import collections
@@ -75,42 +76,31 @@ def triton_launches():
 
 
 def top_level(events):
-    """(name, inside a layer) of each top-level aten op or Triton launch that launches work."""
+    """The name of each top-level aten op or Triton launch that launches work."""
     out = []
     for e in events:
         if not is_op(e.name) or e.name in NO_WORK:
             continue
         if e.name in COPY_IF_NEEDED and not e.cpu_children:  # returned its input
             continue
-        parent, in_layer = e.cpu_parent, False
+        parent = e.cpu_parent
         while parent is not None and not is_op(parent.name):
-            in_layer |= parent.name == "layer"
             parent = parent.cpu_parent
         if parent is None:
-            out.append((e.name, in_layer))
+            out.append(e.name)
     return out
 
 
 def count(model, rows, merged, kernels):
-    """The top-level ops of one decoding step: (per layer, in the whole step, Counter of one layer's names)."""
-    cfg = model.config
-    cache = KVCache(cfg, rows, 32, torch.bfloat16, "cpu")
+    """Counter of the top-level ops of one decoding step by name."""
+    cache = KVCache(model.config, rows, 32, torch.bfloat16, "cpu")
     decode = DecodeGraph(model, cache, first=torch.zeros(rows, dtype=torch.long), graphed=False)
-    spans = []
-    for layer in model.model.layers:
-        layer.register_forward_pre_hook(lambda *_: spans.append(record_function("layer").__enter__()))
-        layer.register_forward_hook(lambda *_: spans.pop().__exit__(None, None, None))
     with torch.no_grad(), (merged or contextlib.nullcontext()):
         decode(1, 0)  # the static cache is set up by the first call
         with profile(activities=[ProfilerActivity.CPU]) as prof, (triton_launches() if kernels else
                                                                   contextlib.nullcontext()):
             decode(2, 1)
-    ops = top_level(prof.events())
-    layer_ops = collections.Counter(name for name, inside in ops if inside)
-    outside = collections.Counter(name for name, inside in ops if not inside)
-    n = cfg.n_layers
-    one_layer = collections.Counter({k: v // n for k, v in layer_ops.items()})
-    return sum(layer_ops.values()) / n, len(ops), one_layer, outside
+    return collections.Counter(top_level(prof.events()))
 
 
 def main():
@@ -121,19 +111,29 @@ def main():
     p.add_argument("--kernels", action="store_true", help="the Triton kernels (in the interpreter without a GPU), "
                    "each launch counted as one op")
     args = p.parse_args()
-    with tempfile.TemporaryDirectory() as folder:
-        tiny_llama(folder, args.layers)
-        model, _ = load_model(folder, dtype=torch.bfloat16, lora=LoRAConfig(r=args.r, alpha=args.r),
-                              use_kernels=args.kernels)
-    model.eval()
-    for name, merged in (("adapter path", None), ("merged path", MergedAdapters(model))):
-        if merged is not None and not merged.groups:
+    models = []
+    for layers in (args.layers, 2 * args.layers):
+        with tempfile.TemporaryDirectory() as folder:
+            tiny_llama(folder, layers)
+            model, _ = load_model(folder, dtype=torch.bfloat16, lora=LoRAConfig(r=args.r, alpha=args.r),
+                                  use_kernels=args.kernels)
+        models.append(model.eval())
+    n = args.layers
+    for name, merged in (("adapter path", False), ("merged path", True)):
+        counts = []
+        for model in models:
+            block = MergedAdapters(model) if merged else None
+            if block is not None and not block.groups:
+                break
+            counts.append(count(model, args.rows, block, args.kernels))
+        if len(counts) < 2:
             print(f"{name}: not taken here")
             continue
-        per_layer, total, names, outside = count(model, args.rows, merged, args.kernels)
-        print(f"{name}: {per_layer:g} ops per layer, {total} in the step ({args.layers} layers)")
-        for what, counts in (("one layer", names), ("outside the layers", outside)):
-            print(f"  {what}: " + ", ".join(f"{k.removeprefix('aten::')} {v}" for k, v in counts.most_common()))
+        one_layer = collections.Counter({k: (counts[1][k] - counts[0][k]) // n for k in counts[1]})
+        outside = counts[0] - collections.Counter({k: v * n for k, v in one_layer.items()})
+        print(f"{name}: {one_layer.total()} ops per layer, {counts[0].total()} in the step ({n} layers)")
+        for what, ops in (("one layer", +one_layer), ("outside the layers", outside)):
+            print(f"  {what}: " + ", ".join(f"{k.removeprefix('aten::')} {v}" for k, v in ops.most_common()))
 
 
 if __name__ == "__main__":
