@@ -493,7 +493,9 @@ class Transformer(nn.Module):
             x = x * torch.tensor(cfg.embed_scale, dtype=x.dtype)
         if docs is None and doc_ids is not None and start == 0 and self.varlen(dev, x.dtype):
             docs = documents(doc_ids)
-        # A decoding step into a static cache with the kernels: their own attention path (`decode_attend`).
+        # A decoding step (one token a row into a static cache, no gradients) with the kernels: a small model's step
+        # costs its launches, so it takes its own attention (`decode_attend`) and, where the norms are not
+        # sandwiched, its own layer loop (`decode_layers`).
         decoding = at is not None and T == 1 and self.ops.decode_attention is not None and not torch.is_grad_enabled()
         tables, masks = {}, {}
         for t in set(cfg.layer_types):
