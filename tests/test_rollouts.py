@@ -11,7 +11,7 @@ from data.batches import IGNORE_INDEX
 from data.rollouts import Rollout, collate
 from model import LoRAConfig, load_model
 from model.generate import GroupSampler, generate, sample_groups, sample_tokens
-from model.lora import lora_parameters
+from model.lora import MergedAdapters, lora_parameters
 from tests.helpers import assert_close, randomize_lora_b
 from tests.tiny_models import save_tiny
 
@@ -123,6 +123,22 @@ def test_a_decoding_step_runs_plain_gemms_and_copies_no_kv_heads(llama_folder):
     gemms = sum(ops.count(f"aten::{name}") for name in ("mm", "addmm", "addmm_"))  # what linear and matmul call
     assert gemms == 4 * cfg.n_layers + 1  # and the head
     assert "aten::repeat_interleave" not in ops
+
+
+def test_a_decoding_step_with_the_kernels_launches_nine_kernels_a_layer(tmp_path):
+    """The GPU's merged decoding step (kernels on), counted as scripts/bench/decode_ops.py counts it: a layer is
+    4 GEMMs, RoPE into the cache, the decode attention, 2 fused add + norms and SwiGLU, nothing else."""
+    from scripts.bench.decode_ops import count, tiny_llama
+    steps = []
+    for layers in (1, 2):
+        tiny_llama(str(tmp_path / str(layers)), layers)
+        model, _ = load_model(str(tmp_path / str(layers)), dtype=torch.bfloat16, use_kernels=True,
+                              lora=LoRAConfig(r=4, alpha=8))
+        steps.append(count(model.eval(), 2, MergedAdapters(model), kernels=True))
+    layer = steps[1] - steps[0]
+    assert layer == {"aten::linear": 3, "aten::mm": 1, "triton::_rope_into_cache_kernel": 1,
+                     "triton::_decode_attention_kernel": 1, "triton::_add_rms_norm_kernel": 2,
+                     "triton::_swiglu_forward_kernel": 1}, layer
 
 
 def test_rows_stop_at_a_stop_id(tiny):
