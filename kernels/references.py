@@ -6,7 +6,10 @@ reference, and the model runs the references when the kernels are off (`--no-ker
 This module imports torch only, so that those runs need no Triton.
 
     rms_norm_reference                     kernels/rms_norm.py
+    add_rms_norm_reference                 kernels/add_rms_norm.py
     rope_reference                         kernels/rope.py
+    rope_into_cache_reference              kernels/rope_cache.py
+    decode_attention_reference             kernels/decode_attention.py
     swiglu_reference, geglu_reference      kernels/swiglu.py, kernels/geglu.py
     cross_entropy_reference                kernels/cross_entropy.py
     fused_linear_cross_entropy_reference   kernels/fused_linear_cross_entropy.py
@@ -49,6 +52,12 @@ def rms_norm_reference(x, weight, eps=1e-6, offset=0.0, cast="llama"):
     return w * xhat.to(x.dtype)
 
 
+def add_rms_norm_reference(x, r, weight, eps=1e-6, offset=0.0, cast="llama"):
+    """Pure torch: (x + r, rms_norm_reference(x + r))."""
+    s = x + r
+    return s, rms_norm_reference(s, weight, eps, offset, cast)
+
+
 # ----------------------------------------------------------------------------- RoPE
 
 def check_rope_args(q, k, cos, sin):
@@ -75,6 +84,64 @@ def rope_reference(q, k, cos, sin):
     q_out = q * cos.to(q.dtype) + rotate_half(q) * sin.to(q.dtype)
     k_out = k * cos.to(k.dtype) + rotate_half(k) * sin.to(k.dtype)
     return q_out, k_out
+
+
+# ----------------------------------------------------------------------------- a decoding step
+
+def check_rope_into_cache_args(q, k, v, cos, sin, k_cache, v_cache, at):
+    check_rope_args(q, k, cos, sin)
+    B, T, Hk, D = k.shape
+    if T != 1 or v.shape != k.shape:
+        raise ValueError(f"one token a row: k and v must be [B, 1, Hk, D], got {tuple(k.shape)}, {tuple(v.shape)}")
+    if k_cache.shape != v_cache.shape or k_cache.dim() != 4 or k_cache.shape[:2] != (B, Hk) or k_cache.shape[3] != D:
+        raise ValueError(f"the caches must be [B, Hk, S, D] = [{B}, {Hk}, S, {D}], got {tuple(k_cache.shape)}, "
+                         f"{tuple(v_cache.shape)}")
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()) or at.shape != (1,) or at.dtype != torch.int64:
+        raise ValueError("the caches must be contiguous and `at` one int64 slot")
+
+
+def rope_into_cache_reference(q, k, v, cos, sin, k_cache, v_cache, at):
+    """Pure torch: `rope_reference`, then k and v copied into the caches' slot at[0]; returns the rotated q."""
+    check_rope_into_cache_args(q, k, v, cos, sin, k_cache, v_cache, at)
+    q, k = rope_reference(q, k, cos, sin)
+    k_cache.index_copy_(2, at, k.transpose(1, 2))
+    v_cache.index_copy_(2, at, v.transpose(1, 2))
+    return q
+
+
+def check_decode_attention_args(q, k_cache, v_cache, first, at):
+    B, T, Hq, D = q.shape
+    if T != 1 or k_cache.shape != v_cache.shape or k_cache.shape[0] != B or k_cache.shape[3] != D:
+        raise ValueError(f"q must be [B, 1, Hq, D] and the caches [B, Hk, S, D]; got {tuple(q.shape)}, "
+                         f"{tuple(k_cache.shape)}, {tuple(v_cache.shape)}")
+    if Hq % k_cache.shape[1]:
+        raise ValueError(f"{k_cache.shape[1]} kv heads do not divide {Hq} query heads")
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()) or at.shape != (1,) or at.dtype != torch.int64:
+        raise ValueError("the caches must be contiguous and `at` one int64 slot")
+    if first is not None and (first.shape != (B,) or first.dtype != torch.int64):
+        raise ValueError(f"first must be int64 [{B}], got {first.dtype} {tuple(first.shape)}")
+
+
+def decode_attention_reference(q, k_cache, v_cache, first, at, scale, window=None, softcap=None):
+    """Pure torch, in fp32 (float64 for float64 inputs): softmax(scale · q kᵀ, softcapped) v over the slots
+    first[b] <= j <= at[0] (and at[0] - j < window), with grouped kv heads; q's dtype, shape [B, 1, Hq, D]."""
+    check_decode_attention_args(q, k_cache, v_cache, first, at)
+    B, _, Hq, D = q.shape
+    Hk, S = k_cache.shape[1], k_cache.shape[2]
+    dt = torch.promote_types(q.dtype, torch.float32)
+    qg = q.to(dt).view(B, Hk, Hq // Hk, D)  # query heads h*rep .. h*rep + rep - 1 read kv head h
+    s = (qg @ k_cache.to(dt).transpose(-1, -2)) * scale  # (B, Hk, rep, S)
+    if softcap is not None:
+        s = softcap * torch.tanh(s / softcap)
+    keys = torch.arange(S, device=q.device)
+    keep = keys <= at  # (S,)
+    if window is not None:
+        keep = keep & (at - keys < window)
+    lo = first[:, None] if first is not None else torch.zeros(B, 1, dtype=torch.long, device=q.device)
+    keep = keep & (keys >= lo)  # (B, S)
+    s = s.masked_fill(~keep[:, None, None], float("-inf"))
+    y = torch.softmax(s, dim=-1) @ v_cache.to(dt)  # (B, Hk, rep, D)
+    return y.reshape(B, 1, Hq, D).to(q.dtype)
 
 
 # ----------------------------------------------------------------------------- SwiGLU / GeGLU

@@ -33,7 +33,8 @@ from model.lora import MergedAdapters
 class LayerCache:
     """One layer's keys and values, (B, n_kv_heads, max_len, head_dim), `length` positions filled. Once `at` is
     set (a static cache, see `KVCache.make_static`), an update writes its tokens at the positions that device
-    tensor holds and returns the whole buffers, whose positions not written yet `KVCache.mask` hides."""
+    tensor holds and returns the whole buffers, whose positions not written yet `KVCache.mask` hides. (With the
+    kernels, a one-token step writes the slot and reads the buffers itself: model/transformer.py, `decode_attend`.)"""
 
     def __init__(self, shape, dtype, device):
         self.k = torch.zeros(shape, dtype=dtype, device=device)

@@ -60,15 +60,22 @@ class Ops:
     def __init__(self, use_kernels: bool, fused_lora: bool = True):
         self.use_kernels = use_kernels
         self.fused_lora = fused_lora  # projections through model/lora.py's fused autograd Functions
+        # a decoding step's kernels (`decode_attend`, `Transformer.decode_layers`)
+        self.rope_into_cache = self.decode_attention = self.add_rms_norm = None
         if use_kernels:
+            from kernels.add_rms_norm import add_rms_norm
+            from kernels.decode_attention import decode_attention
             from kernels.dora_backward import dora_backward
             from kernels.fused_linear_cross_entropy import fused_linear_cross_entropy
             from kernels.geglu import geglu, geglu_backward, geglu_forward
             from kernels.rms_norm import rms_norm
             from kernels.rope import apply_rope
+            from kernels.rope_cache import rope_into_cache
             from kernels.swiglu import swiglu, swiglu_backward, swiglu_forward
             self.rms_norm, self.rope, self.swiglu, self.geglu = rms_norm, apply_rope, swiglu, geglu
             self.linear_cross_entropy = fused_linear_cross_entropy
+            self.rope_into_cache, self.decode_attention = rope_into_cache, decode_attention
+            self.add_rms_norm = add_rms_norm
             self._glu_pairs = {"silu": (swiglu_forward, swiglu_backward), "gelu": (geglu_forward, geglu_backward)}
             self.dora_backward = dora_backward
         else:
@@ -96,6 +103,10 @@ class RMSNorm(nn.Module):
 
     def forward(self, x):
         return self.ops.rms_norm(x, self.weight, eps=self.eps, offset=self.offset, cast=self.cast)
+
+    def after_add(self, x, r):
+        """(x + r, this norm of x + r) in one kernel, without gradients (a decoding step, `decode_layers`)."""
+        return self.ops.add_rms_norm(x, r, self.weight, eps=self.eps, offset=self.offset, cast=self.cast)
 
 
 # ----------------------------------------------------------------------------- RoPE
@@ -269,6 +280,25 @@ def attend(q, k, v, mask, scale, softcap):
     return (p @ v).reshape(B, Hq, T, D)
 
 
+class DecodeMask(NamedTuple):
+    """What a decoding step's row sees of a static KV cache (model/generate.py, `KVCache.mask`): the slots from
+    first[b] (None: 0) up to at[0], the new token's, and within `window` slots of it (None: all)."""
+    first: torch.Tensor | None  # int64 (B,)
+    at: torch.Tensor  # int64 (1,)
+    window: int | None
+
+
+def decode_attend(ops, q, k, v, cos, sin, cache, mask: DecodeMask, scale, softcap):
+    """A decoding step's attention (one query a row into a static cache) on the kernels' path: one kernel rotates
+    q and k and writes k and v into the cache slot, one attends over the cache where it lies. The general path
+    (`attend`) launches far more for one token: the cache's index_copy_ writes, strided copies of q, k, v and y,
+    and SDPA's conversion of the boolean mask to an additive one with its fills. q (B, 1, nh, d), k, v (B, 1, nkv,
+    d), views of the projections; returns y (B, 1, nh * d)."""
+    q = ops.rope_into_cache(q, k, v, cos, sin, cache.k, cache.v, mask.at)
+    y = ops.decode_attention(q, cache.k, cache.v, mask.first, mask.at, scale, mask.window, softcap)
+    return y.view(q.shape[0], 1, -1)
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, ops: Ops, lora: LoRAConfig | None):
         super().__init__()
@@ -301,12 +331,15 @@ class Attention(nn.Module):
         v = (v.contiguous() if torch.is_grad_enabled() else v).view(B, T, self.nkv, self.d)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.ops.rope(q, k, cos, sin)  # (B, T, nh, d), (B, T, nkv, d)
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, heads, T, d)
-        if cache is not None:
-            k, v = cache.update(k, v)  # (B, nkv, S, d): the cached positions, then these
-        y = attend(q, k, v, mask, self.scale, self.softcap)  # (B, nh, T, d)
-        y = y.transpose(1, 2).reshape(B, T, self.nh * self.d)
+        if isinstance(mask, DecodeMask):
+            y = decode_attend(self.ops, q, k, v, cos, sin, cache, mask, self.scale, self.softcap)
+        else:
+            q, k = self.ops.rope(q, k, cos, sin)  # (B, T, nh, d), (B, T, nkv, d)
+            q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, heads, T, d)
+            if cache is not None:
+                k, v = cache.update(k, v)  # (B, nkv, S, d): the cached positions, then these
+            y = attend(q, k, v, mask, self.scale, self.softcap)  # (B, nh, T, d)
+            y = y.transpose(1, 2).reshape(B, T, self.nh * self.d)
         return lora_projections(y, (self.o_proj,), store, self.ops.dora_backward)[0] if fused else self.o_proj(y)
 
 
@@ -465,11 +498,18 @@ class Transformer(nn.Module):
             x = x * torch.tensor(cfg.embed_scale, dtype=x.dtype)
         if docs is None and doc_ids is not None and start == 0 and self.varlen(dev, x.dtype):
             docs = documents(doc_ids)
+        # A decoding step (one token a row into a static cache, no gradients) with the kernels: a small model's step
+        # costs its launches, so it takes its own attention (`decode_attend`) and, where the norms are not
+        # sandwiched, its own layer loop (`decode_layers`).
+        decoding = at is not None and T == 1 and self.ops.decode_attention is not None and not torch.is_grad_enabled()
         tables, masks = {}, {}
         for t in set(cfg.layer_types):
             tables[t] = rope_cos_sin(position_ids, rope_inv_freq(cfg, t, dev), x.dtype)
-            masks[t] = (cache.mask(self.window(t)) if at is not None else
+            masks[t] = (DecodeMask(cache.first, at, self.window(t)) if decoding else
+                        cache.mask(self.window(t)) if at is not None else
                         self.layer_mask(t, doc_ids, docs, (B, T), start, dev, x.dtype))
+        if decoding and not cfg.sandwich_norm:
+            return self.decode_layers(x, tables, masks, cache)
         # Recomputing a layer would append its keys and values to a cache a second time.
         recompute = self.gradient_checkpointing and torch.is_grad_enabled() and cache is None
         if recompute and not x.requires_grad:
@@ -500,6 +540,21 @@ class Transformer(nn.Module):
             weight = self.model.norm.weight
             self.offload.reserve(len(self.model.layers), batch * seqlen * self.config.hidden_size, weight.dtype,
                                  weight.is_cuda)
+
+    def decode_layers(self, x, tables, masks, cache):
+        """The layers of a decoding step (`hidden_states`) with each residual add and the norm after it in one
+        kernel (`RMSNorm.after_add`): a layer's post-attention norm, then the next layer's input norm or the final
+        norm. A small model's step costs its launches (model/generate.py); the values are the layers' own. Not for
+        sandwich norms (Gemma 2/3), whose adds follow a norm of the sublayer's output."""
+        layers = self.model.layers
+        h = layers[0].input_layernorm(x)
+        for i, layer in enumerate(layers):
+            cos, sin = tables[layer.layer_type]
+            a = layer.self_attn(h, cos, sin, masks[layer.layer_type], cache.layers[i])
+            x, h = layer.post_attention_layernorm.after_add(x, a)
+            norm = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.model.norm
+            x, h = norm.after_add(x, layer.mlp(h))
+        return h
 
     def logits(self, h):
         """Logits (..., V) of final-norm hidden states h (..., H), softcapped where the model is."""

@@ -88,6 +88,33 @@ def test_static_cache_matches_full_forward(family, tmp_path):
     assert_close(torch.cat(pieces, dim=1), full, atol=1e-5, rtol=1e-5, name=f"{family} static-cache logits")
 
 
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma2"])
+def test_decoding_kernels_match_full_forward(family, tmp_path, monkeypatch):
+    """With the kernels, a static cache's one-token steps take the decoding kernels (rope into the cache, attention
+    over it in place, each residual add with the norm after it where the norms are not sandwiched) and give the full
+    forward's logits, for grouped kv heads, q/k norms, and Gemma 2's softcap and window (8)."""
+    save_tiny(family, str(tmp_path))
+    model, cfg = load_model(str(tmp_path), use_kernels=True)
+    plain, _ = load_model(str(tmp_path))  # the full forward and the prefill: Triton's interpreter is slow
+    calls = []
+    for name in ("decode_attention", "add_rms_norm"):
+        kernel = getattr(model.ops, name)
+        monkeypatch.setattr(model.ops, name, lambda *a, _k=kernel, _n=name, **kw: calls.append(_n) or _k(*a, **kw))
+    ids = torch.randint(0, cfg.vocab_size, (2, 14), generator=torch.Generator().manual_seed(1))
+    cache = KVCache(cfg, 2, 16, torch.float32, "cpu")
+    at = torch.zeros(1, dtype=torch.long)
+    with torch.no_grad():
+        full = plain(ids)
+        pieces = [plain(ids[:, :9], cache=cache)]
+        cache.make_static(at, torch.tensor([0, 0]))
+        for t in range(9, 14):
+            at.fill_(t)
+            pieces.append(model(ids[:, t:t + 1], cache=cache))
+    assert calls.count("decode_attention") == 5 * cfg.n_layers
+    assert calls.count("add_rms_norm") == (0 if cfg.sandwich_norm else 5 * 2 * cfg.n_layers)
+    assert_close(torch.cat(pieces, dim=1), full, atol=1e-5, rtol=1e-5, name=f"{family} decoding-kernel logits")
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("adapters", [True, False], ids=["lora", "base"])

@@ -56,7 +56,9 @@ def flag_id(d):
 def kernel_cases():
     """The launch configurations of the largest realistic shapes, from the launchers themselves."""
     import kernels.adamw_master as adam
+    import kernels.add_rms_norm as arn
     import kernels.cross_entropy as ce
+    import kernels.decode_attention as da
     import kernels.dora_backward as db
     import kernels.fp8_quantize as fq
     import kernels.fp8_quantize_tensor as fqt
@@ -66,6 +68,7 @@ def kernel_cases():
     import kernels.nf4_to_fp8 as nf8
     import kernels.rms_norm as rn
     import kernels.rope as rp
+    import kernels.rope_cache as rc
     import kernels.swiglu as sw
     from kernels.references import NF4_ABSMAX_BLOCK, NF4_BLOCK
     specs = []  # (module, kernel, signature(dtype), base constexprs, flag combos, num_warps[, label])
@@ -87,6 +90,10 @@ def kernel_cases():
     specs.append(("kernels.rms_norm", "_rms_norm_forward_kernel", lambda t: {
         "x_ptr": f"*{t}", "x_row_stride": "i32", "w_ptr": f"*{t}", "y_ptr": f"*{t}", "rstd_ptr": "*fp32",
         "H": "i32", "eps": "fp32", "offset": "fp32"}, {"BLOCK": block}, flags("GEMMA_CAST"), warps))
+    specs.append((arn.__name__, "_add_rms_norm_kernel", lambda t: {
+        "x_ptr": f"*{t}", "r_ptr": f"*{t}", "w_ptr": f"*{t}", "s_ptr": f"*{t}", "y_ptr": f"*{t}",
+        "x_row_stride": "i32", "r_row_stride": "i32", "H": "i32", "eps": "fp32", "offset": "fp32"},
+        {"BLOCK": block}, flags("GEMMA_CAST"), warps))
     specs.append(("kernels.rms_norm", "_rms_norm_backward_kernel", lambda t: {
         "dy_ptr": f"*{t}", "dy_row_stride": "i32", "x_ptr": f"*{t}", "x_row_stride": "i32", "w_ptr": f"*{t}",
         "rstd_ptr": "*fp32", "dx_ptr": f"*{t}", "dw_partial_ptr": "*fp32", "N": "i32", "H": "i32",
@@ -99,6 +106,18 @@ def kernel_cases():
         "cs_token_stride": "i32", "T": "i32", "HQ": "i32", "HK": "i32", "HALF": "i32"},
         {"BLOCK_HQ": block_hq, "BLOCK_HK": block_hk, "BLOCK_HALF": block_half},
         flags("BACKWARD"), warps))
+    specs.append((rc.__name__, "_rope_into_cache_kernel", lambda t: {
+        "q_ptr": f"*{t}", "k_ptr": f"*{t}", "v_ptr": f"*{t}", "q_row_stride": "i32", "k_row_stride": "i32",
+        "v_row_stride": "i32", "q_out_ptr": f"*{t}", "k_cache_ptr": f"*{t}", "v_cache_ptr": f"*{t}", "at_ptr": "*i64",
+        "cos_ptr": f"*{t}", "sin_ptr": f"*{t}", "cs_row_stride": "i32", "S": "i32", "HQ": "i32", "HK": "i32",
+        "HALF": "i32"}, {"BLOCK_HQ": block_hq, "BLOCK_HK": block_hk, "BLOCK_HALF": block_half}, [{}], warps))
+    for label, (rep, D) in (("small", (3, 64)), ("large", (8, 256))):  # SmolLM2's heads; Gemma's widest
+        block_rep, block_s, block_d = da.launch_config(rep, D)
+        specs.append((da.__name__, "_decode_attention_kernel", lambda t: {
+            "q_ptr": f"*{t}", "k_ptr": f"*{t}", "v_ptr": f"*{t}", "y_ptr": f"*{t}", "first_ptr": "*i64",
+            "at_ptr": "*i64", "S": "i32", "HK": "i32", "D": "i32", "window": "i32", "scale": "fp32",
+            "softcap": "fp32"}, {"REP": rep, "BLOCK_REP": block_rep, "BLOCK_S": block_s, "BLOCK_D": block_d},
+            flags("HAS_FIRST", "HAS_WINDOW", "HAS_SOFTCAP"), da.NUM_WARPS, label))
 
     for mod, name, approx in ((sw, "swiglu", ()), (gg, "geglu", ("APPROX_TANH",))):
         specs.append((mod.__name__, f"_{name}_forward_kernel", lambda t: {

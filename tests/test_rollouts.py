@@ -11,7 +11,7 @@ from data.batches import IGNORE_INDEX
 from data.rollouts import Rollout, collate
 from model import LoRAConfig, load_model
 from model.generate import GroupSampler, generate, sample_groups, sample_tokens
-from model.lora import lora_parameters
+from model.lora import MergedAdapters, lora_parameters
 from tests.helpers import assert_close, randomize_lora_b
 from tests.tiny_models import save_tiny
 
@@ -68,6 +68,23 @@ def test_logps_equal_the_full_forward(tiny, temperature):
         assert_close(torch.tensor(lp), want, atol=1e-5, rtol=1e-5, name=f"row {i} log-probs")
 
 
+def test_logps_with_the_decoding_kernels(tmp_path):
+    """With the kernels (the GPU's decoding path: rope into the cache, attention over it from each row's first
+    slot), each sampled token's log-prob equals the full forward's, for left-padded prompts, in fp32, with Gemma 2's
+    softcap and window (8)."""
+    save_tiny("gemma2", str(tmp_path))
+    model, _ = load_model(str(tmp_path), use_kernels=True, lora=LoRAConfig(r=4, alpha=8))
+    randomize_lora_b(model)
+    model.eval()
+    plain, _ = load_model(str(tmp_path), lora=LoRAConfig(r=4, alpha=8))  # the reference, without the interpreter
+    plain.load_state_dict(model.state_dict())
+    out, logps = sample_groups(model, PROMPTS, 2, max_new_tokens=6, temperature=1.0,
+                               generator=torch.Generator().manual_seed(0))
+    for i, (completion, lp) in enumerate(zip(out, logps, strict=True)):
+        want = reference_logps(plain.eval(), PROMPTS[i // 2], completion, 1.0)
+        assert_close(torch.tensor(lp), want, atol=1e-5, rtol=1e-5, name=f"row {i} log-probs")
+
+
 def test_the_next_rollout_samples_from_the_updated_adapters(llama_folder):
     """A sampler decodes with merged weights, refreshed at every call: after an optimizer step on the adapters its
     log-probs are those of the full forward under the new adapters, and differ from the step before's."""
@@ -106,6 +123,22 @@ def test_a_decoding_step_runs_plain_gemms_and_copies_no_kv_heads(llama_folder):
     gemms = sum(ops.count(f"aten::{name}") for name in ("mm", "addmm", "addmm_"))  # what linear and matmul call
     assert gemms == 4 * cfg.n_layers + 1  # and the head
     assert "aten::repeat_interleave" not in ops
+
+
+def test_a_decoding_step_with_the_kernels_launches_nine_kernels_a_layer(tmp_path):
+    """The GPU's merged decoding step (kernels on), counted as scripts/bench/decode_ops.py counts it: a layer is
+    4 GEMMs, RoPE into the cache, the decode attention, 2 fused add + norms and SwiGLU, nothing else."""
+    from scripts.bench.decode_ops import count, tiny_llama
+    steps = []
+    for layers in (1, 2):
+        tiny_llama(str(tmp_path / str(layers)), layers)
+        model, _ = load_model(str(tmp_path / str(layers)), dtype=torch.bfloat16, use_kernels=True,
+                              lora=LoRAConfig(r=4, alpha=8))
+        steps.append(count(model.eval(), 2, MergedAdapters(model), kernels=True))
+    layer = steps[1] - steps[0]
+    assert layer == {"aten::linear": 3, "aten::mm": 1, "triton::_rope_into_cache_kernel": 1,
+                     "triton::_decode_attention_kernel": 1, "triton::_add_rms_norm_kernel": 2,
+                     "triton::_swiglu_forward_kernel": 1}, layer
 
 
 def test_rows_stop_at_a_stop_id(tiny):

@@ -1,0 +1,100 @@
+"""A decoding step's RoPE and KV-cache write in one Triton program per row: q and k rotated as
+kernels/rope.py rotates them, q written out, k and v written straight into the static cache's slot.
+
+References: Su et al. 2021 "RoFormer"; kernels/rope.py (the same rotation, operation for operation,
+so the rotated values are bit-equal to it); model/generate.py's `LayerCache` (the layout written).
+
+For one token a row (T = 1), with x = (x1, x2) split at D/2 and cos = (c1, c2), sin = (s1, s2):
+
+    q_out          = (q1*c1 - q2*s1,  q2*c2 + q1*s2)
+    k_cache[:, at] = (k1*c1 - k2*s1,  k2*c2 + k1*s2)
+    v_cache[:, at] = v
+
+`at` is a device tensor (the slot of a CUDA-graphed step), read by the kernel: the launch stays the same
+from step to step. This replaces the rope kernel, its output copies and the two index_copy_ launches of
+the cache write. Forward only: decoding runs without gradients.
+
+Reference: kernels.references.rope_into_cache_reference.
+"""
+import triton
+import triton.language as tl
+
+from kernels.references import DTYPES, check_rope_into_cache_args
+from kernels.rope import launch_config
+
+
+@triton.jit
+def _rotate(x_ptr, out_ptr, out_head_stride, n_heads, HALF, c1, c2, s1, s2,
+            BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
+    """Rotate n_heads contiguous heads [n_heads, 2*HALF] at x_ptr into heads out_head_stride apart."""
+    h = tl.arange(0, BLOCK_H)[:, None]
+    d = tl.arange(0, BLOCK_HALF)[None, :]
+    mask = (h < n_heads) & (d < HALF)
+    offs = h * (2 * HALF) + d
+    x1 = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(x_ptr + offs + HALF, mask=mask, other=0.0).to(tl.float32)
+    o1 = x1 * c1[None, :] - x2 * s1[None, :]
+    o2 = x2 * c2[None, :] + x1 * s2[None, :]
+    out = h * out_head_stride + d
+    tl.store(out_ptr + out, o1.to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(out_ptr + out + HALF, o2.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _rope_into_cache_kernel(
+    q_ptr, k_ptr, v_ptr, q_row_stride, k_row_stride, v_row_stride,  # [B, H, D], each row's heads contiguous
+    q_out_ptr,  # [B, HQ, D] contiguous
+    k_cache_ptr, v_cache_ptr, at_ptr,  # [B, HK, S, D] contiguous; at: the slot, int64 [1]
+    cos_ptr, sin_ptr, cs_row_stride,  # [B, D], last dim contiguous
+    S, HQ, HK, HALF,
+    BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_HALF: tl.constexpr,
+):
+    b = tl.program_id(0).to(tl.int64)
+    D = 2 * HALF
+    d = tl.arange(0, BLOCK_HALF)
+    dmask = d < HALF
+    cs = b * cs_row_stride
+    c1 = tl.load(cos_ptr + cs + d, mask=dmask, other=0.0).to(tl.float32)
+    c2 = tl.load(cos_ptr + cs + HALF + d, mask=dmask, other=0.0).to(tl.float32)
+    s1 = tl.load(sin_ptr + cs + d, mask=dmask, other=0.0).to(tl.float32)
+    s2 = tl.load(sin_ptr + cs + HALF + d, mask=dmask, other=0.0).to(tl.float32)
+    slot = b * HK * S * D + tl.load(at_ptr) * D  # this row's head 0 at the slot
+    _rotate(q_ptr + b * q_row_stride, q_out_ptr + b * HQ * D, D, HQ, HALF, c1, c2, s1, s2, BLOCK_HQ, BLOCK_HALF)
+    _rotate(k_ptr + b * k_row_stride, k_cache_ptr + slot, S * D, HK, HALF, c1, c2, s1, s2, BLOCK_HK, BLOCK_HALF)
+    h = tl.arange(0, BLOCK_HK)[:, None]
+    e = tl.arange(0, 2 * BLOCK_HALF)[None, :]
+    mask = (h < HK) & (e < D)
+    v = tl.load(v_ptr + b * v_row_stride + h * D + e, mask=mask, other=0.0)
+    tl.store(v_cache_ptr + slot + h * (S * D) + e, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+
+
+def _rows(x):
+    """x [B, 1, H, D] as [B, H, D] and the distance between its rows, in elements: read in place where each row's
+    heads are contiguous (a column slice of the packed q | k | v projection), else copied."""
+    B, _, H, D = x.shape
+    if x.stride(3) == 1 and x.stride(2) == D:
+        return x[:, 0], x.stride(0)
+    return x[:, 0].contiguous(), H * D
+
+
+def rope_into_cache(q, k, v, cos, sin, k_cache, v_cache, at):
+    """Rotate q [B, 1, Hq, D] and k [B, 1, Hk, D] by cos, sin [B or 1, 1, D]; write k and v [B, 1, Hk, D] into
+    k_cache, v_cache [B, Hk, S, D] at slot at[0] (at: int64 [1] on the device). Returns the rotated q [B, 1, Hq, D],
+    contiguous."""
+    check_rope_into_cache_args(q, k, v, cos, sin, k_cache, v_cache, at)
+    for name, t in (("q", q), ("k", k), ("v", v), ("cos", cos), ("sin", sin), ("k_cache", k_cache)):
+        assert t.dtype in DTYPES, f"rope_into_cache: {name} must be fp32/bf16/fp16, got {t.dtype}"
+    B, _, Hq, D = q.shape
+    Hk, S = k_cache.shape[1], k_cache.shape[2]
+    (q, q_stride), (k, k_stride), (v, v_stride) = _rows(q), _rows(k), _rows(v)
+    cos, sin = cos.expand(B, 1, D)[:, 0], sin.expand(B, 1, D)[:, 0]
+    if cos.stride() != sin.stride() or cos.stride(-1) != 1:
+        cos, sin = cos.contiguous(), sin.contiguous()
+    q_out = q.new_empty(B, Hq, D)
+    if B > 0:
+        block_hq, block_hk, block_half, num_warps = launch_config(Hq, Hk, D)
+        _rope_into_cache_kernel[(B,)](
+            q, k, v, q_stride, k_stride, v_stride, q_out, k_cache, v_cache, at, cos, sin, cos.stride(0),
+            S, Hq, Hk, D // 2, BLOCK_HQ=block_hq, BLOCK_HK=block_hk, BLOCK_HALF=block_half, num_warps=num_warps)
+    assert q_out.dtype == q.dtype, "rope_into_cache: q_out must keep q's dtype"
+    return q_out[:, None]

@@ -1,0 +1,93 @@
+"""A decoding step's kernels against their references: `rope_into_cache` bit-equal to the rope kernel and the
+cache's index_copy_ writes it replaces; `decode_attention` against a float64 reference, for grouped and plain kv
+heads, odd cache lengths, left-padded rows, sliding windows and softcaps; `add_rms_norm` bit-equal to the add and
+the rms_norm kernel. On CPU in Triton's interpreter."""
+import pytest
+import torch
+
+from kernels.add_rms_norm import add_rms_norm
+from kernels.decode_attention import decode_attention
+from kernels.references import add_rms_norm_reference, decode_attention_reference
+from kernels.rms_norm import rms_norm
+from kernels.rope import apply_rope
+from kernels.rope_cache import rope_into_cache
+from model.transformer import rope_cos_sin
+from tests.helpers import assert_close
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+# The kernel rounds y once, from fp32: within an ulp or two of the float64 result (relative to max |y|).
+RTOL = {torch.float32: 1e-5, torch.bfloat16: 8e-3, torch.float16: 1e-3}
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("B, Hq, Hk, D", [(3, 6, 2, 16), (2, 4, 4, 80), (1, 8, 1, 32)])
+def test_rope_into_cache_equals_rope_and_index_copy(dtype, B, Hq, Hk, D):
+    """q, k, v as column slices of one packed q | k | v projection (read in place): the rotated q, and the cache
+    slot's k and v, equal bit for bit the rope kernel's output and its copies into the cache; no other slot is
+    written."""
+    S, slot = 11, 7
+    qkv = torch.randn(B, 1, (Hq + 2 * Hk) * D, device=DEVICE).to(dtype)
+    q, k, v = (t.view(B, 1, -1, D) for t in qkv.split([Hq * D, Hk * D, Hk * D], dim=-1))
+    inv_freq = 1.0 / 10000 ** (torch.arange(0, D, 2, device=DEVICE).float() / D)
+    cos, sin = rope_cos_sin(torch.randint(0, 4096, (B, 1), device=DEVICE), inv_freq, dtype)
+    at = torch.tensor([slot], device=DEVICE)
+    caches = [torch.randn(B, Hk, S, D, device=DEVICE).to(dtype) for _ in range(2)]
+    want_k, want_v = caches[0].clone(), caches[1].clone()
+    q_want, k_rot = apply_rope(q, k, cos, sin)
+    want_k.index_copy_(2, at, k_rot.transpose(1, 2))
+    want_v.index_copy_(2, at, v.transpose(1, 2))
+    q_out = rope_into_cache(q, k, v, cos, sin, *caches, at)
+    assert q_out.shape == q.shape and q_out.dtype == dtype
+    assert torch.equal(q_out, q_want)
+    assert torch.equal(caches[0], want_k) and torch.equal(caches[1], want_v)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("B, Hq, Hk, D, S, at", [(3, 6, 2, 16, 37, 33), (2, 4, 4, 80, 9, 8), (2, 8, 1, 32, 70, 69)])
+@pytest.mark.parametrize("window, softcap", [(None, None), (5, None), (None, 3.0)], ids=["plain", "window", "softcap"])
+def test_decode_attention(dtype, B, Hq, Hk, D, S, at, window, softcap):
+    """Grouped (rep 3, 8) and plain kv heads, odd cache lengths, rows left-padded to different first slots (one
+    that sees only its own token), slots after `at` filled with junk that must stay hidden, against float64."""
+    q = torch.randn(B, 1, Hq, D, device=DEVICE).to(dtype)
+    k, v = (torch.randn(B, Hk, S, D, device=DEVICE).to(dtype) for _ in range(2))
+    first = torch.tensor([0, at, 3][:B], device=DEVICE)
+    at = torch.tensor([at], device=DEVICE)
+    scale = D ** -0.5
+    for rows in (first, None):
+        y = decode_attention(q, k, v, rows, at, scale, window, softcap)
+        want = decode_attention_reference(q.double(), k.double(), v.double(), rows, at, scale, window, softcap)
+        assert y.dtype == dtype and y.shape == q.shape
+        rtol = RTOL[dtype]
+        assert_close(y, want, atol=rtol * want.abs().max().item(), rtol=rtol, name=f"y (first={rows is not None})")
+
+
+def test_decode_attention_refuses_a_cache_of_another_shape():
+    q, k = torch.randn(2, 1, 6, 16), torch.randn(2, 4, 9, 16)
+    with pytest.raises(ValueError, match="kv heads do not divide"):
+        decode_attention(q, k, k, None, torch.tensor([3]), 0.25)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(16, 1, 64), (3, 1, 200), (2, 5, 33)])
+@pytest.mark.parametrize("cast, offset", [("llama", 0.0), ("gemma", 1.0)])
+def test_add_rms_norm_equals_add_then_rms_norm(dtype, shape, cast, offset):
+    """The residual sum and its norm equal bit for bit torch's add (rounded to the dtype) followed by the rms_norm
+    kernel, and the float64 reference within the dtype's rounding; the residual r a strided view."""
+    x = torch.randn(shape, device=DEVICE).to(dtype)
+    r = torch.randn(*shape[:-1], 2 * shape[-1], device=DEVICE).to(dtype)[..., ::2]
+    w = torch.randn(shape[-1], device=DEVICE).to(dtype)
+    s, y = add_rms_norm(x, r, w, eps=1e-6, offset=offset, cast=cast)
+    if DEVICE == "cuda" or dtype != torch.bfloat16:
+        assert torch.equal(s, x + r)
+    else:  # Triton's interpreter rounds fp32 to bf16 toward zero, where torch and the GPU round to nearest
+        assert_close(s, x + r, atol=0, rtol=2 ** -7, name="s")
+    assert torch.equal(y, rms_norm(s, w, eps=1e-6, offset=offset, cast=cast))
+    want = add_rms_norm_reference(x.double(), r.double(), w.double(), 1e-6, offset, cast)[1]
+    rtol = RTOL[dtype] * 2  # the norm rounds twice under cast="llama"
+    assert_close(y, want, atol=rtol * want.abs().max().item(), rtol=rtol, name="y")
