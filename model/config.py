@@ -23,6 +23,7 @@ NAMED_MODELS = {
     "qwen2-0.5b": "Qwen/Qwen2-0.5B",
     "qwen2.5-0.5b": "Qwen/Qwen2.5-0.5B-Instruct",
     "qwen2.5-1.5b": "Qwen/Qwen2.5-1.5B-Instruct",
+    "qwen2.5-7b": "Qwen/Qwen2.5-7B-Instruct",
     "qwen3-0.6b": "Qwen/Qwen3-0.6B",
     "gemma-2b": "google/gemma-2b",
     "gemma-2-2b": "google/gemma-2-2b-it",
