@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from kernels.references import DTYPES, check_rms_norm_args
-from kernels.rms_norm import launch_config
+from kernels.rms_norm import _normalized, launch_config
 
 
 @triton.jit
@@ -38,12 +38,7 @@ def _add_rms_norm_kernel(
     s = s.to(tl.float32)
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     rstd = tl.rsqrt(tl.sum(s * s, 0) / H + eps)
-    if GEMMA_CAST:
-        y = s * rstd * (offset + w)
-    else:
-        # the two roundings HF LlamaRMSNorm makes (identity when s and w are fp32)
-        xhat = (s * rstd).to(s_ptr.dtype.element_ty).to(tl.float32)
-        y = xhat * (offset + w).to(w_ptr.dtype.element_ty).to(tl.float32)
+    y = _normalized(s, w, rstd, offset, s_ptr, w_ptr, GEMMA_CAST)
     tl.store(y_ptr + row * H + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
 
 

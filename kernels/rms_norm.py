@@ -31,6 +31,18 @@ from kernels.references import DTYPES, check_rms_norm_args
 
 
 @triton.jit
+def _normalized(x, w, rstd, offset, x_ptr, w_ptr, GEMMA_CAST: tl.constexpr):
+    """x · rstd · (offset + w) in fp32 with the reference's roundings: Gemma's in fp32 throughout; HF LlamaRMSNorm's
+    x · rstd rounded to x's dtype and offset + w to w's (identity when x and w are fp32)."""
+    if GEMMA_CAST:
+        y = x * rstd * (offset + w)
+    else:
+        xhat = (x * rstd).to(x_ptr.dtype.element_ty).to(tl.float32)
+        y = xhat * (offset + w).to(w_ptr.dtype.element_ty).to(tl.float32)
+    return y
+
+
+@triton.jit
 def _rms_norm_forward_kernel(
     x_ptr, x_row_stride, w_ptr, y_ptr, rstd_ptr,
     H, eps, offset,
@@ -43,12 +55,7 @@ def _rms_norm_forward_kernel(
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     rstd = tl.rsqrt(tl.sum(x * x, 0) / H + eps)
     tl.store(rstd_ptr + row, rstd)
-    if GEMMA_CAST:
-        y = x * rstd * (offset + w)
-    else:
-        # the two roundings HF LlamaRMSNorm makes (identity when x and w are fp32)
-        xhat = (x * rstd).to(x_ptr.dtype.element_ty).to(tl.float32)
-        y = xhat * (offset + w).to(w_ptr.dtype.element_ty).to(tl.float32)
+    y = _normalized(x, w, rstd, offset, x_ptr, w_ptr, GEMMA_CAST)
     tl.store(y_ptr + row * H + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
 
 

@@ -28,8 +28,10 @@ from kernels.references import DTYPES, check_rope_args
 
 
 @triton.jit
-def _rotate_heads(x_ptr, out_ptr, n_heads, HALF, c1, c2, s1, s2, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
-    """Rotate the n_heads contiguous heads of one token ([n_heads, 2*HALF] at x_ptr)."""
+def _rotate_heads(x_ptr, out_ptr, out_head_stride, n_heads, HALF, c1, c2, s1, s2,
+                  BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
+    """Rotate the n_heads contiguous heads of one token ([n_heads, 2*HALF] at x_ptr) into heads out_head_stride
+    apart at out_ptr (2*HALF: contiguous as they came; kernels/rope_cache.py: a KV cache's slots)."""
     h = tl.arange(0, BLOCK_H)[:, None]
     d = tl.arange(0, BLOCK_HALF)[None, :]
     mask = (h < n_heads) & (d < HALF)
@@ -38,8 +40,9 @@ def _rotate_heads(x_ptr, out_ptr, n_heads, HALF, c1, c2, s1, s2, BLOCK_H: tl.con
     x2 = tl.load(x_ptr + offs + HALF, mask=mask, other=0.0).to(tl.float32)
     o1 = x1 * c1[None, :] - x2 * s1[None, :]
     o2 = x2 * c2[None, :] + x1 * s2[None, :]
-    tl.store(out_ptr + offs, o1.to(out_ptr.dtype.element_ty), mask=mask)
-    tl.store(out_ptr + offs + HALF, o2.to(out_ptr.dtype.element_ty), mask=mask)
+    out = h * out_head_stride + d
+    tl.store(out_ptr + out, o1.to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(out_ptr + out + HALF, o2.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -64,8 +67,8 @@ def _rope_kernel(
         s1, s2 = -s2, -s1
     q_in, q_out = q_ptr + token * q_token_stride, q_out_ptr + token * HQ * 2 * HALF
     k_in, k_out = k_ptr + token * k_token_stride, k_out_ptr + token * HK * 2 * HALF
-    _rotate_heads(q_in, q_out, HQ, HALF, c1, c2, s1, s2, BLOCK_HQ, BLOCK_HALF)
-    _rotate_heads(k_in, k_out, HK, HALF, c1, c2, s1, s2, BLOCK_HK, BLOCK_HALF)
+    _rotate_heads(q_in, q_out, 2 * HALF, HQ, HALF, c1, c2, s1, s2, BLOCK_HQ, BLOCK_HALF)
+    _rotate_heads(k_in, k_out, 2 * HALF, HK, HALF, c1, c2, s1, s2, BLOCK_HK, BLOCK_HALF)
 
 
 def launch_config(Hq: int, Hk: int, D: int) -> tuple[int, int, int, int]:

@@ -20,24 +20,7 @@ import triton
 import triton.language as tl
 
 from kernels.references import DTYPES, check_rope_into_cache_args
-from kernels.rope import launch_config
-
-
-@triton.jit
-def _rotate(x_ptr, out_ptr, out_head_stride, n_heads, HALF, c1, c2, s1, s2,
-            BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
-    """Rotate n_heads contiguous heads [n_heads, 2*HALF] at x_ptr into heads out_head_stride apart."""
-    h = tl.arange(0, BLOCK_H)[:, None]
-    d = tl.arange(0, BLOCK_HALF)[None, :]
-    mask = (h < n_heads) & (d < HALF)
-    offs = h * (2 * HALF) + d
-    x1 = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(x_ptr + offs + HALF, mask=mask, other=0.0).to(tl.float32)
-    o1 = x1 * c1[None, :] - x2 * s1[None, :]
-    o2 = x2 * c2[None, :] + x1 * s2[None, :]
-    out = h * out_head_stride + d
-    tl.store(out_ptr + out, o1.to(out_ptr.dtype.element_ty), mask=mask)
-    tl.store(out_ptr + out + HALF, o2.to(out_ptr.dtype.element_ty), mask=mask)
+from kernels.rope import _rotate_heads, launch_config
 
 
 @triton.jit
@@ -59,8 +42,8 @@ def _rope_into_cache_kernel(
     s1 = tl.load(sin_ptr + cs + d, mask=dmask, other=0.0).to(tl.float32)
     s2 = tl.load(sin_ptr + cs + HALF + d, mask=dmask, other=0.0).to(tl.float32)
     slot = b * HK * S * D + tl.load(at_ptr) * D  # this row's head 0 at the slot
-    _rotate(q_ptr + b * q_row_stride, q_out_ptr + b * HQ * D, D, HQ, HALF, c1, c2, s1, s2, BLOCK_HQ, BLOCK_HALF)
-    _rotate(k_ptr + b * k_row_stride, k_cache_ptr + slot, S * D, HK, HALF, c1, c2, s1, s2, BLOCK_HK, BLOCK_HALF)
+    _rotate_heads(q_ptr + b * q_row_stride, q_out_ptr + b * HQ * D, D, HQ, HALF, c1, c2, s1, s2, BLOCK_HQ, BLOCK_HALF)
+    _rotate_heads(k_ptr + b * k_row_stride, k_cache_ptr + slot, S * D, HK, HALF, c1, c2, s1, s2, BLOCK_HK, BLOCK_HALF)
     h = tl.arange(0, BLOCK_HK)[:, None]
     e = tl.arange(0, 2 * BLOCK_HALF)[None, :]
     mask = (h < HK) & (e < D)
