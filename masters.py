@@ -130,19 +130,13 @@ class MasterAdamW(torch.optim.Optimizer):
                         capturable=False, differentiable=False, fused=True, decoupled_weight_decay=True)
         super().__init__(groups, defaults)
         self.masters, self.use_kernels = masters, use_kernels
-        self.exp_avg = torch.zeros_like(masters.master_buffer)
-        self.exp_avg_sq = torch.zeros_like(masters.master_buffer)
-        index = {id(m): i for i, m in enumerate(masters.params)}
-        avgs, avg_sqs = masters.views(self.exp_avg), masters.views(self.exp_avg_sq)
+        self.exp_avg = self.exp_avg_sq = None  # made at the first step or load (`_moments`)
+        self.index = {id(m): i for i, m in enumerate(masters.params)}
         self.runs = []  # per group: its step count, and the [start, end) runs of the flat buffers it covers
         for group in self.param_groups:
             step = torch.zeros((), dtype=torch.float32, device=masters.master_buffer.device)
-            ids = sorted(index[id(p)] for p in group["params"])
-            for p in group["params"]:
-                i = index[id(p)]
-                self.state[p] = {"step": step, "exp_avg": avgs[i], "exp_avg_sq": avg_sqs[i]}
             runs = []
-            for i in ids:
+            for i in sorted(self.index[id(p)] for p in group["params"]):
                 a, b = masters.offsets[i], masters.offsets[i + 1]
                 if runs and runs[-1][1] == a:
                     runs[-1][1] = b
@@ -150,8 +144,24 @@ class MasterAdamW(torch.optim.Optimizer):
                     runs.append([a, b])
             self.runs.append((step, runs))
 
+    def _moments(self):
+        """The two moments' flat buffers and each weight's state (views of them), made once. As torch's AdamW
+        makes its state at the first step, so that the moments (8 bytes a weight) do not add to the peak of the
+        first forward and backward, the run's largest when its step is then captured into a CUDA graph."""
+        if self.exp_avg is not None:
+            return
+        m = self.masters
+        self.exp_avg = torch.zeros_like(m.master_buffer)
+        self.exp_avg_sq = torch.zeros_like(m.master_buffer)
+        avgs, avg_sqs = m.views(self.exp_avg), m.views(self.exp_avg_sq)
+        for group, (step, _) in zip(self.param_groups, self.runs):
+            for p in group["params"]:
+                i = self.index[id(p)]
+                self.state[p] = {"step": step, "exp_avg": avgs[i], "exp_avg_sq": avg_sqs[i]}
+
     @torch.no_grad()
     def step(self):
+        self._moments()
         found_inf = getattr(self, "found_inf", None)
         if found_inf is None:
             found_inf = torch.zeros((), device=self.exp_avg.device)
@@ -182,6 +192,7 @@ class MasterAdamW(torch.optim.Optimizer):
         saved = state_dict["param_groups"]
         if [len(g["params"]) for g in saved] != [len(g["params"]) for g in self.param_groups]:
             raise ValueError("the optimizer state does not fit these parameter groups")
+        self._moments()
         for group, g, (step, _) in zip(self.param_groups, saved, self.runs):
             group.update({k: v for k, v in g.items() if k != "params"})
             group["betas"] = tuple(group["betas"])

@@ -160,3 +160,18 @@ def test_backward_accumulates_into_the_flat_buffers():
     for (_, w), xi, view in zip(named, x, masters.views(masters.grad_buffer)):
         assert w.grad.data_ptr() == view.data_ptr() and torch.equal(w.grad, 2 * xi)
     assert masters.weights[0].data_ptr() == masters.weight_buffer.data_ptr()
+
+
+def test_moments_are_made_at_the_first_step():
+    """As torch's AdamW, MasterAdamW makes its moments (8 bytes a weight) at its first step, not before the first
+    forward and backward: before it, its state is empty and its state_dict torch AdamW's, which loads back."""
+    grads = _grads(torch.bfloat16, 1, 1.0, None)
+    flat = Flat(_weights(torch.bfloat16), 0.1, LossScaler(1.0, 100, enabled=False), use_kernels=False)
+    ref = PerWeight(_weights(torch.bfloat16), 0.1, LossScaler(1.0, 100, enabled=False))
+    assert flat.optimizer.exp_avg is None and not flat.optimizer.state
+    assert flat.optimizer.state_dict()["state"] == ref.optimizer.state_dict()["state"] == {}
+    flat.optimizer.load_state_dict(ref.optimizer.state_dict())  # a checkpoint of no step yet
+    ref.step(grads[0], 1.0)
+    flat.step(grads[0], 1.0)
+    _compare(ref, flat, torch.bfloat16)
+    assert flat.optimizer.exp_avg.numel() == flat.masters.master_buffer.numel()
