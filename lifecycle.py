@@ -7,6 +7,7 @@ runs out of memory. Each ends with a checkpoint where one can be saved and one l
 Exit statuses: 0 complete, 2 bad input or a failure (one `error:` line), 128 + the signal's number when a
 signal stopped the run after its checkpoint (130 for Ctrl-C, 143 for SIGTERM, 129 for a hangup).
 """
+import errno
 import os
 import signal
 import stat
@@ -44,9 +45,12 @@ class StopSignals:
         for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
             if signal.getsignal(sig) is not signal.SIG_IGN or sig != signal.SIGHUP:
                 self.previous[sig] = signal.signal(sig, self._handle)
+        self.streams = sys.stdout, sys.stderr
+        sys.stdout, sys.stderr = HangupSafe(sys.stdout), HangupSafe(sys.stderr)
         return self
 
     def __exit__(self, *_):
+        sys.stdout, sys.stderr = self.streams
         for sig, handler in self.previous.items():
             signal.signal(sig, handler)
 
@@ -78,6 +82,36 @@ class StopSignals:
                 os.write(2, (line + "\n").encode())
             except OSError:  # no console left to say it on
                 pass
+
+
+class HangupSafe:
+    """A console stream (sys.stdout, sys.stderr while a run trains) whose writes survive the terminal going away.
+    A hung-up terminal fails every write with EIO before the SIGHUP handler has run, so a print in flight would
+    end the run with an error instead of its checkpoint: here that write points the console at /dev/null and is
+    dropped, and the signal stops the run after its step, as it does when it comes first."""
+
+    def __init__(self, stream):
+        self.stream = stream
+
+    def write(self, text):
+        try:
+            return self.stream.write(text)
+        except OSError as e:
+            if e.errno != errno.EIO:
+                raise
+            detach_console()
+            return len(text)
+
+    def flush(self):
+        try:
+            self.stream.flush()
+        except OSError as e:
+            if e.errno != errno.EIO:
+                raise
+            detach_console()
+
+    def __getattr__(self, name):  # isatty, fileno, encoding, ...: the stream's own
+        return getattr(self.stream, name)
 
 
 def detach_console():

@@ -2,6 +2,7 @@
 pickles), write outside the run folder (planted links), or exhaust the machine (YAML alias bombs); and what a
 hangup cannot take (the checkpoint of the steps since the last save). Tiny models, CPU."""
 import ast
+import errno
 import os
 import pickle
 import pty
@@ -10,12 +11,14 @@ import select
 import signal
 import sys
 import time
+import types
 
 import pytest
 import torch
 
 import checkpoint
 import config
+import lifecycle
 import statefiles
 import train
 from tests.helpers import builtin_jsonl, signal_after_line, untimed
@@ -242,6 +245,29 @@ def _read_until(fd, text, timeout=120):
             except OSError:
                 break
     return seen.decode(errors="replace")
+
+
+def test_a_console_write_that_fails_with_eio_is_dropped(monkeypatch):
+    """A print to a hung-up terminal fails with EIO before the SIGHUP handler has run: while a run trains
+    (StopSignals), such a write or flush is dropped and the console detached, so no print ends the run with an
+    error before the signal saves it; any other write error still raises."""
+    def fail(code):
+        def raise_(*_):
+            raise OSError(code, os.strerror(code))
+        return raise_
+
+    detached = []
+    monkeypatch.setattr(lifecycle, "detach_console", lambda: detached.append(True))
+    dead = types.SimpleNamespace(write=fail(errno.EIO), flush=fail(errno.EIO), isatty=lambda: True)
+    with lifecycle.StopSignals(say=False):
+        assert isinstance(sys.stdout, lifecycle.HangupSafe) and isinstance(sys.stderr, lifecycle.HangupSafe)
+    assert not isinstance(sys.stdout, lifecycle.HangupSafe)  # put back
+    console = lifecycle.HangupSafe(dead)
+    assert console.write("step 3\n") == 7 and console.isatty()
+    console.flush()
+    assert detached == [True, True]
+    with pytest.raises(OSError, match="No space"):
+        lifecycle.HangupSafe(types.SimpleNamespace(write=fail(errno.ENOSPC))).write("x")
 
 
 def test_a_hangup_saves_a_checkpoint_and_exits(run_model, dataset, tmp_path):
