@@ -225,12 +225,15 @@ def test_eval_data_equal_to_the_training_data_is_warned(run_model, dataset, tmp_
 # ----------------------------------------------------------------------------- hangups
 
 
-def _train_in_pty(argv, ignore_hup=False):
-    """Start train.py on a new pseudo-terminal (its controlling terminal, as under ssh); returns (pid, fd)."""
+def _train_in_pty(argv, stderr_path, ignore_hup=False):
+    """Start train.py on a new pseudo-terminal (its controlling terminal, as under ssh) with its standard error in
+    a file (what it says after the hangup, kept for the test's message); returns (pid, fd). SIGHUP is delivered as
+    a fresh process has it, whatever the test process inherited (nohup, a blocked mask), unless ignore_hup."""
     pid, fd = pty.fork()
     if pid == 0:  # the child: exec train.py
-        if ignore_hup:
-            signal.signal(signal.SIGHUP, signal.SIG_IGN)
+        signal.pthread_sigmask(signal.SIG_SETMASK, set())
+        signal.signal(signal.SIGHUP, signal.SIG_IGN if ignore_hup else signal.SIG_DFL)
+        os.dup2(os.open(stderr_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), 2)
         os.chdir(ROOT)
         os.execv(sys.executable, [sys.executable, "-u", "train.py", *argv])
     return pid, fd
@@ -275,14 +278,15 @@ def test_a_hangup_saves_a_checkpoint_and_exits(run_model, dataset, tmp_path):
     run stops after its step and saves a checkpoint although every write to the terminal now fails, then exits
     with 129 (128 + SIGHUP)."""
     out = tmp_path / "out"
-    pid, fd = _train_in_pty(args(run_model, dataset, out, "--max-steps", "200", "--log-every", "1"))
+    stderr = tmp_path / "stderr.txt"
+    pid, fd = _train_in_pty(args(run_model, dataset, out, "--max-steps", "200", "--log-every", "1"), stderr)
     end = time.time() + 120
     while time.time() < end and len(read_metrics(out) if (out / "metrics.jsonl").exists() else []) < 2:
         _read_until(fd, "\n", timeout=0.2)  # a terminal shows a progress bar: the records say where the run is
     assert len(read_metrics(out)) >= 2
     os.close(fd)  # the hangup: SIGHUP to the terminal's session, and EIO for its writes
     _, status = os.waitpid(pid, 0)
-    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 129, status
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 129, (status, stderr.read_text()[-3000:])
     saved = [d for d in os.listdir(out / "checkpoints") if re.fullmatch(r"step-\d+", d)]
     assert len(saved) == 1 and 2 <= int(saved[0][5:]) < 200
     assert [r["step"] for r in read_metrics(out) if "loss" in r][-1] == int(saved[0][5:])
