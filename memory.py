@@ -67,16 +67,42 @@ def choose_checkpointing(cfg, mcfg, dtype, use_kernels, device, world):
 
 
 def memory_warning(cfg, mcfg, dtype, use_kernels, device, checkpointing):
-    """A warning line when a micro-batch's activations (estimated) exceed the free GPU memory, else None."""
+    """A warning line when a micro-batch's activations (estimated) exceed the free GPU memory, or the layer inputs
+    that activation offload keeps exceed the host's available memory; else None."""
     if device.type != "cuda":
         return None
     need = activation_bytes(cfg, mcfg, dtype, use_kernels, checkpointing)
     free = torch.cuda.mem_get_info(device)[0]
-    if need <= free:
+    if need > free:
+        return (f"warning: a micro-batch of {cfg.batch_size} x {cfg.max_len} tokens needs about {need / 2**30:.1f} "
+                f"GiB of activations, but {free / 2**30:.1f} GiB of GPU memory is free: expect out-of-memory. "
+                f"To fit: {memory_fixes(cfg, checkpointing)}")
+    if not (checkpointing and cfg.offload_activations):
         return None
-    return (f"warning: a micro-batch of {cfg.batch_size} x {cfg.max_len} tokens needs about {need / 2**30:.1f} GiB "
-            f"of activations, but {free / 2**30:.1f} GiB of GPU memory is free: expect out-of-memory. "
-            f"To fit: {memory_fixes(cfg, checkpointing)}")
+    need, free = offload_bytes(cfg, mcfg, dtype), host_available()
+    if free is None or need <= 0.9 * free:
+        return None
+    return (f"warning: activation offload keeps every layer's input of a {cfg.batch_size} x {cfg.max_len} micro-batch "
+            f"in page-locked host memory, about {need / 2**30:.1f} GiB, but {free / 2**30:.1f} GiB of host memory is "
+            "available: expect the host to run out of memory. To fit: lower --batch-size or --max-len, or "
+            "--no-offload-activations (the inputs then stay on the GPU)")
+
+
+def offload_bytes(cfg, mcfg, dtype):
+    """The page-locked host memory of activation offload (model/offload.py): every layer's input of a micro-batch."""
+    return mcfg.n_layers * cfg.batch_size * cfg.max_len * mcfg.hidden_size * (torch.finfo(dtype).bits // 8)
+
+
+def host_available():
+    """The host memory available to a new allocation, in bytes (Linux's MemAvailable), or None where unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
 
 
 def memory_fixes(cfg, checkpointing):

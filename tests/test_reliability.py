@@ -894,6 +894,28 @@ def test_activation_memory_estimate(run_model, monkeypatch):
     assert memory.memory_warning(cfg, mcfg, torch.bfloat16, False, torch.device("cpu"), True) is None
 
 
+def test_offload_beyond_the_host_memory_is_warned(run_model, monkeypatch):
+    """Activation offload keeps every layer's input of a micro-batch in page-locked host memory: more than the
+    host has available gets one warning line before training, with what to change; nothing without offload."""
+    available = memory.host_available()  # this machine's: bytes, or None where /proc/meminfo is missing
+    assert available is None or available > 0
+    mcfg = read_config(run_model)
+    cfg = config.TrainConfig(model=run_model, max_len=256, batch_size=4, gradient_checkpointing=True,
+                             offload_activations=True)
+    need = mcfg.n_layers * 4 * 256 * mcfg.hidden_size * 2
+    assert memory.offload_bytes(cfg, mcfg, torch.bfloat16) == need
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (80 << 30, 80 << 30))
+    monkeypatch.setattr(memory, "host_available", lambda: need)
+    warning = memory.memory_warning(cfg, mcfg, torch.bfloat16, False, torch.device("cuda"), True)
+    assert warning.startswith("warning: activation offload keeps every layer's input of a 4 x 256 micro-batch") and \
+        "expect the host to run out of memory" in warning and "--no-offload-activations" in warning
+    monkeypatch.setattr(memory, "host_available", lambda: 2 * need)
+    assert memory.memory_warning(cfg, mcfg, torch.bfloat16, False, torch.device("cuda"), True) is None
+    monkeypatch.setattr(memory, "host_available", lambda: need)
+    no_offload = dataclasses.replace(cfg, offload_activations=False)
+    assert memory.memory_warning(no_offload, mcfg, torch.bfloat16, False, torch.device("cuda"), True) is None
+
+
 def test_checkpointing_follows_the_free_memory(run_model, monkeypatch):
     """Left unset, gradient checkpointing is off where every layer's activations fit in half of the free GPU
     memory, on where they do not, and on without a CUDA GPU; a value given is kept."""
