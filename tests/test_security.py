@@ -292,6 +292,22 @@ def test_a_hangup_saves_a_checkpoint_and_exits(run_model, dataset, tmp_path):
     assert [r["step"] for r in read_metrics(out) if "loss" in r][-1] == int(saved[0][5:])
 
 
+def test_a_nohup_run_trains_on_after_its_terminal_goes(run_model, dataset, tmp_path):
+    """A run started with SIGHUP ignored (nohup) whose terminal then goes away: its writes to the terminal fail with
+    EIO, and it trains on to the end, as nohup asks, with every step recorded and its adapter saved."""
+    out, stderr = tmp_path / "out", tmp_path / "stderr.txt"
+    pid, fd = _train_in_pty(args(run_model, dataset, out, "--max-steps", "8", "--log-every", "1"), stderr,
+                            ignore_hup=True)
+    end = time.time() + 120
+    while time.time() < end and len(read_metrics(out) if (out / "metrics.jsonl").exists() else []) < 2:
+        _read_until(fd, "\n", timeout=0.2)
+    os.close(fd)
+    _, status = os.waitpid(pid, 0)
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, (status, stderr.read_text()[-3000:])
+    assert [r["step"] for r in read_metrics(out) if "loss" in r] == list(range(1, 9))
+    assert (out / "adapter" / "adapter_config.json").exists()
+
+
 def test_a_hangup_under_nohup_is_ignored(run_model, dataset, tmp_path):
     out = tmp_path / "out"
     code, _, stderr = signal_after_line(args(run_model, dataset, out, "--max-steps", "6"), "step 1/6", signal.SIGHUP,
