@@ -239,6 +239,15 @@ def _train_in_pty(argv, stderr_path, ignore_hup=False):
     return pid, fd
 
 
+def _wait_for_records(fd, out, n, timeout=120):
+    """Read the terminal (a progress bar: the records, not the text, say where the run is) until out's
+    metrics.jsonl holds n records."""
+    end = time.time() + timeout
+    while time.time() < end and len(read_metrics(out) if (out / "metrics.jsonl").exists() else []) < n:
+        _read_until(fd, "\n", timeout=0.2)
+    assert len(read_metrics(out)) >= n
+
+
 def _read_until(fd, text, timeout=120):
     seen, end = b"", time.time() + timeout
     while text.encode() not in seen and time.time() < end:
@@ -280,10 +289,7 @@ def test_a_hangup_saves_a_checkpoint_and_exits(run_model, dataset, tmp_path):
     out = tmp_path / "out"
     stderr = tmp_path / "stderr.txt"
     pid, fd = _train_in_pty(args(run_model, dataset, out, "--max-steps", "200", "--log-every", "1"), stderr)
-    end = time.time() + 120
-    while time.time() < end and len(read_metrics(out) if (out / "metrics.jsonl").exists() else []) < 2:
-        _read_until(fd, "\n", timeout=0.2)  # a terminal shows a progress bar: the records say where the run is
-    assert len(read_metrics(out)) >= 2
+    _wait_for_records(fd, out, 2)
     os.close(fd)  # the hangup: SIGHUP to the terminal's session, and EIO for its writes
     _, status = os.waitpid(pid, 0)
     assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 129, (status, stderr.read_text()[-3000:])
@@ -298,9 +304,7 @@ def test_a_nohup_run_trains_on_after_its_terminal_goes(run_model, dataset, tmp_p
     out, stderr = tmp_path / "out", tmp_path / "stderr.txt"
     pid, fd = _train_in_pty(args(run_model, dataset, out, "--max-steps", "8", "--log-every", "1"), stderr,
                             ignore_hup=True)
-    end = time.time() + 120
-    while time.time() < end and len(read_metrics(out) if (out / "metrics.jsonl").exists() else []) < 2:
-        _read_until(fd, "\n", timeout=0.2)
+    _wait_for_records(fd, out, 2)
     os.close(fd)
     _, status = os.waitpid(pid, 0)
     assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, (status, stderr.read_text()[-3000:])
