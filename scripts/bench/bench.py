@@ -842,7 +842,8 @@ def parse_args(argv=None):
     p.add_argument("--case", choices=CASES, help=argparse.SUPPRESS)
     p.add_argument("--shape", choices=list(SHAPES), help=argparse.SUPPRESS)
     p.add_argument("--attn", default="-", help=argparse.SUPPRESS)
-    p.add_argument("--make-checkpoint", choices=list(SHAPES), help=argparse.SUPPRESS)
+    p.add_argument("--make-checkpoint", choices=list(SHAPES), metavar="SHAPE",
+                   help="only write SHAPE's random-init checkpoint to <cache-dir>/SHAPE (for train.py --model)")
     p.add_argument("--ceiling", type=int, help=argparse.SUPPRESS)
     p.add_argument("--json-out", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -871,7 +872,7 @@ def parse_args(argv=None):
 
 def main():
     args = parse_args()
-    if args.json_out:  # a child: do one thing, write its JSON
+    if args.json_out or args.make_checkpoint:  # a child: do one thing, write its JSON (or say what failed)
         try:
             if args.ceiling:
                 res = measure_ceiling(args.ceiling)
@@ -884,8 +885,11 @@ def main():
         except Exception as e:
             res = {"status": "error", "reason": f"{type(e).__name__}: {e}"[:500],
                    "traceback": traceback.format_exc()[-3000:]}
-        with open(args.json_out, "w") as f:
-            json.dump(res, f)
+        if args.json_out:
+            with open(args.json_out, "w") as f:
+                json.dump(res, f)
+        elif res["status"] != "ok":
+            sys.exit(f"error: {res['reason']}")
         return
     if args.report:
         with open(args.report) as f:

@@ -7,6 +7,7 @@
     python scripts/bench/bench_qlora.py --shapes none --long 32768,65536 --out long.json
     python scripts/bench/bench_qlora.py --smoke                # tiny shapes on CPU: every case end to end
     python scripts/bench/bench_qlora.py --fp8 --long-shapes none   # the base GEMMs in fp8 (train.py's --fp8)
+    python scripts/bench/bench_qlora.py --shapes gemma-2-9b --write-checkpoint /tmp/g9   # a checkpoint for the peers
 
 The shapes are the real models' configs (SHAPES); the model is built in memory with stand-in weights and
 quantized to NF4 with double quantization as it is built (`model.load.random_model`): nothing is written
@@ -14,7 +15,9 @@ or downloaded. The step is scripts/bench/harness.py's (LoRA r=16 alpha=16 on all
 fused AdamW, random token ids), replayed from a CUDA graph on a GPU as train.py's default does, timed after
 warm-up steps (2 + 5 at 2 x 2048, 1 + 1 for a long row), median; each case runs in its own process so that its
 peak memory is its own. The peers (Unsloth, transformers + PEFT + bitsandbytes) need a checkpoint
-on disk: shared/anchors/qlora_big.py writes one and times them beside nanotune.
+on disk: shared/anchors/qlora_big.py writes Llama and Qwen2 ones and times them beside nanotune (its --run takes
+any such folder); `--write-checkpoint DIR` writes one of any shape here (random bf16 weights, a word-level
+tokenizer), e.g. Gemma-2-9B's for `qlora_big.py --run DIR`.
 
 Long rows run at batch 1 with checkpointing and offload (the long-context mode). After them, the longest
 sequence that fits is predicted from their peak memory, which grows linearly in the length (weights and
@@ -97,6 +100,32 @@ def predict_longest(rows, capacity_bytes, step=LENGTH_STEP, headroom=HEADROOM):
     return math.floor((headroom * capacity_bytes - fixed) / per_token / step) * step, per_token, fixed
 
 
+def write_checkpoint(shape, folder, smoke):
+    """A random-init bf16 checkpoint of `shape` in `folder`, for the peers' harnesses: config.json, safetensors
+    shards and a word-level tokenizer of exactly vocab_size tokens (the peers load one; they are fed token ids).
+    The weights are transformers' own initialization, made on the GPU where there is one (seconds for 9B)."""
+    import torch
+    import transformers
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    spec = dict(SHAPES[shape], **(SMOKE_SIZES if smoke else {}))
+    config_class = getattr(transformers, spec["architectures"][0].replace("ForCausalLM", "Config"))
+    specials = ["<pad>", "<eos>", "<bos>", "<unk>"]  # Gemma's ids: pad 0, eos 1, bos 2
+    config = config_class(**spec, pad_token_id=0, eos_token_id=1, bos_token_id=2)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    model.save_pretrained(folder, max_shard_size="4GB")
+    vocab = {t: i for i, t in enumerate(specials)}
+    vocab.update({f"t{i}": i for i in range(len(specials), config.vocab_size)})
+    words = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    words.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    transformers.PreTrainedTokenizerFast(tokenizer_object=words, pad_token="<pad>", eos_token="<eos>",
+                                         bos_token="<bos>", unk_token="<unk>").save_pretrained(folder)
+    n = sum(p.numel() for p in model.parameters())
+    print(f"{shape}: {n / 1e9:.2f}B random bf16 weights and a {config.vocab_size}-token tokenizer in {folder}")
+
+
 # ----------------------------------------------------------------------------- one case (a child process)
 
 def run_case(shape, batch, seqlen, ckpt, smoke, warmup, steps, fp8=False) -> dict:
@@ -169,6 +198,8 @@ def main(argv=None):
                    "capability 8.9+, or the CPU's torch._scaled_mm with --smoke)")
     p.add_argument("--time-budget", type=float, default=540.0, help="seconds for the whole run")
     p.add_argument("--out", help="JSON of every row, rewritten after each")
+    p.add_argument("--write-checkpoint", metavar="DIR", help="write a random bf16 checkpoint of the one shape of "
+                   "--shapes to DIR (a new folder), for the peers (shared/anchors/qlora_big.py --run DIR), and stop")
     p.add_argument("--child", help=argparse.SUPPRESS)
     p.add_argument("--json-out", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -188,6 +219,13 @@ def main(argv=None):
         return chosen
 
     shapes, long_shapes = pick(args.shapes), pick(args.long_shapes)
+    if args.write_checkpoint:
+        if len(shapes) != 1:
+            p.error(f"--write-checkpoint writes one shape: give --shapes one of {names}")
+        if os.path.exists(args.write_checkpoint):
+            p.error(f"--write-checkpoint {args.write_checkpoint}: it exists; give a new folder")
+        write_checkpoint(shapes[0], args.write_checkpoint, args.smoke)
+        return 0
     ckpts = args.ckpt.split(",")
     if any(c not in CKPT_MODES for c in ckpts):
         p.error(f"--ckpt {args.ckpt}: expected some of {','.join(CKPT_MODES)}")
