@@ -16,9 +16,10 @@ Two layouts:
   is its own master, nothing is copied, and torch's fused AdamW steps them.
 - trained weights in bf16 or fp16 (--full): the weights, their gradients, the masters and AdamW's two moments are
   each one flat buffer, of which every tensor is a view (the model's weights are re-pointed into theirs, the
-  gradients accumulate into theirs). `MasterAdamW` then steps a whole buffer in one pass
-  (kernels/adamw_master.py): it reads the low-precision gradient, unscales and clips it with a device factor,
-  updates master and moments, and writes the rounded weight. The gradient norm is taken from the low-precision
+  gradients accumulate into theirs; a projection group stored as one tensor stays one, `flat_order`).
+  `MasterAdamW` then steps a whole buffer in one pass (kernels/adamw_master.py): it reads the low-precision
+  gradient, unscales and clips it with a device factor, updates master and moments, and writes the rounded
+  weight. The gradient norm is taken from the low-precision
   gradients, accumulated in fp32. Memory per trained bf16 weight: 2 bytes of weight, 2 of gradient, 4 of
   master, 8 of AdamW moments (`memory.training_bytes`).
 
@@ -45,6 +46,17 @@ def bias_corrections(step, lr, betas):
     return torch.stack([lr / (1 - betas[0] ** t), (1 - betas[1] ** t).sqrt()]).float()
 
 
+def flat_order(weights):
+    """The order of `weights` in the flat buffers: their own, but for weights that share one storage (a projection
+    group that `pack_weights_` stacked, model/lora.py), which go together, in their storage order, at the place of
+    the first of them. Their views of the flat weight buffer then lie one after the other as they did in their
+    storage, so that the group is still one strided view (`_rows_view`) and one GEMM (model/stacked.py)."""
+    shared = {}
+    for i, w in enumerate(weights):
+        shared.setdefault(w.untyped_storage().data_ptr(), []).append(i)
+    return [i for group in shared.values() for i in sorted(group, key=lambda i: weights[i].storage_offset())]
+
+
 class Masters:
     def __init__(self, named):
         """named: (name, parameter) of the model's trained weights."""
@@ -59,9 +71,9 @@ class Masters:
             raise ValueError(f"the trained weights mix dtypes ({sorted(map(str, dtypes))}): fp32 masters need them "
                              "all in one of bf16 or fp16")
         (dtype,), device = dtypes, self.weights[0].device
-        sizes = [p.numel() for p in self.weights]
-        self.offsets = [sum(sizes[:i]) for i in range(len(sizes) + 1)]
-        n = self.offsets[-1]
+        self.spans, n = [None] * len(self.weights), 0  # each weight's [start, end) in the flat buffers
+        for i in flat_order(self.weights):
+            self.spans[i], n = (n, n + self.weights[i].numel()), n + self.weights[i].numel()
         self.weight_buffer = torch.empty(n, dtype=dtype, device=device)
         self.master_buffer = torch.empty(n, dtype=torch.float32, device=device)
         self.grad_buffer = torch.zeros(n, dtype=dtype, device=device)
@@ -77,7 +89,7 @@ class Masters:
 
     def views(self, buffer):
         """Each trained weight's view of a flat buffer, in its shape."""
-        return [buffer[a:b].view(w.shape) for w, a, b in zip(self.weights, self.offsets, self.offsets[1:])]
+        return [buffer[a:b].view(w.shape) for w, (a, b) in zip(self.weights, self.spans)]
 
     def named(self):
         """(name, fp32 tensor) of every trained weight, as the optimizer holds it."""
@@ -136,8 +148,7 @@ class MasterAdamW(torch.optim.Optimizer):
         for group in self.param_groups:
             step = torch.zeros((), dtype=torch.float32, device=masters.master_buffer.device)
             runs = []
-            for i in sorted(self.index[id(p)] for p in group["params"]):
-                a, b = masters.offsets[i], masters.offsets[i + 1]
+            for a, b in sorted(masters.spans[self.index[id(p)]] for p in group["params"]):
                 if runs and runs[-1][1] == a:
                     runs[-1][1] = b
                 else:

@@ -499,11 +499,13 @@ def _stack_rows_(projs, attr):
 
 
 def pack_weights_(projs):
-    """Store the frozen base weights (and biases) of projections that read one input as consecutive rows of one
-    tensor (`_stack_rows_`), so that the fused Functions run the projections as one GEMM without concatenating their
-    weights at every step (`_packed`). NF4 weights, weights that train and meta tensors are left alone."""
+    """Store the base weights (and biases) of projections that read one input as consecutive rows of one tensor
+    (`_stack_rows_`), where all of them are frozen or all of them train, so that the projections run as one GEMM
+    without concatenating their weights at every step: frozen, in the fused Functions (`_packed`); trained (full
+    fine-tuning), in model/stacked.py. NF4 weights, groups where some train and some not, and meta tensors are left
+    alone."""
     for attr in ("weight", "bias"):
-        if not any(getattr(p, attr) is not None and getattr(p, attr).requires_grad for p in projs):
+        if len({getattr(p, attr).requires_grad for p in projs if getattr(p, attr) is not None}) <= 1:
             _stack_rows_(projs, attr)
 
 

@@ -51,6 +51,7 @@ from model.lora import (
     pack_weights_,
 )
 from model.offload import ActivationOffload
+from model.stacked import stacked, stacked_projections
 
 
 class Ops:
@@ -323,7 +324,10 @@ class Attention(nn.Module):
         B, T, _ = x.shape
         qkv = (self.q_proj, self.k_proj, self.v_proj)
         fused = self.ops.fused_lora and fusable(qkv + (self.o_proj,))
-        q, k, v = lora_projections(x, qkv, store, self.ops.dora_backward) if fused else (p(x) for p in qkv)
+        if fused:
+            q, k, v = lora_projections(x, qkv, store, self.ops.dora_backward)
+        else:  # one GEMM each way where q, k, v all train (full fine-tuning), else one projection at a time
+            q, k, v = stacked_projections(x, qkv) if self.ops.fused_lora and stacked(qkv) else (p(x) for p in qkv)
         q = q.view(B, T, self.nh, self.d)  # fused: column slices of one (B, T, q | k | v) tensor
         k = k.view(B, T, self.nkv, self.d)
         # Attention saves v for backward: a copy of it, not a slice, lets the q | k | v tensor go after RoPE. Without

@@ -1,5 +1,6 @@
 """Full fine-tuning (--full, --train-modules): one step against transformers + torch AdamW, the fp32 masters,
-which weights train, exact resume, the saved Hugging Face folder (transformers, GGUF), the memory check."""
+which weights train, exact resume, the saved Hugging Face folder (transformers, GGUF), the memory check, and q, k, v
+that train as one GEMM each way (model/stacked.py) against one projection at a time."""
 import os
 import shutil
 
@@ -14,6 +15,8 @@ import train
 from checkpoint import trained_weights
 from masters import Masters, param_groups
 from model import load_model, read_config
+from model.lora import LoRALinear, _rows_view, pack_weights_
+from model.stacked import stacked, stacked_projections
 from model.weights import trainable_parameters
 from precision import LossScaler
 from tests.helpers import assert_close, read_metrics, refused
@@ -230,3 +233,107 @@ def test_checkpoint_names_the_masters(run_model):
     optimizer = torch.optim.AdamW(param_groups(masters.named(), 0.0))
     named = trained_weights(model, optimizer)
     assert [n for n, _ in named] == masters.names and all(t.dtype == torch.float32 for _, t in named)
+
+
+def _qkv(model):
+    return [(a.q_proj, a.k_proj, a.v_proj) for a in (layer.self_attn for layer in model.model.layers)]
+
+
+def _graph_nodes(t):
+    """The names of the autograd nodes that t's graph holds."""
+    seen, todo = set(), [t.grad_fn]
+    while todo:
+        node = todo.pop()
+        if node is not None and node not in seen:
+            seen.add(node)
+            todo += [n for n, _ in node.next_functions]
+    return {type(n).__name__ for n in seen}
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])  # no biases; q, k, v biases and a tied head
+def test_trained_qkv_run_as_one_gemm_each_way(family, tmp_path):
+    """Where q, k, v all train, each layer runs them as one Function (model/stacked.py): the loss and every weight's
+    and bias's gradient equal those of the path that runs one projection at a time (fused_lora=False), also under
+    gradient checkpointing, whose recompute runs the Function again."""
+    path = str(tmp_path / family)
+    save_tiny(family, path)
+    train = full.train_filter(None, read_config(path))
+    ids, targets = _batch(256)
+    results = []
+    for options in (dict(fused_lora=False), dict(), dict(gradient_checkpointing=True)):
+        model, _ = load_model(path, train=train, **options)
+        model.train()
+        assert all(stacked(qkv) for qkv in _qkv(model))
+        loss = model(ids, targets=targets, reduction="mean")
+        assert ("_StackedLinearBackward" in _graph_nodes(loss)) == ("fused_lora" not in options and
+                                                                    not model.gradient_checkpointing)
+        loss.backward()
+        results.append((loss.detach(), {n: p.grad for n, p in model.named_parameters()}))
+    (ref_loss, ref_grads), *others = results
+    for loss, grads in others:
+        assert_close(loss, ref_loss, atol=1e-6, rtol=1e-6, name="loss")
+        assert grads.keys() == ref_grads.keys()
+        for name, g in grads.items():
+            assert_close(g, ref_grads[name], atol=1e-6, rtol=1e-5, name=f"gradient of {name}")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_stacked_projections_equal_one_projection_at_a_time(dtype):
+    """The stacked Function's outputs, dX, dW and db equal those of each projection's own F.linear, in the weights'
+    and input's dtypes; each weight's gradient is its rows of the one dW."""
+    torch.manual_seed(0)
+    projs = [LoRALinear(40, out, bias=True, name=n) for n, out in (("q_proj", 24), ("k_proj", 8), ("v_proj", 8))]
+    for p in projs:
+        p.weight = torch.nn.Parameter(p.weight.detach().to(dtype))
+        p.bias = torch.nn.Parameter(p.bias.detach().to(dtype))
+    pack_weights_(projs)
+    assert stacked(projs)
+    x = torch.randn(3, 5, 40, dtype=dtype)
+    dys = [torch.randn(3, 5, p.out_features, dtype=dtype) for p in projs]
+    results = []
+    for fn in (lambda x: tuple(p(x) for p in projs), lambda x: stacked_projections(x, projs)):
+        x = x.detach().requires_grad_()
+        for p in projs:
+            p.weight.grad = p.bias.grad = None
+        outs = fn(x)
+        torch.autograd.backward(outs, dys)
+        results.append((outs, x.grad, [t.grad for p in projs for t in (p.weight, p.bias)]))
+    (ref_outs, ref_dx, ref_grads), (outs, dx, grads) = results
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=3e-2, rtol=2e-2)
+    for t, ref, name in [*zip(outs, ref_outs, ("q", "k", "v")), (dx, ref_dx, "dX"),
+                         *zip(grads, ref_grads, ("dW_q", "db_q", "dW_k", "db_k", "dW_v", "db_v"))]:
+        assert t.dtype == ref.dtype == dtype, name
+        assert_close(t, ref, **tol, name=name)
+    assert _rows_view(grads[0::2]) is not None  # dW_q, dW_k, dW_v: the rows of one GEMM's output
+
+
+def test_masters_keep_stacked_groups_one_view(tmp_path):
+    """In bf16 the flat buffers keep each layer's q, k, v weights, and their biases, as one view each (the biases lie
+    apart from the weights in the parameters' order); the names and the checkpoint's order stay the parameters'."""
+    path = str(tmp_path / "q")
+    save_tiny("qwen2", path)
+    model, _ = load_model(path, dtype=torch.bfloat16, train=full.train_filter(None, read_config(path)))
+    named = trainable_parameters(model)
+    masters = Masters(named)
+    assert masters.names == [n for n, _ in named]
+    for qkv in _qkv(model):
+        assert stacked(qkv)
+        for t in [p.weight for p in qkv] + [p.bias for p in qkv]:
+            assert t.untyped_storage().data_ptr() == masters.weight_buffer.untyped_storage().data_ptr()
+
+
+def test_train_modules_of_one_projection_leave_the_group_apart(tmp_path):
+    """--train-modules q_proj trains only q: q, k, v stay one projection at a time (and k, v are not stored with a
+    trained q); q, k, v together train as one group."""
+    path = str(tmp_path / "q")
+    save_tiny("qwen2", path)
+    mcfg = read_config(path)
+    model, _ = load_model(path, train=full.train_filter("q_proj", mcfg))
+    for q, k, v in _qkv(model):
+        assert not stacked((q, k, v)) and _rows_view([q.weight, k.weight]) is None
+        assert q.weight.requires_grad and q.bias.requires_grad and not (k.weight.requires_grad or v.bias.requires_grad)
+    ids, targets = _batch(256)
+    model(ids, targets=targets, reduction="mean").backward()
+    assert {n for n, p in model.named_parameters() if p.grad is not None} == {n for n, _ in trainable_parameters(model)}
+    model, _ = load_model(path, train=full.train_filter("q_proj,k_proj,v_proj", mcfg))
+    assert all(stacked(qkv) for qkv in _qkv(model))

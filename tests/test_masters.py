@@ -175,3 +175,37 @@ def test_moments_are_made_at_the_first_step():
     flat.step(grads[0], 1.0)
     _compare(ref, flat, torch.bfloat16)
     assert flat.optimizer.exp_avg.numel() == flat.masters.master_buffer.numel()
+
+
+def _stacked_weights(dtype):
+    """Weights of which q and k share one storage as consecutive rows (as `pack_weights_` stores a projection
+    group), and their biases another, listed apart, among weights of their own. Names that end in .lora_A take
+    weight decay (`param_groups`), the others none: two groups, interleaved in the flat buffers."""
+    g = torch.Generator().manual_seed(0)
+    rows, bias = torch.randn(7, 17, generator=g).to(dtype), torch.randn(7, generator=g).to(dtype)
+    tensors = [("a.lora_A", torch.randn(33, 17, generator=g).to(dtype)), ("q.lora_A", rows[:3]), ("q.bias", bias[:3]),
+               ("k.weight", rows[3:]), ("k.lora_A", bias[3:]), ("z.lora_A", torch.randn(5, generator=g).to(dtype))]
+    return [(f"model.{n}", torch.nn.Parameter(t)) for n, t in tensors]
+
+
+def test_stacked_weights_stay_one_view_in_the_flat_buffers():
+    """Weights that share one storage lie together in the flat buffers, in their storage order, at the place of the
+    first of them, so that the group is still one view of consecutive rows; the names keep their order; each
+    group's runs follow where its weights lie, and five steps equal torch AdamW's per weight."""
+    from model.lora import _rows_view
+    named = _stacked_weights(torch.bfloat16)
+    flat = Flat(named, 0.1, LossScaler(1.0, 100, enabled=False), use_kernels=False)
+    ref = PerWeight(_stacked_weights(torch.bfloat16), 0.1, LossScaler(1.0, 100, enabled=False))
+    m = flat.masters
+    assert m.names == [n for n, _ in named]
+    a, q, qb, k, kb, z = m.weights
+    assert _rows_view([q, k]) is not None and _rows_view([qb, kb]) is not None  # still one GEMM's operand each
+    assert [s for s, _ in m.spans] == [0, 561, 680, 612, 683, 687]  # a, q, k, then q's and k's biases, z
+    decayed, plain = ([list(r) for r in runs] for _, runs in flat.optimizer.runs)
+    assert (decayed, plain) == ([[0, 612], [683, 692]], [[612, 683]])
+    g = torch.Generator().manual_seed(1)
+    for _ in range(5):
+        grads = [torch.randn(w.shape, generator=g).to(torch.bfloat16) for w in m.weights]
+        ref.step(grads, 1.0)
+        flat.step(grads, 1.0)
+        assert _compare(ref, flat, torch.bfloat16) < 1e-3
