@@ -133,7 +133,7 @@ def kernel_cases():
         specs.append(("kernels.dora_backward", "_dora_backward_kernel", lambda t: {
             "dy_ptr": f"*{t}", "p_ptr": f"*{t}", "g_ptr": f"*{t}", "inv_ptr": "*fp32", "dp_ptr": f"*{t}",
             "partial_ptr": "*fp32", "N": "i32", "C": "i32", "stride_n": "i32", "stride_c": "i32"},
-            {"ROWS": db.ROWS, "BLOCK_N": block_n, "BLOCK_C": block_c}, [{}], db.NUM_WARPS,
+            {"BLOCK_N": block_n, "BLOCK_C": block_c}, [{}], db.NUM_WARPS,
             "transposed" if transposed else "rows"))
 
     specs.append(("kernels.nf4_dequantize", "_nf4_dequantize_kernel", lambda t: {
