@@ -22,7 +22,9 @@ Y = g ⊙ P + b and save P, and backward starts from dY with
 
 both in one pass over dY and P (kernels/dora_backward.py). For the MLP's gate and up, P is saved in place of
 [G | U], and the gated activation's kernels read P and compute G = g ⊙ P + b in registers, forward and
-backward (kernels/glu.py), so that [G | U] is never written.
+backward (kernels/glu.py), so that [G | U] is never written. g of a packed group (q|k|v, o, gate|up, down) is
+computed once per step and layer (a checkpointed layer's recompute reads it: `_dora_scales`), with the kernels in
+one launch (kernels/dora_norm.py), else from ‖W_r‖² and r-wide products in torch.
 
 References: Hu et al. 2021 "LoRA"; Kalajdzievski 2023 "rsLoRA"; Liu et al. 2024 "DoRA"; torchtune
 `modules/peft/lora.py` (LoRALinear owns the frozen weight, so checkpoint keys match);
@@ -582,7 +584,31 @@ def base_sq_norms(projs):
     return cached[1]
 
 
-def _dora_scales(projs, groups, saved, mags, masters, dtype, store=None):
+class DoRAOps(NamedTuple):
+    """DoRA's kernels, or their torch references (model/transformer.py `Ops`). backward: the one-pass dm and dP
+    (`_dora_backward`). norms: g and 1 / ‖W + s·B·A‖ of a packed group in one launch (kernels/dora_norm.py), or
+    None: `_dora_scales` computes them from ‖W_r‖² and r-wide products, in torch."""
+    backward: Callable = dora_backward_reference
+    norms: Callable | None = None
+
+
+DORA_REFERENCES = DoRAOps()
+
+
+def _dora_norms_args(projs, groups, mags, masters):
+    """(A, B, m, ends, s) for `DoRAOps.norms` when the projections' adapters form one group whose fp32 masters and
+    magnitudes are stored stacked (`pack_adapters_`, or a lone projection), else None."""
+    if len(groups) != 1 or len(groups[0]) != len(projs) or None in mags or len(projs) > 3 or \
+            len({p.r for p in projs}) > 1:
+        return None
+    n = len(projs)
+    stacked = [_rows_view(ts) for ts in (masters[0][:n], masters[1][:n], [m.detach() for m in mags])]
+    if any(t is None or t.dtype != torch.float32 for t in stacked):
+        return None
+    return *stacked, list(itertools.accumulate(p.out_features for p in projs)), projs[0].scale
+
+
+def _dora_scales(projs, groups, saved, mags, masters, dtype, store=None, norms=None):
     """DoRA's g = m / ‖W + s·B·A‖ (Σout,) in `dtype`, and 1 / ‖W + s·B·A‖ (Σout,) in fp32, of the projections side by
     side (both 1 in the columns of a projection without DoRA): constants in backward. `saved`: what `_adapt_groups`
     returned for `groups` (the stacked A and the block B of each group, in `dtype`); masters: (A_i, B_i) per
@@ -597,9 +623,20 @@ def _dora_scales(projs, groups, saved, mags, masters, dtype, store=None):
     (fp64 for an fp64 base): B and A from the fp32 masters, W Aᵀ from the GEMM of W and A in `dtype`.
 
     store: a dict that keeps the result under the first projection, for the recompute of a checkpointed layer (the
-    checkpoint's first run fills it, its recompute reads it: the weights are the same in both)."""
+    checkpoint's first run fills it, its recompute reads it: the weights are the same in both). norms: the kernel
+    that computes both for a packed group in one launch (`DoRAOps.norms`), used where it applies."""
     if store is not None and projs[0] in store:
         return store[projs[0]]
+    args = None if norms is None else _dora_norms_args(projs, groups, mags, masters)
+    out = _dora_scales_torch(projs, groups, saved, mags, masters, dtype) if args is None else \
+        norms(_base_weights(projs, dtype), *args, dtype)
+    if store is not None:
+        store[projs[0]] = out
+    return out
+
+
+def _dora_scales_torch(projs, groups, saved, mags, masters, dtype):
+    """`_dora_scales` in torch ops, from ‖W_r‖² and r-wide products (see there)."""
     base = base_sq_norms(projs)
     acc = base.dtype
     sq = None if len(groups) == 1 and _blocks(projs, groups[0])[0] == slice(0, len(base)) else base.clone()
@@ -622,10 +659,7 @@ def _dora_scales(projs, groups, saved, mags, masters, dtype, store=None):
             if m is None:
                 inv[cols] = 1
     m = _packed([inv.new_ones(p.out_features) if m is None else m.detach() for p, m in zip(projs, mags)])
-    out = torch.mul(m, inv, out=inv.new_empty(len(inv), dtype=dtype)), inv  # g written in `dtype`
-    if store is not None:
-        store[projs[0]] = out
-    return out
+    return torch.mul(m, inv, out=inv.new_empty(len(inv), dtype=dtype)), inv  # g written in `dtype`
 
 
 def _dora_output(pre, g, b):
@@ -781,7 +815,7 @@ class _LoRAProjections(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, projs, store, dora_backward, x, *inputs):
+    def forward(ctx, projs, store, dora_ops, x, *inputs):
         dtype, n = compute_dtype(x), len(projs)
         lora, mags = inputs[:3 * n], inputs[3 * n:]
         names = ["x"] + [f"{n} of {p.name}" for p in projs for n in ("dropout(x)", "lora_A", "lora_B")] + [
@@ -796,12 +830,12 @@ class _LoRAProjections(torch.autograd.Function):
             groups = _adapter_groups(projs, x_loras)
             saved = _adapt_groups(y, projs, groups, x_loras, xc, a_masters, b_masters, dtype)
             if dora:
-                scales = _dora_scales(projs, groups, saved, mags, (a_masters, b_masters), dtype, store)
+                scales = _dora_scales(projs, groups, saved, mags, (a_masters, b_masters), dtype, store, dora_ops.norms)
                 saved += [y, *scales]  # P, g, 1 / ‖W + s·B·A‖
                 y = _dora_output(y, scales[0], _bias(projs, dtype))
         _expect(y, dtype, "output of " + "/".join(p.name for p in projs))
         ctx.save_for_backward(xc, *x_loras, *saved)
-        ctx.projs, ctx.groups, ctx.dora, ctx.dora_backward = projs, groups, dora, dora_backward
+        ctx.projs, ctx.groups, ctx.dora, ctx.dora_ops = projs, groups, dora, dora_ops
         return y
 
     @staticmethod
@@ -817,7 +851,7 @@ class _LoRAProjections(torch.autograd.Function):
         with torch.autocast(xc.device.type, enabled=False):
             if ctx.dora:
                 *saved, pre, g, inv = saved
-                dy = _dora_backward(ctx.dora_backward, projs, ctx.dtypes[3 * n + 1:], dy, pre, g, inv, need_m, dm)
+                dy = _dora_backward(ctx.dora_ops.backward, projs, ctx.dtypes[3 * n + 1:], dy, pre, g, inv, need_m, dm)
             dx = _base_backward(projs, dy) if need[0] else None
             dx_loras = _adapt_groups_backward(projs, ctx.groups, saved, dy, x_loras, xc, dx, need_lora[1::3],
                                               need_lora[2::3], need_lora[3::3], masters, da, db)
@@ -848,7 +882,7 @@ class _LoRAMLP(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, projs, glu, output, store, dora_backward, x, x_gate, x_up, *inputs):
+    def forward(ctx, projs, glu, output, store, dora_ops, x, x_gate, x_up, *inputs):
         gate, up, down = projs
         dtype = compute_dtype(x)
         ab, mags = inputs[:6], inputs[6:]
@@ -869,7 +903,8 @@ class _LoRAMLP(torch.autograd.Function):
             dora = []  # g, 1 / ‖W + s·B·A‖ of gate/up; then P, g, 1 / ‖W + s·B·A‖ of down
             affine = {}  # DoRA's [G | U] = g ⊙ P + b, which the activation computes as it reads P
             if dora_gu:
-                dora += _dora_scales(projs[:2], groups, saved, mags[:2], (a_masters, b_masters), dtype, store)
+                dora += _dora_scales(projs[:2], groups, saved, mags[:2], (a_masters, b_masters), dtype, store,
+                                     dora_ops.norms)
                 affine = dict(scale=dora[0], bias=_bias(projs[:2], dtype))
             h = glu.forward(*_halves(gu), **affine).t()  # (N, I)
             keep, h_lora = None, None
@@ -882,7 +917,7 @@ class _LoRAMLP(torch.autograd.Function):
                 saved += _adapt(y, (down,), [0], h if h_lora is None else h_lora, a_masters[2:], b_masters[2:], dtype)
             if dora_d:
                 scales = _dora_scales((down,), [[0]], saved[-3:], mags[2:], (a_masters[2:], b_masters[2:]), dtype,
-                                      store)
+                                      store, dora_ops.norms)
                 dora += [y, *scales]
                 y = _dora_output(y, scales[0], _bias((down,), dtype)) if output else None
             if y is None:
@@ -892,7 +927,7 @@ class _LoRAMLP(torch.autograd.Function):
             _expect(t, dtype, f"MLP {name}")
         ctx.save_for_backward(xc, *x_loras, pre_gu, keep, *dora, *saved)
         ctx.projs, ctx.glu, ctx.p_drop, ctx.groups = projs, glu, p_drop, groups
-        ctx.dora_gu, ctx.dora_d, ctx.dora_backward = dora_gu, dora_d, dora_backward
+        ctx.dora_gu, ctx.dora_d, ctx.dora_ops = dora_gu, dora_d, dora_ops
         return y
 
     @staticmethod
@@ -919,7 +954,7 @@ class _LoRAMLP(torch.autograd.Function):
             affine = {} if dora_gu is None else dict(scale=dora_gu[0], bias=_bias(projs[:2], xc.dtype))
             if dora_d is not None:
                 dm_d = [None]
-                dy = _dora_backward(ctx.dora_backward, (down,), m_dtypes[2:], dy, *dora_d, need_m[2:], dm_d)
+                dy = _dora_backward(ctx.dora_ops.backward, (down,), m_dtypes[2:], dy, *dora_d, need_m[2:], dm_d)
                 dm[2] = dm_d[0]
             g, u = _halves(gu)
             h = ctx.glu.forward(g, u, **affine).t()  # (N, I), recomputed: never saved
@@ -937,7 +972,7 @@ class _LoRAMLP(torch.autograd.Function):
             dg, du = ctx.glu.backward(dh.t(), g, u, **affine)  # kernels, no DoRA: written over Gᵀ and Uᵀ, into gu
             del dh
             if dora_gu is not None:  # dP = g ⊙ [dG | dU], written over [dG | dU] (new tensors)
-                dgu = _dora_backward(ctx.dora_backward, projs[:2], m_dtypes[:2], _packed([dg, du]).t(), gu,
+                dgu = _dora_backward(ctx.dora_ops.backward, projs[:2], m_dtypes[:2], _packed([dg, du]).t(), gu,
                                      *dora_gu, need_m[:2], dm, inplace=True)
             else:
                 dgu = gu if ctx.glu.inplace else torch.cat([dg, du]).t()  # [dG | dU] (N, 2I)
@@ -956,24 +991,24 @@ def _magnitudes(projs):
     return [p.lora_magnitude_vector if p.dora and p.r else None for p in projs]
 
 
-def lora_projections(x, projs, store=None, dora_backward=dora_backward_reference):
+def lora_projections(x, projs, store=None, dora_ops=DORA_REFERENCES):
     """tuple(p(x) for p in projs) as one autograd Function: one GEMM for the base of all of them (`_base`),
     X cast and saved once, and dX in one GEMM too. x (..., in); the outputs are column slices of one
     (..., Σout) tensor. store: a dict that keeps DoRA's scales for a checkpointed layer's recompute
-    (`_dora_scales`). dora_backward: DoRA's one-pass backward, the kernel or its reference (`_dora_backward`)."""
+    (`_dora_scales`). dora_ops: DoRA's kernels or their references (`DoRAOps`)."""
     x2 = x.reshape(-1, x.shape[-1])  # (N, in)
     lora = [t for p in projs for t in (p.lora_input(x2), p.lora_A, p.lora_B)]
-    y = _LoRAProjections.apply(projs, store, dora_backward, x2, *lora, *_magnitudes(projs))
+    y = _LoRAProjections.apply(projs, store, dora_ops, x2, *lora, *_magnitudes(projs))
     y = y.view(*x.shape[:-1], y.shape[-1])
     return (y,) if len(projs) == 1 else y.split([p.out_features for p in projs], dim=-1)
 
 
-def lora_mlp(x, projs, glu: GLU, output=True, store=None, dora_backward=dora_backward_reference):
+def lora_mlp(x, projs, glu: GLU, output=True, store=None, dora_ops=DORA_REFERENCES):
     """down(act(gate(x)) ⊙ up(x)) for projs = (gate, up, down), as one autograd Function. x (..., H).
     output=False: zeros in place of the output, the graph and what backward needs as with True (`_LoRAMLP`).
-    store, dora_backward: as for `lora_projections`."""
+    store, dora_ops: as for `lora_projections`."""
     gate, up, down = projs
     x2 = x.reshape(-1, x.shape[-1])  # (N, H)
-    y = _LoRAMLP.apply(projs, glu, output, store, dora_backward, x2, gate.lora_input(x2), up.lora_input(x2),
+    y = _LoRAMLP.apply(projs, glu, output, store, dora_ops, x2, gate.lora_input(x2), up.lora_input(x2),
                        gate.lora_A, gate.lora_B, up.lora_A, up.lora_B, down.lora_A, down.lora_B, *_magnitudes(projs))
     return y.view(*x.shape[:-1], y.shape[-1])

@@ -29,7 +29,6 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.checkpoint import checkpoint
 
 from kernels.references import (
-    dora_backward_reference,
     fused_linear_cross_entropy_reference,
     geglu_reference,
     rms_norm_reference,
@@ -39,6 +38,7 @@ from kernels.references import (
 from model.config import ModelConfig
 from model.lora import (
     GLU,
+    DoRAOps,
     LoRAConfig,
     affine_forward,
     autograd_backward,
@@ -66,6 +66,7 @@ class Ops:
             from kernels.add_rms_norm import add_rms_norm
             from kernels.decode_attention import decode_attention
             from kernels.dora_backward import dora_backward
+            from kernels.dora_norm import dora_norms
             from kernels.fused_linear_cross_entropy import fused_linear_cross_entropy
             from kernels.geglu import geglu, geglu_backward, geglu_forward
             from kernels.rms_norm import rms_norm
@@ -77,12 +78,12 @@ class Ops:
             self.rope_into_cache, self.decode_attention = rope_into_cache, decode_attention
             self.add_rms_norm = add_rms_norm
             self._glu_pairs = {"silu": (swiglu_forward, swiglu_backward), "gelu": (geglu_forward, geglu_backward)}
-            self.dora_backward = dora_backward
+            self.dora = DoRAOps(dora_backward, dora_norms)
         else:
             self.rms_norm, self.rope, self.swiglu, self.geglu = (rms_norm_reference, rope_reference,
                                                                  swiglu_reference, geglu_reference)
             self.linear_cross_entropy = fused_linear_cross_entropy_reference
-            self.dora_backward = dora_backward_reference
+            self.dora = DoRAOps()
 
     def glu(self, act: str) -> GLU:
         """The gated activation of ModelConfig.act ("silu": SwiGLU; "gelu_tanh", "gelu": GeGLU): the
@@ -323,7 +324,7 @@ class Attention(nn.Module):
         B, T, _ = x.shape
         qkv = (self.q_proj, self.k_proj, self.v_proj)
         fused = self.ops.fused_lora and fusable(qkv + (self.o_proj,))
-        q, k, v = lora_projections(x, qkv, store, self.ops.dora_backward) if fused else (p(x) for p in qkv)
+        q, k, v = lora_projections(x, qkv, store, self.ops.dora) if fused else (p(x) for p in qkv)
         q = q.view(B, T, self.nh, self.d)  # fused: column slices of one (B, T, q | k | v) tensor
         k = k.view(B, T, self.nkv, self.d)
         # Attention saves v for backward: a copy of it, not a slice, lets the q | k | v tensor go after RoPE. Without
@@ -340,7 +341,7 @@ class Attention(nn.Module):
                 k, v = cache.update(k, v)  # (B, nkv, S, d): the cached positions, then these
             y = attend(q, k, v, mask, self.scale, self.softcap)  # (B, nh, T, d)
             y = y.transpose(1, 2).reshape(B, T, self.nh * self.d)
-        return lora_projections(y, (self.o_proj,), store, self.ops.dora_backward)[0] if fused else self.o_proj(y)
+        return lora_projections(y, (self.o_proj,), store, self.ops.dora)[0] if fused else self.o_proj(y)
 
 
 class MLP(nn.Module):
@@ -359,7 +360,7 @@ class MLP(nn.Module):
         for Attention."""
         projs = (self.gate_proj, self.up_proj, self.down_proj)
         if self.ops.fused_lora and fusable(projs):
-            return lora_mlp(x, projs, self.glu, output, store, self.ops.dora_backward)
+            return lora_mlp(x, projs, self.glu, output, store, self.ops.dora)
         return self.down_proj(self.glu.function(self.gate_proj(x), self.up_proj(x)))
 
 

@@ -220,6 +220,19 @@ def test_dora_scales_are_computed_once_per_checkpointed_layer(base, monkeypatch)
     assert len(calls) == 4 * len(model.model.layers)  # q/k/v, o, gate/up and down, each once
 
 
+def test_dora_kernel_computes_the_scales_of_every_packed_group(base, monkeypatch):
+    """With the kernels and DoRA on every projection, each group's scales come from the one-launch kernel
+    (kernels/dora_norm.py), never from the torch ops (their values: test_dora_fused_path_equals_unfused, gemma)."""
+    import model.lora as lora_module
+    monkeypatch.setattr(lora_module, "_dora_scales_torch", lambda *a: pytest.fail("DoRA's norms left the kernel"))
+    model, _ = load_model(base("qwen2"), lora=LoRAConfig(r=4, alpha=8.0, dora=True), use_kernels=True,
+                          gradient_checkpointing=True)
+    model.train()
+    ids = ids_for(model)
+    model(ids, targets=ids).backward()
+    assert all(p.grad is not None for n, p in lora_parameters(model) if n.endswith("lora_magnitude_vector"))
+
+
 def test_dora_with_dropout_reads_the_dropped_input():
     """With dropout on, the magnitude's base term reads X̃ too, as PEFT's DoRA does:
     Y = X Wᵀ + b + (g - 1) ⊙ X̃ Wᵀ + g ⊙ s X̃ Aᵀ Bᵀ, for the mask F.dropout draws."""
