@@ -9,8 +9,9 @@ their stacked magnitudes, s the group's scale. B_blk is the block-diagonal (Σou
 B in its own columns; output row o belongs to member (o ≥ end₀) + (o ≥ end₁) (at most three members: q, k, v).
 
 Each program takes BLOCK_O output rows and walks `in` in BLOCK_I columns: it loads W's tile, computes s · B_blk A of
-the tile with one fp32 dot (B_blk's tile built in registers from B and the row's member), and adds the squares of
-W + s · B_blk A to its rows' sums. No (out, in) temporary is written, and the norm is the direct one (no cancellation
+the tile with one dot (B_blk's tile built in registers from B and the row's member; tf32x3: three tf32 tensor-core
+products that together carry fp32's precision, where a plain fp32 dot would run on the CUDA cores, over B_blk's
+zeros too), and adds the squares of W + s · B_blk A to its rows' sums. No (out, in) temporary is written, and the norm is the direct one (no cancellation
 in an expanded form). All math in fp32, g rounded once, at the store. This replaces the half-dozen small torch ops
 of the expanded form (W Aᵀ, A Aᵀ, their combination, the row dot, rsqrt, m · inv) with one launch a group.
 
@@ -49,7 +50,7 @@ def _dora_norm_kernel(w_ptr, a_ptr, b_ptr, m_ptr, g_ptr, inv_ptr, OUT, IN, R, SR
                     mask=row_mask[:, None] & col_mask[None, :], other=0.0).to(tl.float32)
         a = tl.load(a_ptr + ks[:, None].to(tl.int64) * IN + cols[None, :], mask=k_mask[:, None] & col_mask[None, :],
                     other=0.0).to(tl.float32)
-        v = w + tl.dot(b, a, input_precision="ieee")  # (BLOCK_O, BLOCK_I): W + s · B_blk A
+        v = w + tl.dot(b, a, input_precision="tf32x3")  # (BLOCK_O, BLOCK_I): W + s · B_blk A, ~fp32 exact
         sq += tl.sum(v * v, axis=1)
     inv = 1.0 / tl.sqrt_rn(tl.where(row_mask, sq, 1.0))  # rows past the end: 1, not 1 / 0 (never stored)
     m = tl.load(m_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)
