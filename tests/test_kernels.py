@@ -668,3 +668,14 @@ def test_gpu_rope(dtype, Hq, Hk, D):
 @pytest.mark.parametrize("inter", [5632, 9216])
 def test_gpu_activation(act, dtype, inter):
     check_activation("cuda", dtype, (4, 2048, inter), act)
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("ends,r,in_features", [((576, 768, 960), 16, 576), ((1536, 3072), 16, 576),
+                                                ((576,), 16, 1536), ((896, 1024, 1152), 64, 896)])
+def test_gpu_dora_norms(dtype, ends, r, in_features):
+    """DoRA's norms kernel at the SmolLM2 shape's groups (q|k|v, gate|up, down) and a Qwen2.5-0.5B q|k|v of r = 64:
+    the tf32x3 dot keeps fp32's precision."""
+    test_dora_norms(dtype, ends, r, in_features)
