@@ -11,12 +11,13 @@ B in its own columns; output row o belongs to member (o ≥ end₀) + (o ≥ end
 Each program takes BLOCK_O output rows and walks `in` in BLOCK_I columns: it loads W's tile, computes s · B_blk A of
 the tile with one dot (B_blk's tile built in registers from B and the row's member; tf32x3: three tf32 tensor-core
 products that together carry fp32's precision, where a plain fp32 dot would run on the CUDA cores, over B_blk's
-zeros too), and adds the squares of W + s · B_blk A to its rows' sums. No (out, in) temporary is written, and the norm is the direct one (no cancellation
-in an expanded form). All math in fp32, g rounded once, at the store. This replaces the half-dozen small torch ops
-of the expanded form (W Aᵀ, A Aᵀ, their combination, the row dot, rsqrt, m · inv) with one launch a group.
+zeros too), and adds the squares of W + s · B_blk A to its rows' sums. No (out, in) temporary is written, and the
+norm is the direct one (no cancellation in an expanded form). All math in fp32, g rounded once, at the store. This
+replaces the half-dozen small torch ops of the expanded form (W Aᵀ, A Aᵀ, their combination, the row dot, rsqrt,
+m · inv) with one launch a group.
 
-References: Liu et al. 2024 "DoRA" (§4.3: the norm is a constant in backward, which is why this runs without a graph);
-PEFT `tuners/lora/dora.py` (`get_weight_norm`).
+References: Liu et al. 2024 "DoRA" (§4.3: the norm is a constant in backward); PEFT `tuners/lora/dora.py`
+(`get_weight_norm`).
 Reference: kernels.references.dora_norms_reference.
 """
 import torch

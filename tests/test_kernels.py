@@ -522,7 +522,8 @@ def test_activation_per_row_affine(act, dtype, has_bias):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("N,C,transposed", [(1, 7, False), (300, 45, False), (517, 200, True), (129, 1, True)])
+@pytest.mark.parametrize("N,C,transposed", [(1, 7, False), (300, 45, False), (1061, 7, False), (517, 200, True),
+                                           (129, 1, True), (0, 5, False)])
 def test_dora_backward(dtype, N, C, transposed):
     """DoRA's one-pass backward: g ⊙ dY and Σ_n dY ⊙ P · inv equal the torch reference's, row-major and in the
     MLP's transposed layout (dY given in another layout is read in P's), out of place and over dY."""

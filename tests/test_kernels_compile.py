@@ -133,8 +133,8 @@ def kernel_cases():
         block_n, block_c = db.launch_config(transposed)
         specs.append(("kernels.dora_backward", "_dora_backward_kernel", lambda t: {
             "dy_ptr": f"*{t}", "p_ptr": f"*{t}", "g_ptr": f"*{t}", "inv_ptr": "*fp32", "dp_ptr": f"*{t}",
-            "partial_ptr": "*fp32", "N": "i32", "C": "i32", "stride_n": "i32", "stride_c": "i32"},
-            {"BLOCK_N": block_n, "BLOCK_C": block_c}, [{}], db.NUM_WARPS,
+            "partial_ptr": "*fp32", "count_ptr": "*i32", "dm_ptr": "*fp32", "N": "i32", "C": "i32", "stride_n": "i32",
+            "stride_c": "i32"}, {"BLOCK_N": block_n, "BLOCK_C": block_c, "SUM_ROWS": db.SUM_ROWS}, [{}], db.NUM_WARPS,
             "transposed" if transposed else "rows"))
 
     for stacked_rank in (48, 384):  # q|k|v of r = 16 (the dot's K 64, A's tile 64 × 128) and of r = 128 (512 × 16)
