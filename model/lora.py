@@ -662,9 +662,14 @@ def _dora_scales_torch(projs, groups, saved, mags, masters, dtype):
     return torch.mul(m, inv, out=inv.new_empty(len(inv), dtype=dtype)), inv  # g written in `dtype`
 
 
-def _dora_output(pre, g, b):
-    """Y = g ⊙ P + b (columns scaled), a new tensor, from DoRA's P = X Wᵀ + s (X Aᵀ) Bᵀ (N, Σout), in one op. (The
-    MLP's gate and up are scaled inside the activation instead: `GLU`.)"""
+def _dora_output(pre, g, b, residual=None):
+    """Y = g ⊙ P + b (columns scaled), a new tensor, from DoRA's P = X Wᵀ + s (X Aᵀ) Bᵀ (N, Σout), in one op; with a
+    residual R (N, Σout), R + g ⊙ P + b, also one op where there is no bias (o and down: the layer's residual add,
+    so that g ⊙ P is not written and read again). (The MLP's gate and up are scaled inside the activation instead:
+    `GLU`.)"""
+    if residual is not None:
+        y = torch.addcmul(residual, pre, g)
+        return y if b is None else y.add_(b)
     return pre * g if b is None else torch.addcmul(b, pre, g)
 
 
@@ -808,18 +813,20 @@ class _LoRAProjections(torch.autograd.Function):
     """[Y_1 | Y_2 | ...] (N, Σout), Y_i = X W_iᵀ + b_i + s_i (X̃_i A_iᵀ) B_iᵀ, for projections i that share the
     input X [N, in].
 
-    Inputs after X: (X̃_i, A_i, B_i) per projection, then m_i per projection. A_i, B_i are None without an
-    adapter; X̃_i is None unless that adapter's dropout is on (the adapter then reads X); m_i, DoRA's magnitude,
-    is None without DoRA. With DoRA (no dropout), Y_i = g_i ⊙ P_i + b_i, P_i = X W_iᵀ + s_i (X A_iᵀ) B_iᵀ, and
-    backward starts with dm_i = Σ_n dY_i ⊙ P_i / ‖W_i + s_i B_i A_i‖ and dP_i = g_i ⊙ dY_i (`_dora_backward`).
+    Inputs after X: (X̃_i, A_i, B_i) per projection, then m_i per projection, then optionally a residual R (N, Σout).
+    A_i, B_i are None without an adapter; X̃_i is None unless that adapter's dropout is on (the adapter then reads X);
+    m_i, DoRA's magnitude, is None without DoRA. R, given only with DoRA (`lora_projections`), is added to the output
+    in the op that scales it (`_dora_output`); its gradient is dY. With DoRA (no dropout), Y_i = g_i ⊙ P_i + b_i,
+    P_i = X W_iᵀ + s_i (X A_iᵀ) B_iᵀ, and backward starts with dm_i = Σ_n dY_i ⊙ P_i / ‖W_i + s_i B_i A_i‖ and
+    dP_i = g_i ⊙ dY_i (`_dora_backward`).
     """
 
     @staticmethod
     def forward(ctx, projs, store, dora_ops, x, *inputs):
         dtype, n = compute_dtype(x), len(projs)
-        lora, mags = inputs[:3 * n], inputs[3 * n:]
+        lora, mags, residual = inputs[:3 * n], inputs[3 * n:4 * n], (inputs[4 * n:] or [None])[0]
         names = ["x"] + [f"{n} of {p.name}" for p in projs for n in ("dropout(x)", "lora_A", "lora_B")] + [
-            f"lora_magnitude_vector of {p.name}" for p in projs]
+            f"lora_magnitude_vector of {p.name}" for p in projs] + ["residual"]
         _check_inputs(ctx, names, (x, *inputs), x)
         a_masters, b_masters = lora[1::3], lora[2::3]
         with torch.autocast(x.device.type, enabled=False):
@@ -832,10 +839,11 @@ class _LoRAProjections(torch.autograd.Function):
             if dora:
                 scales = _dora_scales(projs, groups, saved, mags, (a_masters, b_masters), dtype, store, dora_ops.norms)
                 saved += [y, *scales]  # P, g, 1 / ‖W + s·B·A‖
-                y = _dora_output(y, scales[0], _bias(projs, dtype))
+                y = _dora_output(y, scales[0], _bias(projs, dtype), residual)
         _expect(y, dtype, "output of " + "/".join(p.name for p in projs))
         ctx.save_for_backward(xc, *x_loras, *saved)
         ctx.projs, ctx.groups, ctx.dora, ctx.dora_ops = projs, groups, dora, dora_ops
+        ctx.residual = residual is not None
         return y
 
     @staticmethod
@@ -848,6 +856,7 @@ class _LoRAProjections(torch.autograd.Function):
         masters = ctx.dtypes[2:3 * n:3]  # lora_A's dtype per projection (lora_B's is asserted equal by _check_grads)
         da, db, dm = [None] * n, [None] * n, [None] * n
         _expect(dy, xc.dtype, "gradient of the " + "/".join(p.name for p in projs) + " output")
+        d_residual = [dy] if ctx.residual else []
         with torch.autocast(xc.device.type, enabled=False):
             if ctx.dora:
                 *saved, pre, g, inv = saved
@@ -857,7 +866,7 @@ class _LoRAProjections(torch.autograd.Function):
                                               need_lora[2::3], need_lora[3::3], masters, da, db)
         x_dtype = ctx.dtypes[0]  # X's, and every X̃_i's (asserted in forward)
         grads = [t for i in range(n) for t in (_to(dx_loras[i], x_dtype), da[i], db[i])]
-        return (None, None, None, *_check_grads(ctx, [_to(dx, x_dtype)] + grads + dm))
+        return (None, None, None, *_check_grads(ctx, [_to(dx, x_dtype)] + grads + dm + d_residual))
 
 
 def _halves(gu):
@@ -876,19 +885,21 @@ class _LoRAMLP(torch.autograd.Function):
     output [G | U] is stored transposed, so that Gᵀ and Uᵀ are contiguous for the elementwise
     kernels; H and dH are handled transposed likewise, which the GEMMs take at no cost.
 
-    Last inputs: m of gate, up and down (None without DoRA). With DoRA on gate/up, what is saved is their P
-    = [G | U] before DoRA's scaling, and backward scales it again; with DoRA on down, its P (N, H) is saved,
-    and computed also when output=False (see `_LoRAProjections` for DoRA's backward).
+    Last inputs: m of gate, up and down (None without DoRA), then optionally a residual R (N, H), given only with
+    DoRA on down, added to the output in the op that scales it (as in `_LoRAProjections`; output=False: zeros still).
+    With DoRA on gate/up, what is saved is their P = [G | U] before DoRA's scaling, and backward scales it again;
+    with DoRA on down, its P (N, H) is saved, and computed also when output=False (see `_LoRAProjections` for DoRA's
+    backward).
     """
 
     @staticmethod
     def forward(ctx, projs, glu, output, store, dora_ops, x, x_gate, x_up, *inputs):
         gate, up, down = projs
         dtype = compute_dtype(x)
-        ab, mags = inputs[:6], inputs[6:]
+        ab, mags, residual = inputs[:6], inputs[6:9], (inputs[9:] or [None])[0]
         names = ["x", "dropout(x) of gate_proj", "dropout(x) of up_proj"] + [
             f"{n} of {p.name}" for p in projs for n in ("lora_A", "lora_B")] + [
-            f"lora_magnitude_vector of {p.name}" for p in projs]
+            f"lora_magnitude_vector of {p.name}" for p in projs] + ["residual"]
         _check_inputs(ctx, names, (x, x_gate, x_up, *inputs), x)
         a_masters, b_masters = ab[0::2], ab[1::2]  # of gate, up, down
         p_drop = down.dropout_p if down.r and down.training else 0.0
@@ -919,7 +930,7 @@ class _LoRAMLP(torch.autograd.Function):
                 scales = _dora_scales((down,), [[0]], saved[-3:], mags[2:], (a_masters[2:], b_masters[2:]), dtype,
                                       store, dora_ops.norms)
                 dora += [y, *scales]
-                y = _dora_output(y, scales[0], _bias((down,), dtype)) if output else None
+                y = _dora_output(y, scales[0], _bias((down,), dtype), residual) if output else None
             if y is None:
                 y = xc.new_zeros(xc.shape[0], down.out_features)
             del h, h_lora, gu
@@ -928,6 +939,7 @@ class _LoRAMLP(torch.autograd.Function):
         ctx.save_for_backward(xc, *x_loras, pre_gu, keep, *dora, *saved)
         ctx.projs, ctx.glu, ctx.p_drop, ctx.groups = projs, glu, p_drop, groups
         ctx.dora_gu, ctx.dora_d, ctx.dora_ops = dora_gu, dora_d, dora_ops
+        ctx.residual = residual is not None
         return y
 
     @staticmethod
@@ -949,6 +961,7 @@ class _LoRAMLP(torch.autograd.Function):
         masters, m_dtypes = ctx.dtypes[3:9:2], ctx.dtypes[9:]  # lora_A's and m's dtypes of gate, up, down
         da, db, dm = [None] * 3, [None] * 3, [None] * 3
         _expect(dy, xc.dtype, "gradient of the MLP output")
+        d_residual = [dy] if ctx.residual else []
         with torch.autocast(xc.device.type, enabled=False):
             # DoRA: gu holds P, which the activation scales as it reads it (its backward then writes new tensors)
             affine = {} if dora_gu is None else dict(scale=dora_gu[0], bias=_bias(projs[:2], xc.dtype))
@@ -983,7 +996,7 @@ class _LoRAMLP(torch.autograd.Function):
         x_dtype = ctx.dtypes[0]  # X's, and X̃_gate's and X̃_up's (asserted in forward)
         dxs = [_to(t, x_dtype) for t in (dx, *dx_loras)]
         return (None, None, None, None, None,
-                *_check_grads(ctx, dxs + [da[0], db[0], da[1], db[1], da[2], db[2]] + dm))
+                *_check_grads(ctx, dxs + [da[0], db[0], da[1], db[1], da[2], db[2]] + dm + d_residual))
 
 
 def _magnitudes(projs):
@@ -991,24 +1004,40 @@ def _magnitudes(projs):
     return [p.lora_magnitude_vector if p.dora and p.r else None for p in projs]
 
 
-def lora_projections(x, projs, store=None, dora_ops=DORA_REFERENCES):
+def lora_projections(x, projs, store=None, dora_ops=DORA_REFERENCES, residual=None):
     """tuple(p(x) for p in projs) as one autograd Function: one GEMM for the base of all of them (`_base`),
     X cast and saved once, and dX in one GEMM too. x (..., in); the outputs are column slices of one
     (..., Σout) tensor. store: a dict that keeps DoRA's scales for a checkpointed layer's recompute
-    (`_dora_scales`). dora_ops: DoRA's kernels or their references (`DoRAOps`)."""
+    (`_dora_scales`). dora_ops: DoRA's kernels or their references (`DoRAOps`). residual: (..., Σout) added to
+    the output (residual + y), inside the Function where DoRA scales the output (`_residual_input`)."""
     x2 = x.reshape(-1, x.shape[-1])  # (N, in)
     lora = [t for p in projs for t in (p.lora_input(x2), p.lora_A, p.lora_B)]
-    y = _LoRAProjections.apply(projs, store, dora_ops, x2, *lora, *_magnitudes(projs))
+    mags = _magnitudes(projs)
+    inside = _residual_input(residual, x2, mags)
+    y = _LoRAProjections.apply(projs, store, dora_ops, x2, *lora, *mags, *inside)
     y = y.view(*x.shape[:-1], y.shape[-1])
+    if residual is not None and not inside:
+        y = residual + y
     return (y,) if len(projs) == 1 else y.split([p.out_features for p in projs], dim=-1)
 
 
-def lora_mlp(x, projs, glu: GLU, output=True, store=None, dora_ops=DORA_REFERENCES):
+def _residual_input(residual, x, mags):
+    """[the residual as (N, Σout)] when the fused Function adds it (DoRA scales the output, and the residual, X and
+    the output share X's dtype: no autocast), else [] (the caller adds it, as plain LoRA does)."""
+    if residual is None or all(m is None for m in mags) or not residual.dtype == x.dtype == compute_dtype(x):
+        return []
+    return [residual.reshape(-1, residual.shape[-1])]
+
+
+def lora_mlp(x, projs, glu: GLU, output=True, store=None, dora_ops=DORA_REFERENCES, residual=None):
     """down(act(gate(x)) ⊙ up(x)) for projs = (gate, up, down), as one autograd Function. x (..., H).
     output=False: zeros in place of the output, the graph and what backward needs as with True (`_LoRAMLP`).
-    store, dora_ops: as for `lora_projections`."""
+    store, dora_ops, residual: as for `lora_projections` (DoRA on down adds the residual inside)."""
     gate, up, down = projs
     x2 = x.reshape(-1, x.shape[-1])  # (N, H)
+    mags = _magnitudes(projs)
+    inside = _residual_input(residual, x2, mags[2:])
     y = _LoRAMLP.apply(projs, glu, output, store, dora_ops, x2, gate.lora_input(x2), up.lora_input(x2),
-                       gate.lora_A, gate.lora_B, up.lora_A, up.lora_B, down.lora_A, down.lora_B, *_magnitudes(projs))
-    return y.view(*x.shape[:-1], y.shape[-1])
+                       gate.lora_A, gate.lora_B, up.lora_A, up.lora_B, down.lora_A, down.lora_B, *mags, *inside)
+    y = y.view(*x.shape[:-1], y.shape[-1])
+    return residual + y if residual is not None and not inside else y

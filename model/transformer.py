@@ -317,10 +317,11 @@ class Attention(nn.Module):
         self.softcap = cfg.attn_softcap
         self.ops = ops
 
-    def forward(self, x, cos, sin, mask, cache=None, store=None):
+    def forward(self, x, cos, sin, mask, cache=None, store=None, residual=None):
         """x (B, T, H). cache: this layer's `LayerCache` (model/generate.py) or None; with one, the
         keys and values of x are appended to it and the queries attend to all it holds. store: DoRA's
-        scales kept for a checkpointed layer's recompute (`_checkpointed`)."""
+        scales kept for a checkpointed layer's recompute (`_checkpointed`). residual: (B, T, H) added to the
+        output (with DoRA, in the op that scales o's output)."""
         B, T, _ = x.shape
         qkv = (self.q_proj, self.k_proj, self.v_proj)
         fused = self.ops.fused_lora and fusable(qkv + (self.o_proj,))
@@ -341,7 +342,10 @@ class Attention(nn.Module):
                 k, v = cache.update(k, v)  # (B, nkv, S, d): the cached positions, then these
             y = attend(q, k, v, mask, self.scale, self.softcap)  # (B, nh, T, d)
             y = y.transpose(1, 2).reshape(B, T, self.nh * self.d)
-        return lora_projections(y, (self.o_proj,), store, self.ops.dora)[0] if fused else self.o_proj(y)
+        if fused:
+            return lora_projections(y, (self.o_proj,), store, self.ops.dora, residual)[0]
+        y = self.o_proj(y)
+        return y if residual is None else residual + y
 
 
 class MLP(nn.Module):
@@ -354,14 +358,15 @@ class MLP(nn.Module):
         self.ops = ops
         self.glu = ops.glu(cfg.act)
 
-    def forward(self, x, output=True, store=None):
+    def forward(self, x, output=True, store=None, residual=None):
         """output=False: the caller reads only the graph (a checkpointed layer's recompute), so the fused
-        path skips the down projection's GEMM and returns zeros in its place (see `lora_mlp`). store: as
-        for Attention."""
+        path skips the down projection's GEMM and returns zeros in its place (see `lora_mlp`). store,
+        residual: as for Attention."""
         projs = (self.gate_proj, self.up_proj, self.down_proj)
         if self.ops.fused_lora and fusable(projs):
-            return lora_mlp(x, projs, self.glu, output, store, self.ops.dora)
-        return self.down_proj(self.glu.function(self.gate_proj(x), self.up_proj(x)))
+            return lora_mlp(x, projs, self.glu, output, store, self.ops.dora, residual)
+        y = self.down_proj(self.glu.function(self.gate_proj(x), self.up_proj(x)))
+        return y if residual is None else residual + y
 
 
 class DecoderLayer(nn.Module):
@@ -386,8 +391,8 @@ class DecoderLayer(nn.Module):
             x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), cos, sin, mask, cache,
                                                                  store))
             return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x), store=store))
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, cache, store)
-        return x + self.mlp(self.post_attention_layernorm(x), output=not graph_only, store=store)
+        x = self.self_attn(self.input_layernorm(x), cos, sin, mask, cache, store, residual=x)
+        return self.mlp(self.post_attention_layernorm(x), output=not graph_only, store=store, residual=x)
 
 
 def _checkpointed(layer, store, *args):

@@ -233,6 +233,23 @@ def test_dora_kernel_computes_the_scales_of_every_packed_group(base, monkeypatch
     assert all(p.grad is not None for n, p in lora_parameters(model) if n.endswith("lora_magnitude_vector"))
 
 
+@pytest.mark.parametrize("family,inside", [("llama", 2), ("gemma2", 0)])
+def test_dora_adds_the_residual_where_it_scales_o_and_down(family, inside, base, monkeypatch):
+    """The fused path adds the layer's residual in the op that scales o's and down's outputs (R + g ⊙ P + b, so that
+    g ⊙ P is not written and read back by a separate add): twice a layer, and never with sandwich norms (Gemma 2/3:
+    the output is normalized before the add). Values: test_dora_fused_path_equals_unfused."""
+    import model.lora as lora_module
+    original, calls = lora_module._dora_output, []
+
+    def recorded(pre, g, b, residual=None):
+        calls.append(residual is not None)
+        return original(pre, g, b, residual)
+    monkeypatch.setattr(lora_module, "_dora_output", recorded)
+    model, _ = load_model(base(family), lora=LoRAConfig(r=4, alpha=8.0, dora=True))
+    model(ids_for(model))
+    assert sum(calls) == inside * len(model.model.layers)
+
+
 def test_dora_with_dropout_reads_the_dropped_input():
     """With dropout on, the magnitude's base term reads X̃ too, as PEFT's DoRA does:
     Y = X Wᵀ + b + (g - 1) ⊙ X̃ Wᵀ + g ⊙ s X̃ Aᵀ Bᵀ, for the mask F.dropout draws."""
