@@ -4,10 +4,15 @@
     dm = Σ_n dY ⊙ P · inv                (C,)    inv = 1 / ‖W + s·B·A‖, the norm a constant in backward
 
 (dm is the magnitude's gradient: g = m · inv.) dY, P and dP share one layout, row-major (N, C) or the MLP's
-transposed (C, N) storage, read through their strides. Each program takes BLOCK_C columns and ROWS rows, in tiles
-of BLOCK_N × BLOCK_C: it writes their dP and the partial sum of dY ⊙ P · inv over its rows (fp32), into a
-(cdiv(N, ROWS), C) buffer that one torch sum reduces, in a fixed order (no atomics, so the result is deterministic).
-All math in fp32; dP rounded once, at the store.
+transposed (C, N) storage, read through their strides. The grid is 2-D, (column blocks, row blocks), one BLOCK_N ×
+BLOCK_C tile a program and no loop: every program's loads are in flight at once, and a step's shapes (N = 4096
+tokens, C = 576 to 3072) give hundreds to thousands of programs, enough bytes in flight to run at the memory's
+bandwidth. The tile is long along the contiguous dimension (wide vector loads). Each program writes its tile's dP
+and its partial sum of dY ⊙ P · inv over its rows (fp32) into a (cdiv(N, BLOCK_N), C) buffer (1/16 of dY's bytes),
+then counts itself done on its column block's counter (after a barrier, so that all its threads' partials are
+stored: one atomic add, acquire-release at GPU scope, so that they are visible to whichever program counts last).
+The last program of a column block sums that block's partials in row-block order, so dm is deterministic (the same
+order whichever program comes last), with no launch of its own. All math in fp32; dP rounded once, at the store.
 
 References: Liu et al. 2024 "DoRA" (§4.3, the norm a constant); PEFT `tuners/lora/dora.py`.
 Reference: kernels.references.dora_backward_reference.
@@ -18,33 +23,43 @@ import triton.language as tl
 
 from kernels.references import check_dora_backward_args
 
-ROWS = 128  # rows per program: N / ROWS programs per column block, enough to fill the GPU at N = 4096
 NUM_WARPS = 4
 
 
+SUM_ROWS = 32  # partials the last program of a column block reads at a time
+
+
 def launch_config(transposed):
-    """(BLOCK_N, BLOCK_C): the tile is long along the contiguous dimension, for coalesced loads."""
-    return (128, 16) if transposed else (16, 128)
+    """(BLOCK_N, BLOCK_C): 4096 elements a tile, long along the contiguous dimension (rows of the transposed
+    layout, columns of the row-major one) for coalesced 16-byte loads."""
+    return (256, 16) if transposed else (32, 128)
 
 
 @triton.jit
-def _dora_backward_kernel(dy_ptr, p_ptr, g_ptr, inv_ptr, dp_ptr, partial_ptr, N, C, stride_n, stride_c,
-                          ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr):
+def _dora_backward_kernel(dy_ptr, p_ptr, g_ptr, inv_ptr, dp_ptr, partial_ptr, count_ptr, dm_ptr, N, C, stride_n,
+                          stride_c, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, SUM_ROWS: tl.constexpr):
     cols = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
+    rows = tl.program_id(1).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_mask = cols < C
+    mask = (rows < N)[:, None] & col_mask[None, :]
+    offs = rows[:, None] * stride_n + cols[None, :].to(tl.int64) * stride_c
+    dy = tl.load(dy_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    p = tl.load(p_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     g = tl.load(g_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
-    acc = tl.zeros((BLOCK_C,), dtype=tl.float32)
-    first = tl.program_id(1).to(tl.int64) * ROWS
-    for start in range(0, ROWS, BLOCK_N):
-        rows = first + start + tl.arange(0, BLOCK_N)
-        mask = (rows < N)[:, None] & col_mask[None, :]
-        offs = rows[:, None] * stride_n + cols[None, :].to(tl.int64) * stride_c
-        dy = tl.load(dy_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        p = tl.load(p_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        acc += tl.sum(dy * p, axis=0)
-        tl.store(dp_ptr + offs, (dy * g[None, :]).to(dp_ptr.dtype.element_ty), mask=mask)
     inv = tl.load(inv_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
-    tl.store(partial_ptr + tl.program_id(1).to(tl.int64) * C + cols, acc * inv, mask=col_mask)
+    tl.store(dp_ptr + offs, (dy * g[None, :]).to(dp_ptr.dtype.element_ty), mask=mask)
+    tl.store(partial_ptr + tl.program_id(1).to(tl.int64) * C + cols, tl.sum(dy * p, axis=0) * inv, mask=col_mask)
+    row_blocks = tl.num_programs(1)
+    tl.debug_barrier()  # every thread's partial stored before the one atomic below releases them
+    if tl.atomic_add(count_ptr + tl.program_id(0), 1) == row_blocks - 1:  # the column block's last program
+        acc = tl.zeros((BLOCK_C,), dtype=tl.float32)
+        for start in range(0, row_blocks, SUM_ROWS):
+            blocks = start + tl.arange(0, SUM_ROWS)
+            part = tl.load(partial_ptr + blocks[:, None].to(tl.int64) * C + cols[None, :],
+                           mask=(blocks < row_blocks)[:, None] & col_mask[None, :], other=0.0,
+                           cache_modifier=".cg")  # from L2, where the other programs' stores are
+            acc += tl.sum(part, axis=0)
+        tl.store(dm_ptr + cols, acc, mask=col_mask)
 
 
 def dora_backward(dy, p, g, inv, out=None):
@@ -58,9 +73,12 @@ def dora_backward(dy, p, g, inv, out=None):
     assert out.stride() == p.stride(), "dora_backward: out must have P's layout"
     N, C = p.shape
     block_n, block_c = launch_config(transposed=p.stride(0) == 1 and C > 1)
-    partial = torch.empty(triton.cdiv(N, ROWS), C, dtype=torch.float32, device=p.device)
-    if N > 0 and C > 0:
-        _dora_backward_kernel[(triton.cdiv(C, block_c), triton.cdiv(N, ROWS))](
-            dy, p, g, inv, out, partial, N, C, p.stride(0), p.stride(1), ROWS=ROWS, BLOCK_N=block_n,
-            BLOCK_C=block_c, num_warps=NUM_WARPS)
-    return out, partial.sum(0)
+    grid = (triton.cdiv(C, block_c), triton.cdiv(N, block_n))
+    if N == 0 or C == 0:
+        return out, torch.zeros(C, dtype=torch.float32, device=p.device)
+    partial = torch.empty(grid[1], C, dtype=torch.float32, device=p.device)
+    count = torch.zeros(grid[0], dtype=torch.int32, device=p.device)  # programs done, per column block
+    dm = torch.empty(C, dtype=torch.float32, device=p.device)
+    _dora_backward_kernel[grid](dy, p, g, inv, out, partial, count, dm, N, C, p.stride(0), p.stride(1),
+                                BLOCK_N=block_n, BLOCK_C=block_c, SUM_ROWS=SUM_ROWS, num_warps=NUM_WARPS)
+    return out, dm

@@ -191,6 +191,31 @@ def dora_backward_reference(dy, p, g, inv, out=None):
     return torch.mul(dy, g, out=out) if out is not None else dy * g, dm
 
 
+# ----------------------------------------------------------------------------- DoRA's norms
+
+def check_dora_norms_args(w, a, b, m, ends, dtype):
+    """W (Σout, in) in fp32/bf16/fp16; A (Σr, in), B (Σout, R), m (Σout,) in fp32, contiguous; `ends` the members'
+    last rows + 1, at most three, the last Σout, each member R rows of A."""
+    out_features, in_features = w.shape
+    assert w.dtype in DTYPES and dtype in DTYPES, f"dora_norms: W and g must be fp32/bf16/fp16, got {w.dtype}, {dtype}"
+    assert all(t.dtype == torch.float32 and t.is_contiguous() for t in (w, a, b, m)[1:]) and w.is_contiguous(), \
+        "dora_norms: A, B and m must be contiguous fp32, W contiguous"
+    assert a.shape == (len(ends) * b.shape[1], in_features) and b.shape[0] == out_features == m.shape[0], \
+        f"dora_norms: shapes W {tuple(w.shape)}, A {tuple(a.shape)}, B {tuple(b.shape)}, m {tuple(m.shape)} disagree"
+    assert 1 <= len(ends) <= 3 and ends[-1] == out_features and list(ends) == sorted(ends), \
+        f"dora_norms: one to three members ending at Σout, got ends {list(ends)}"
+
+
+def dora_norms_reference(w, a, b, m, ends, scale, dtype):
+    """(g, inv) of `kernels.dora_norm.dora_norms` in torch: the norms of W + s·B_blk·A, each member's rows of B with
+    its own rows of A, in fp32 (fp64 for fp64 inputs)."""
+    acc = torch.promote_types(w.dtype, torch.float32)
+    r, starts = b.shape[1], [0, *ends[:-1]]
+    delta = torch.cat([b[s:e].to(acc) @ a[j * r:(j + 1) * r].to(acc) for j, (s, e) in enumerate(zip(starts, ends))])
+    inv = torch.linalg.vector_norm(w.to(acc) + scale * delta, dim=1).reciprocal()
+    return (m.to(acc) * inv).to(dtype), inv
+
+
 # ----------------------------------------------------------------------------- cross-entropy
 
 REDUCTIONS = ("mean", "sum", "none")

@@ -22,7 +22,9 @@ Y = g ⊙ P + b and save P, and backward starts from dY with
 
 both in one pass over dY and P (kernels/dora_backward.py). For the MLP's gate and up, P is saved in place of
 [G | U], and the gated activation's kernels read P and compute G = g ⊙ P + b in registers, forward and
-backward (kernels/glu.py), so that [G | U] is never written.
+backward (kernels/glu.py), so that [G | U] is never written. g of a packed group (q|k|v, o, gate|up, down) is
+computed once per step and layer (a checkpointed layer's recompute reads it: `_dora_scales`), with the kernels in
+one launch (kernels/dora_norm.py), else from ‖W_r‖² and r-wide products in torch.
 
 References: Hu et al. 2021 "LoRA"; Kalajdzievski 2023 "rsLoRA"; Liu et al. 2024 "DoRA"; torchtune
 `modules/peft/lora.py` (LoRALinear owns the frozen weight, so checkpoint keys match);
@@ -584,7 +586,31 @@ def base_sq_norms(projs):
     return cached[1]
 
 
-def _dora_scales(projs, groups, saved, mags, masters, dtype, store=None):
+class DoRAOps(NamedTuple):
+    """DoRA's kernels, or their torch references (model/transformer.py `Ops`). backward: the one-pass dm and dP
+    (`_dora_backward`). norms: g and 1 / ‖W + s·B·A‖ of a packed group in one launch (kernels/dora_norm.py), or
+    None: `_dora_scales` computes them from ‖W_r‖² and r-wide products, in torch."""
+    backward: Callable = dora_backward_reference
+    norms: Callable | None = None
+
+
+DORA_REFERENCES = DoRAOps()
+
+
+def _dora_norms_args(projs, groups, mags, masters):
+    """(A, B, m, ends, s) for `DoRAOps.norms` when the projections' adapters form one group whose fp32 masters and
+    magnitudes are stored stacked (`pack_adapters_`, or a lone projection), else None."""
+    if len(groups) != 1 or len(groups[0]) != len(projs) or None in mags or len(projs) > 3 or \
+            len({p.r for p in projs}) > 1:
+        return None
+    n = len(projs)
+    stacked = [_rows_view(ts) for ts in (masters[0][:n], masters[1][:n], [m.detach() for m in mags])]
+    if any(t is None or t.dtype != torch.float32 for t in stacked):
+        return None
+    return *stacked, list(itertools.accumulate(p.out_features for p in projs)), projs[0].scale
+
+
+def _dora_scales(projs, groups, saved, mags, masters, dtype, store=None, norms=None):
     """DoRA's g = m / ‖W + s·B·A‖ (Σout,) in `dtype`, and 1 / ‖W + s·B·A‖ (Σout,) in fp32, of the projections side by
     side (both 1 in the columns of a projection without DoRA): constants in backward. `saved`: what `_adapt_groups`
     returned for `groups` (the stacked A and the block B of each group, in `dtype`); masters: (A_i, B_i) per
@@ -599,9 +625,20 @@ def _dora_scales(projs, groups, saved, mags, masters, dtype, store=None):
     (fp64 for an fp64 base): B and A from the fp32 masters, W Aᵀ from the GEMM of W and A in `dtype`.
 
     store: a dict that keeps the result under the first projection, for the recompute of a checkpointed layer (the
-    checkpoint's first run fills it, its recompute reads it: the weights are the same in both)."""
+    checkpoint's first run fills it, its recompute reads it: the weights are the same in both). norms: the kernel
+    that computes both for a packed group in one launch (`DoRAOps.norms`), used where it applies."""
     if store is not None and projs[0] in store:
         return store[projs[0]]
+    args = None if norms is None else _dora_norms_args(projs, groups, mags, masters)
+    out = _dora_scales_torch(projs, groups, saved, mags, masters, dtype) if args is None else \
+        norms(_base_weights(projs, dtype), *args, dtype)
+    if store is not None:
+        store[projs[0]] = out
+    return out
+
+
+def _dora_scales_torch(projs, groups, saved, mags, masters, dtype):
+    """`_dora_scales` in torch ops, from ‖W_r‖² and r-wide products (see there)."""
     base = base_sq_norms(projs)
     acc = base.dtype
     sq = None if len(groups) == 1 and _blocks(projs, groups[0])[0] == slice(0, len(base)) else base.clone()
@@ -624,15 +661,17 @@ def _dora_scales(projs, groups, saved, mags, masters, dtype, store=None):
             if m is None:
                 inv[cols] = 1
     m = _packed([inv.new_ones(p.out_features) if m is None else m.detach() for p, m in zip(projs, mags)])
-    out = torch.mul(m, inv, out=inv.new_empty(len(inv), dtype=dtype)), inv  # g written in `dtype`
-    if store is not None:
-        store[projs[0]] = out
-    return out
+    return torch.mul(m, inv, out=inv.new_empty(len(inv), dtype=dtype)), inv  # g written in `dtype`
 
 
-def _dora_output(pre, g, b):
-    """Y = g ⊙ P + b (columns scaled), a new tensor, from DoRA's P = X Wᵀ + s (X Aᵀ) Bᵀ (N, Σout), in one op. (The
-    MLP's gate and up are scaled inside the activation instead: `GLU`.)"""
+def _dora_output(pre, g, b, residual=None):
+    """Y = g ⊙ P + b (columns scaled), a new tensor, from DoRA's P = X Wᵀ + s (X Aᵀ) Bᵀ (N, Σout), in one op; with a
+    residual R (N, Σout), R + g ⊙ P + b, also one op where there is no bias (o and down: the layer's residual add,
+    so that g ⊙ P is not written and read again). (The MLP's gate and up are scaled inside the activation instead:
+    `GLU`.)"""
+    if residual is not None:
+        y = torch.addcmul(residual, pre, g)
+        return y if b is None else y.add_(b)
     return pre * g if b is None else torch.addcmul(b, pre, g)
 
 
@@ -776,18 +815,20 @@ class _LoRAProjections(torch.autograd.Function):
     """[Y_1 | Y_2 | ...] (N, Σout), Y_i = X W_iᵀ + b_i + s_i (X̃_i A_iᵀ) B_iᵀ, for projections i that share the
     input X [N, in].
 
-    Inputs after X: (X̃_i, A_i, B_i) per projection, then m_i per projection. A_i, B_i are None without an
-    adapter; X̃_i is None unless that adapter's dropout is on (the adapter then reads X); m_i, DoRA's magnitude,
-    is None without DoRA. With DoRA (no dropout), Y_i = g_i ⊙ P_i + b_i, P_i = X W_iᵀ + s_i (X A_iᵀ) B_iᵀ, and
-    backward starts with dm_i = Σ_n dY_i ⊙ P_i / ‖W_i + s_i B_i A_i‖ and dP_i = g_i ⊙ dY_i (`_dora_backward`).
+    Inputs after X: (X̃_i, A_i, B_i) per projection, then m_i per projection, then optionally a residual R (N, Σout).
+    A_i, B_i are None without an adapter; X̃_i is None unless that adapter's dropout is on (the adapter then reads X);
+    m_i, DoRA's magnitude, is None without DoRA. R, given only with DoRA (`lora_projections`), is added to the output
+    in the op that scales it (`_dora_output`); its gradient is dY. With DoRA (no dropout), Y_i = g_i ⊙ P_i + b_i,
+    P_i = X W_iᵀ + s_i (X A_iᵀ) B_iᵀ, and backward starts with dm_i = Σ_n dY_i ⊙ P_i / ‖W_i + s_i B_i A_i‖ and
+    dP_i = g_i ⊙ dY_i (`_dora_backward`).
     """
 
     @staticmethod
-    def forward(ctx, projs, store, dora_backward, x, *inputs):
+    def forward(ctx, projs, store, dora_ops, x, *inputs):
         dtype, n = compute_dtype(x), len(projs)
-        lora, mags = inputs[:3 * n], inputs[3 * n:]
+        lora, mags, residual = inputs[:3 * n], inputs[3 * n:4 * n], (inputs[4 * n:] or [None])[0]
         names = ["x"] + [f"{n} of {p.name}" for p in projs for n in ("dropout(x)", "lora_A", "lora_B")] + [
-            f"lora_magnitude_vector of {p.name}" for p in projs]
+            f"lora_magnitude_vector of {p.name}" for p in projs] + ["residual"]
         _check_inputs(ctx, names, (x, *inputs), x)
         a_masters, b_masters = lora[1::3], lora[2::3]
         with torch.autocast(x.device.type, enabled=False):
@@ -798,12 +839,13 @@ class _LoRAProjections(torch.autograd.Function):
             groups = _adapter_groups(projs, x_loras)
             saved = _adapt_groups(y, projs, groups, x_loras, xc, a_masters, b_masters, dtype)
             if dora:
-                scales = _dora_scales(projs, groups, saved, mags, (a_masters, b_masters), dtype, store)
+                scales = _dora_scales(projs, groups, saved, mags, (a_masters, b_masters), dtype, store, dora_ops.norms)
                 saved += [y, *scales]  # P, g, 1 / ‖W + s·B·A‖
-                y = _dora_output(y, scales[0], _bias(projs, dtype))
+                y = _dora_output(y, scales[0], _bias(projs, dtype), residual)
         _expect(y, dtype, "output of " + "/".join(p.name for p in projs))
         ctx.save_for_backward(xc, *x_loras, *saved)
-        ctx.projs, ctx.groups, ctx.dora, ctx.dora_backward = projs, groups, dora, dora_backward
+        ctx.projs, ctx.groups, ctx.dora, ctx.dora_ops = projs, groups, dora, dora_ops
+        ctx.residual = residual is not None
         return y
 
     @staticmethod
@@ -816,16 +858,17 @@ class _LoRAProjections(torch.autograd.Function):
         masters = ctx.dtypes[2:3 * n:3]  # lora_A's dtype per projection (lora_B's is asserted equal by _check_grads)
         da, db, dm = [None] * n, [None] * n, [None] * n
         _expect(dy, xc.dtype, "gradient of the " + "/".join(p.name for p in projs) + " output")
+        d_residual = [dy] if ctx.residual else []
         with torch.autocast(xc.device.type, enabled=False):
             if ctx.dora:
                 *saved, pre, g, inv = saved
-                dy = _dora_backward(ctx.dora_backward, projs, ctx.dtypes[3 * n + 1:], dy, pre, g, inv, need_m, dm)
+                dy = _dora_backward(ctx.dora_ops.backward, projs, ctx.dtypes[3 * n + 1:], dy, pre, g, inv, need_m, dm)
             dx = _base_backward(projs, dy) if need[0] else None
             dx_loras = _adapt_groups_backward(projs, ctx.groups, saved, dy, x_loras, xc, dx, need_lora[1::3],
                                               need_lora[2::3], need_lora[3::3], masters, da, db)
         x_dtype = ctx.dtypes[0]  # X's, and every X̃_i's (asserted in forward)
         grads = [t for i in range(n) for t in (_to(dx_loras[i], x_dtype), da[i], db[i])]
-        return (None, None, None, *_check_grads(ctx, [_to(dx, x_dtype)] + grads + dm))
+        return (None, None, None, *_check_grads(ctx, [_to(dx, x_dtype)] + grads + dm + d_residual))
 
 
 def _halves(gu):
@@ -844,19 +887,21 @@ class _LoRAMLP(torch.autograd.Function):
     output [G | U] is stored transposed, so that Gᵀ and Uᵀ are contiguous for the elementwise
     kernels; H and dH are handled transposed likewise, which the GEMMs take at no cost.
 
-    Last inputs: m of gate, up and down (None without DoRA). With DoRA on gate/up, what is saved is their P
-    = [G | U] before DoRA's scaling, and backward scales it again; with DoRA on down, its P (N, H) is saved,
-    and computed also when output=False (see `_LoRAProjections` for DoRA's backward).
+    Last inputs: m of gate, up and down (None without DoRA), then optionally a residual R (N, H), given only with
+    DoRA on down, added to the output in the op that scales it (as in `_LoRAProjections`; output=False: zeros still).
+    With DoRA on gate/up, what is saved is their P = [G | U] before DoRA's scaling, and backward scales it again;
+    with DoRA on down, its P (N, H) is saved, and computed also when output=False (see `_LoRAProjections` for DoRA's
+    backward).
     """
 
     @staticmethod
-    def forward(ctx, projs, glu, output, store, dora_backward, x, x_gate, x_up, *inputs):
+    def forward(ctx, projs, glu, output, store, dora_ops, x, x_gate, x_up, *inputs):
         gate, up, down = projs
         dtype = compute_dtype(x)
-        ab, mags = inputs[:6], inputs[6:]
+        ab, mags, residual = inputs[:6], inputs[6:9], (inputs[9:] or [None])[0]
         names = ["x", "dropout(x) of gate_proj", "dropout(x) of up_proj"] + [
             f"{n} of {p.name}" for p in projs for n in ("lora_A", "lora_B")] + [
-            f"lora_magnitude_vector of {p.name}" for p in projs]
+            f"lora_magnitude_vector of {p.name}" for p in projs] + ["residual"]
         _check_inputs(ctx, names, (x, x_gate, x_up, *inputs), x)
         a_masters, b_masters = ab[0::2], ab[1::2]  # of gate, up, down
         p_drop = down.dropout_p if down.r and down.training else 0.0
@@ -871,7 +916,8 @@ class _LoRAMLP(torch.autograd.Function):
             dora = []  # g, 1 / ‖W + s·B·A‖ of gate/up; then P, g, 1 / ‖W + s·B·A‖ of down
             affine = {}  # DoRA's [G | U] = g ⊙ P + b, which the activation computes as it reads P
             if dora_gu:
-                dora += _dora_scales(projs[:2], groups, saved, mags[:2], (a_masters, b_masters), dtype, store)
+                dora += _dora_scales(projs[:2], groups, saved, mags[:2], (a_masters, b_masters), dtype, store,
+                                     dora_ops.norms)
                 affine = dict(scale=dora[0], bias=_bias(projs[:2], dtype))
             h = glu.forward(*_halves(gu), **affine).t()  # (N, I)
             keep, h_lora = None, None
@@ -884,9 +930,9 @@ class _LoRAMLP(torch.autograd.Function):
                 saved += _adapt(y, (down,), [0], h if h_lora is None else h_lora, a_masters[2:], b_masters[2:], dtype)
             if dora_d:
                 scales = _dora_scales((down,), [[0]], saved[-3:], mags[2:], (a_masters[2:], b_masters[2:]), dtype,
-                                      store)
+                                      store, dora_ops.norms)
                 dora += [y, *scales]
-                y = _dora_output(y, scales[0], _bias((down,), dtype)) if output else None
+                y = _dora_output(y, scales[0], _bias((down,), dtype), residual) if output else None
             if y is None:
                 y = xc.new_zeros(xc.shape[0], down.out_features)
             del h, h_lora, gu
@@ -894,7 +940,8 @@ class _LoRAMLP(torch.autograd.Function):
             _expect(t, dtype, f"MLP {name}")
         ctx.save_for_backward(xc, *x_loras, pre_gu, keep, *dora, *saved)
         ctx.projs, ctx.glu, ctx.p_drop, ctx.groups = projs, glu, p_drop, groups
-        ctx.dora_gu, ctx.dora_d, ctx.dora_backward = dora_gu, dora_d, dora_backward
+        ctx.dora_gu, ctx.dora_d, ctx.dora_ops = dora_gu, dora_d, dora_ops
+        ctx.residual = residual is not None
         return y
 
     @staticmethod
@@ -916,12 +963,13 @@ class _LoRAMLP(torch.autograd.Function):
         masters, m_dtypes = ctx.dtypes[3:9:2], ctx.dtypes[9:]  # lora_A's and m's dtypes of gate, up, down
         da, db, dm = [None] * 3, [None] * 3, [None] * 3
         _expect(dy, xc.dtype, "gradient of the MLP output")
+        d_residual = [dy] if ctx.residual else []
         with torch.autocast(xc.device.type, enabled=False):
             # DoRA: gu holds P, which the activation scales as it reads it (its backward then writes new tensors)
             affine = {} if dora_gu is None else dict(scale=dora_gu[0], bias=_bias(projs[:2], xc.dtype))
             if dora_d is not None:
                 dm_d = [None]
-                dy = _dora_backward(ctx.dora_backward, (down,), m_dtypes[2:], dy, *dora_d, need_m[2:], dm_d)
+                dy = _dora_backward(ctx.dora_ops.backward, (down,), m_dtypes[2:], dy, *dora_d, need_m[2:], dm_d)
                 dm[2] = dm_d[0]
             g, u = _halves(gu)
             h = ctx.glu.forward(g, u, **affine).t()  # (N, I), recomputed: never saved
@@ -939,7 +987,7 @@ class _LoRAMLP(torch.autograd.Function):
             dg, du = ctx.glu.backward(dh.t(), g, u, **affine)  # kernels, no DoRA: written over Gᵀ and Uᵀ, into gu
             del dh
             if dora_gu is not None:  # dP = g ⊙ [dG | dU], written over [dG | dU] (new tensors)
-                dgu = _dora_backward(ctx.dora_backward, projs[:2], m_dtypes[:2], _packed([dg, du]).t(), gu,
+                dgu = _dora_backward(ctx.dora_ops.backward, projs[:2], m_dtypes[:2], _packed([dg, du]).t(), gu,
                                      *dora_gu, need_m[:2], dm, inplace=True)
             else:
                 dgu = gu if ctx.glu.inplace else torch.cat([dg, du]).t()  # [dG | dU] (N, 2I)
@@ -950,7 +998,7 @@ class _LoRAMLP(torch.autograd.Function):
         x_dtype = ctx.dtypes[0]  # X's, and X̃_gate's and X̃_up's (asserted in forward)
         dxs = [_to(t, x_dtype) for t in (dx, *dx_loras)]
         return (None, None, None, None, None,
-                *_check_grads(ctx, dxs + [da[0], db[0], da[1], db[1], da[2], db[2]] + dm))
+                *_check_grads(ctx, dxs + [da[0], db[0], da[1], db[1], da[2], db[2]] + dm + d_residual))
 
 
 def _magnitudes(projs):
@@ -958,24 +1006,40 @@ def _magnitudes(projs):
     return [p.lora_magnitude_vector if p.dora and p.r else None for p in projs]
 
 
-def lora_projections(x, projs, store=None, dora_backward=dora_backward_reference):
+def lora_projections(x, projs, store=None, dora_ops=DORA_REFERENCES, residual=None):
     """tuple(p(x) for p in projs) as one autograd Function: one GEMM for the base of all of them (`_base`),
     X cast and saved once, and dX in one GEMM too. x (..., in); the outputs are column slices of one
     (..., Σout) tensor. store: a dict that keeps DoRA's scales for a checkpointed layer's recompute
-    (`_dora_scales`). dora_backward: DoRA's one-pass backward, the kernel or its reference (`_dora_backward`)."""
+    (`_dora_scales`). dora_ops: DoRA's kernels or their references (`DoRAOps`). residual: (..., Σout) added to
+    the output (residual + y), inside the Function where DoRA scales the output (`_residual_input`)."""
     x2 = x.reshape(-1, x.shape[-1])  # (N, in)
     lora = [t for p in projs for t in (p.lora_input(x2), p.lora_A, p.lora_B)]
-    y = _LoRAProjections.apply(projs, store, dora_backward, x2, *lora, *_magnitudes(projs))
+    mags = _magnitudes(projs)
+    inside = _residual_input(residual, x2, mags)
+    y = _LoRAProjections.apply(projs, store, dora_ops, x2, *lora, *mags, *inside)
     y = y.view(*x.shape[:-1], y.shape[-1])
+    if residual is not None and not inside:
+        y = residual + y
     return (y,) if len(projs) == 1 else y.split([p.out_features for p in projs], dim=-1)
 
 
-def lora_mlp(x, projs, glu: GLU, output=True, store=None, dora_backward=dora_backward_reference):
+def _residual_input(residual, x, mags):
+    """[the residual as (N, Σout)] when the fused Function adds it (DoRA scales the output, and the residual, X and
+    the output share X's dtype: no autocast), else [] (the caller adds it, as plain LoRA does)."""
+    if residual is None or all(m is None for m in mags) or not residual.dtype == x.dtype == compute_dtype(x):
+        return []
+    return [residual.reshape(-1, residual.shape[-1])]
+
+
+def lora_mlp(x, projs, glu: GLU, output=True, store=None, dora_ops=DORA_REFERENCES, residual=None):
     """down(act(gate(x)) ⊙ up(x)) for projs = (gate, up, down), as one autograd Function. x (..., H).
     output=False: zeros in place of the output, the graph and what backward needs as with True (`_LoRAMLP`).
-    store, dora_backward: as for `lora_projections`."""
+    store, dora_ops, residual: as for `lora_projections` (DoRA on down adds the residual inside)."""
     gate, up, down = projs
     x2 = x.reshape(-1, x.shape[-1])  # (N, H)
-    y = _LoRAMLP.apply(projs, glu, output, store, dora_backward, x2, gate.lora_input(x2), up.lora_input(x2),
-                       gate.lora_A, gate.lora_B, up.lora_A, up.lora_B, down.lora_A, down.lora_B, *_magnitudes(projs))
-    return y.view(*x.shape[:-1], y.shape[-1])
+    mags = _magnitudes(projs)
+    inside = _residual_input(residual, x2, mags[2:])
+    y = _LoRAMLP.apply(projs, glu, output, store, dora_ops, x2, gate.lora_input(x2), up.lora_input(x2),
+                       gate.lora_A, gate.lora_B, up.lora_A, up.lora_B, down.lora_A, down.lora_B, *mags, *inside)
+    y = y.view(*x.shape[:-1], y.shape[-1])
+    return residual + y if residual is not None and not inside else y

@@ -29,7 +29,6 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.checkpoint import checkpoint
 
 from kernels.references import (
-    dora_backward_reference,
     fused_linear_cross_entropy_reference,
     geglu_reference,
     rms_norm_reference,
@@ -39,6 +38,7 @@ from kernels.references import (
 from model.config import ModelConfig
 from model.lora import (
     GLU,
+    DoRAOps,
     LoRAConfig,
     affine_forward,
     autograd_backward,
@@ -67,6 +67,7 @@ class Ops:
             from kernels.add_rms_norm import add_rms_norm
             from kernels.decode_attention import decode_attention
             from kernels.dora_backward import dora_backward
+            from kernels.dora_norm import dora_norms
             from kernels.fused_linear_cross_entropy import fused_linear_cross_entropy
             from kernels.geglu import geglu, geglu_backward, geglu_forward
             from kernels.rms_norm import rms_norm
@@ -78,12 +79,12 @@ class Ops:
             self.rope_into_cache, self.decode_attention = rope_into_cache, decode_attention
             self.add_rms_norm = add_rms_norm
             self._glu_pairs = {"silu": (swiglu_forward, swiglu_backward), "gelu": (geglu_forward, geglu_backward)}
-            self.dora_backward = dora_backward
+            self.dora = DoRAOps(dora_backward, dora_norms)
         else:
             self.rms_norm, self.rope, self.swiglu, self.geglu = (rms_norm_reference, rope_reference,
                                                                  swiglu_reference, geglu_reference)
             self.linear_cross_entropy = fused_linear_cross_entropy_reference
-            self.dora_backward = dora_backward_reference
+            self.dora = DoRAOps()
 
     def glu(self, act: str) -> GLU:
         """The gated activation of ModelConfig.act ("silu": SwiGLU; "gelu_tanh", "gelu": GeGLU): the
@@ -317,15 +318,16 @@ class Attention(nn.Module):
         self.softcap = cfg.attn_softcap
         self.ops = ops
 
-    def forward(self, x, cos, sin, mask, cache=None, store=None):
+    def forward(self, x, cos, sin, mask, cache=None, store=None, residual=None):
         """x (B, T, H). cache: this layer's `LayerCache` (model/generate.py) or None; with one, the
         keys and values of x are appended to it and the queries attend to all it holds. store: DoRA's
-        scales kept for a checkpointed layer's recompute (`_checkpointed`)."""
+        scales kept for a checkpointed layer's recompute (`_checkpointed`). residual: (B, T, H) added to the
+        output (with DoRA, in the op that scales o's output)."""
         B, T, _ = x.shape
         qkv = (self.q_proj, self.k_proj, self.v_proj)
         fused = self.ops.fused_lora and fusable(qkv + (self.o_proj,))
         if fused:
-            q, k, v = lora_projections(x, qkv, store, self.ops.dora_backward)
+            q, k, v = lora_projections(x, qkv, store, self.ops.dora)
         else:  # one GEMM each way where q, k, v all train (full fine-tuning), else one projection at a time
             q, k, v = stacked_projections(x, qkv) if self.ops.fused_lora and stacked(qkv) else (p(x) for p in qkv)
         q = q.view(B, T, self.nh, self.d)  # fused: column slices of one (B, T, q | k | v) tensor
@@ -344,7 +346,10 @@ class Attention(nn.Module):
                 k, v = cache.update(k, v)  # (B, nkv, S, d): the cached positions, then these
             y = attend(q, k, v, mask, self.scale, self.softcap)  # (B, nh, T, d)
             y = y.transpose(1, 2).reshape(B, T, self.nh * self.d)
-        return lora_projections(y, (self.o_proj,), store, self.ops.dora_backward)[0] if fused else self.o_proj(y)
+        if fused:
+            return lora_projections(y, (self.o_proj,), store, self.ops.dora, residual)[0]
+        y = self.o_proj(y)
+        return y if residual is None else residual + y
 
 
 class MLP(nn.Module):
@@ -357,14 +362,15 @@ class MLP(nn.Module):
         self.ops = ops
         self.glu = ops.glu(cfg.act)
 
-    def forward(self, x, output=True, store=None):
+    def forward(self, x, output=True, store=None, residual=None):
         """output=False: the caller reads only the graph (a checkpointed layer's recompute), so the fused
-        path skips the down projection's GEMM and returns zeros in its place (see `lora_mlp`). store: as
-        for Attention."""
+        path skips the down projection's GEMM and returns zeros in its place (see `lora_mlp`). store,
+        residual: as for Attention."""
         projs = (self.gate_proj, self.up_proj, self.down_proj)
         if self.ops.fused_lora and fusable(projs):
-            return lora_mlp(x, projs, self.glu, output, store, self.ops.dora_backward)
-        return self.down_proj(self.glu.function(self.gate_proj(x), self.up_proj(x)))
+            return lora_mlp(x, projs, self.glu, output, store, self.ops.dora, residual)
+        y = self.down_proj(self.glu.function(self.gate_proj(x), self.up_proj(x)))
+        return y if residual is None else residual + y
 
 
 class DecoderLayer(nn.Module):
@@ -389,8 +395,8 @@ class DecoderLayer(nn.Module):
             x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), cos, sin, mask, cache,
                                                                  store))
             return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x), store=store))
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, cache, store)
-        return x + self.mlp(self.post_attention_layernorm(x), output=not graph_only, store=store)
+        x = self.self_attn(self.input_layernorm(x), cos, sin, mask, cache, store, residual=x)
+        return self.mlp(self.post_attention_layernorm(x), output=not graph_only, store=store, residual=x)
 
 
 def _checkpointed(layer, store, *args):

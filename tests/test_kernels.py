@@ -13,11 +13,13 @@ import torch.nn.functional as F
 import kernels.fused_linear_cross_entropy as flce_module
 from kernels.cross_entropy import cross_entropy
 from kernels.dora_backward import dora_backward
+from kernels.dora_norm import dora_norms
 from kernels.fused_linear_cross_entropy import fused_linear_cross_entropy
 from kernels.geglu import geglu, geglu_backward, geglu_forward
 from kernels.references import (
     cross_entropy_reference,
     dora_backward_reference,
+    dora_norms_reference,
     fused_linear_cross_entropy_reference,
     geglu_reference,
     rms_norm_reference,
@@ -520,7 +522,8 @@ def test_activation_per_row_affine(act, dtype, has_bias):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("N,C,transposed", [(1, 7, False), (300, 45, False), (517, 200, True), (129, 1, True)])
+@pytest.mark.parametrize("N,C,transposed", [(1, 7, False), (300, 45, False), (1061, 7, False), (517, 200, True),
+                                           (129, 1, True), (0, 5, False)])
 def test_dora_backward(dtype, N, C, transposed):
     """DoRA's one-pass backward: g ⊙ dY and Σ_n dY ⊙ P · inv equal the torch reference's, row-major and in the
     MLP's transposed layout (dY given in another layout is read in P's), out of place and over dY."""
@@ -539,6 +542,30 @@ def test_dora_backward(dtype, N, C, transposed):
     out, dm2 = dora_backward(dy, p, g, inv, out=dy)
     assert out.data_ptr() == dy.data_ptr() and torch.equal(dm2, dm)
     close(dy, ref_dp, dtype, "dP in place")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("ends,r,in_features", [((40, 56, 72), 4, 50), ((24, 48), 16, 37), ((33,), 8, 300),
+                                                ((20, 30, 45), 24, 19)])
+def test_dora_norms(dtype, ends, r, in_features):
+    """DoRA's scales of a packed group in one launch: 1 / ‖W + s·B_blk·A‖ and m times it equal the fp64 norms of
+    each member's merged rows, for q/k/v-, gate/up- and lone-projection groups, member boundaries inside a program's
+    rows, `in` over several column tiles, and a stacked rank that needs a 128-wide tile (three members of r = 24)."""
+    out_features = ends[-1]
+    w = torch.randn(out_features, in_features, device=DEVICE).to(dtype)
+    a = torch.randn(len(ends) * r, in_features, device=DEVICE)
+    b = torch.randn(out_features, r, device=DEVICE)
+    m = torch.rand(out_features, device=DEVICE) + 0.5
+    g, inv = dora_norms(w, a, b, m, list(ends), 0.3, dtype)
+    ref_g, ref_inv = dora_norms_reference(w.double(), a.double(), b.double(), m.double(), list(ends), 0.3,
+                                          torch.float64)
+    assert g.dtype == dtype and inv.dtype == torch.float32
+    close(inv.double(), ref_inv, torch.float32, "inv")
+    close(g, ref_g.to(dtype), dtype, "g")
+    member_rows = [torch.arange(s, e) for s, e in zip((0, *ends[:-1]), ends)]
+    direct = torch.cat([(w[rows].double() + 0.3 * b[rows].double() @ a[j * r:(j + 1) * r].double()).norm(dim=1)
+                        for j, rows in enumerate(member_rows)])
+    close(ref_inv, 1 / direct, torch.float32, "reference inv")
 
 
 # ----------------------------------------------------------------------------- no Triton needed
@@ -642,3 +669,14 @@ def test_gpu_rope(dtype, Hq, Hk, D):
 @pytest.mark.parametrize("inter", [5632, 9216])
 def test_gpu_activation(act, dtype, inter):
     check_activation("cuda", dtype, (4, 2048, inter), act)
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("ends,r,in_features", [((576, 768, 960), 16, 576), ((1536, 3072), 16, 576),
+                                                ((576,), 16, 1536), ((896, 1024, 1152), 64, 896)])
+def test_gpu_dora_norms(dtype, ends, r, in_features):
+    """DoRA's norms kernel at the SmolLM2 shape's groups (q|k|v, gate|up, down) and a Qwen2.5-0.5B q|k|v of r = 64:
+    the tf32x3 dot keeps fp32's precision."""
+    test_dora_norms(dtype, ends, r, in_features)

@@ -60,6 +60,7 @@ def kernel_cases():
     import kernels.cross_entropy as ce
     import kernels.decode_attention as da
     import kernels.dora_backward as db
+    import kernels.dora_norm as dn
     import kernels.fp8_quantize as fq
     import kernels.fp8_quantize_tensor as fqt
     import kernels.geglu as gg
@@ -132,9 +133,16 @@ def kernel_cases():
         block_n, block_c = db.launch_config(transposed)
         specs.append(("kernels.dora_backward", "_dora_backward_kernel", lambda t: {
             "dy_ptr": f"*{t}", "p_ptr": f"*{t}", "g_ptr": f"*{t}", "inv_ptr": "*fp32", "dp_ptr": f"*{t}",
-            "partial_ptr": "*fp32", "N": "i32", "C": "i32", "stride_n": "i32", "stride_c": "i32"},
-            {"ROWS": db.ROWS, "BLOCK_N": block_n, "BLOCK_C": block_c}, [{}], db.NUM_WARPS,
+            "partial_ptr": "*fp32", "count_ptr": "*i32", "dm_ptr": "*fp32", "N": "i32", "C": "i32", "stride_n": "i32",
+            "stride_c": "i32"}, {"BLOCK_N": block_n, "BLOCK_C": block_c, "SUM_ROWS": db.SUM_ROWS}, [{}], db.NUM_WARPS,
             "transposed" if transposed else "rows"))
+
+    for stacked_rank in (48, 384):  # q|k|v of r = 16 (the dot's K 64, A's tile 64 × 128) and of r = 128 (512 × 16)
+        specs.append(("kernels.dora_norm", "_dora_norm_kernel", lambda t: {
+            "w_ptr": f"*{t}", "a_ptr": "*fp32", "b_ptr": "*fp32", "m_ptr": "*fp32", "g_ptr": f"*{t}",
+            "inv_ptr": "*fp32", "OUT": "i32", "IN": "i32", "R": "i32", "SR": "i32", "end0": "i32", "end1": "i32",
+            "scale": "fp32"}, {"BLOCK_O": dn.BLOCK_O, **dn.launch_config(stacked_rank)}, [{}], dn.NUM_WARPS,
+            f"rank{stacked_rank}"))
 
     specs.append(("kernels.nf4_dequantize", "_nf4_dequantize_kernel", lambda t: {
         "packed_ptr": "*u8", "absmax_ptr": "*u8", "absmax_scale_ptr": "*fp32", "absmax_offset_ptr": "*fp32",

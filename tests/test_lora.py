@@ -4,10 +4,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels.references import dora_backward_reference as dora_ref
 from model import LoRAConfig, load_model
 from model.lora import (
     ALL_TARGETS,
+    DoRAOps,
     LoRALinear,
     MergedAdapters,
     _LoRAMLP,
@@ -278,7 +278,7 @@ def test_gradcheck_float64():
 
     def projections(x, aq, bq, av, bv):
         torch.manual_seed(0)  # q's adapter reads dropout(x); v's reads x itself
-        return _LoRAProjections.apply((q, k, v), None, dora_ref, x, F.dropout(x, P), aq, bq, None, None, None, None,
+        return _LoRAProjections.apply((q, k, v), None, DoRAOps(), x, F.dropout(x, P), aq, bq, None, None, None, None,
                                       av, bv)
 
     leaves = [t.detach().clone().requires_grad_() for t in (q.lora_A, q.lora_B, v.lora_A, v.lora_B)]
@@ -290,7 +290,7 @@ def test_gradcheck_float64():
 
     def mlp(x, *ab):
         torch.manual_seed(0)  # the down mask is drawn inside, after gate's
-        return _LoRAMLP.apply((gate, up, down), silu, True, None, dora_ref, x, F.dropout(x, P), None, *ab)
+        return _LoRAMLP.apply((gate, up, down), silu, True, None, DoRAOps(), x, F.dropout(x, P), None, *ab)
 
     leaves = [t.detach().clone().requires_grad_() for m in (gate, up, down) for t in (m.lora_A, m.lora_B)]
     assert torch.autograd.gradcheck(mlp, (x, *leaves))
@@ -312,7 +312,7 @@ def test_gradcheck_stacked_adapters():
     def projections(x, *ab):
         it = iter(ab)
         lora = [t for p in projs for t in ((None, next(it), next(it)) if p.r else (None, None, None))]
-        return _LoRAProjections.apply(tuple(projs), None, dora_ref, x, *lora)
+        return _LoRAProjections.apply(tuple(projs), None, DoRAOps(), x, *lora)
 
     leaves = [t.detach().clone().requires_grad_() for p in projs if p.r for t in (p.lora_A, p.lora_B)]
     assert torch.autograd.gradcheck(projections, (x, *leaves))
@@ -325,7 +325,7 @@ def test_gradcheck_stacked_adapters():
     silu = glu("silu")
     leaves = [t.detach().clone().requires_grad_() for m in (gate, up, down) for t in (m.lora_A, m.lora_B)]
     assert torch.autograd.gradcheck(
-        lambda x, *ab: _LoRAMLP.apply((gate, up, down), silu, True, None, dora_ref, x, None, None, *ab),
+        lambda x, *ab: _LoRAMLP.apply((gate, up, down), silu, True, None, DoRAOps(), x, None, None, *ab),
         (x, *leaves))
 
 
@@ -414,7 +414,7 @@ def test_packed_adapters(llama_folder):
     def adapter_ops(projs):
         x = torch.randn(B * T, projs[0].in_features)
         with Ops() as ops, torch.autocast("cpu", dtype=torch.bfloat16):
-            _LoRAProjections.apply(projs, None, dora_ref, x,
+            _LoRAProjections.apply(projs, None, DoRAOps(), x,
                                    *[t for p in projs for t in (None, p.lora_A, p.lora_B)])
         return ops.names
 

@@ -220,6 +220,36 @@ def test_dora_scales_are_computed_once_per_checkpointed_layer(base, monkeypatch)
     assert len(calls) == 4 * len(model.model.layers)  # q/k/v, o, gate/up and down, each once
 
 
+def test_dora_kernel_computes_the_scales_of_every_packed_group(base, monkeypatch):
+    """With the kernels and DoRA on every projection, each group's scales come from the one-launch kernel
+    (kernels/dora_norm.py), never from the torch ops (their values: test_dora_fused_path_equals_unfused, gemma)."""
+    import model.lora as lora_module
+    monkeypatch.setattr(lora_module, "_dora_scales_torch", lambda *a: pytest.fail("DoRA's norms left the kernel"))
+    model, _ = load_model(base("qwen2"), lora=LoRAConfig(r=4, alpha=8.0, dora=True), use_kernels=True,
+                          gradient_checkpointing=True)
+    model.train()
+    ids = ids_for(model)
+    model(ids, targets=ids).backward()
+    assert all(p.grad is not None for n, p in lora_parameters(model) if n.endswith("lora_magnitude_vector"))
+
+
+@pytest.mark.parametrize("family,inside", [("llama", 2), ("gemma2", 0)])
+def test_dora_adds_the_residual_where_it_scales_o_and_down(family, inside, base, monkeypatch):
+    """The fused path adds the layer's residual in the op that scales o's and down's outputs (R + g ⊙ P + b, so that
+    g ⊙ P is not written and read back by a separate add): twice a layer, and never with sandwich norms (Gemma 2/3:
+    the output is normalized before the add). Values: test_dora_fused_path_equals_unfused."""
+    import model.lora as lora_module
+    original, calls = lora_module._dora_output, []
+
+    def recorded(pre, g, b, residual=None):
+        calls.append(residual is not None)
+        return original(pre, g, b, residual)
+    monkeypatch.setattr(lora_module, "_dora_output", recorded)
+    model, _ = load_model(base(family), lora=LoRAConfig(r=4, alpha=8.0, dora=True))
+    model(ids_for(model))
+    assert sum(calls) == inside * len(model.model.layers)
+
+
 def test_dora_with_dropout_reads_the_dropped_input():
     """With dropout on, the magnitude's base term reads X̃ too, as PEFT's DoRA does:
     Y = X Wᵀ + b + (g - 1) ⊙ X̃ Wᵀ + g ⊙ s X̃ Aᵀ Bᵀ, for the mask F.dropout draws."""
