@@ -147,3 +147,33 @@ def test_softcap_attention_gemma2_9b_shape(window, docs):
     T = 2048
     doc = doc_ids([[700, 900, 448], [2048]], T) if docs else None
     check(torch.bfloat16, 2, 16, 8, T, 256, window, doc, scale=224 ** -0.5, softcap=50.0)
+
+
+def test_gemma2_through_the_kernel_equals_explicit_scores(tmp_path):
+    """A tiny Gemma 2 (softcap 5, window 8 on its sliding layer, heads of 24) trained on packed rows: with the
+    kernels its layers attend through the flash kernel (a KeyRange, no (T, T) mask) and give the loss and LoRA
+    gradients of the torch references' explicit scores."""
+    from model import LoRAConfig, load_model
+    from model.lora import lora_parameters
+    from tests.helpers import randomize_lora_b
+    from tests.tiny_models import save_tiny
+    save_tiny("gemma2", str(tmp_path))
+    B, T = 2, 24
+    torch.manual_seed(1)
+    ids = torch.randint(0, 256, (B, T))
+    doc = doc_ids([[9, 10, 5], [24]], T, "cpu")
+    pos = torch.cat([torch.arange(n) for n in (9, 10, 5, 24)]).view(B, T)
+    targets = torch.randint(0, 256, (B, T))
+    out = {}
+    for kernels in (False, True):
+        model, _ = load_model(str(tmp_path), lora=LoRAConfig(r=4, alpha=8), use_kernels=kernels, lora_seed=1)
+        randomize_lora_b(model)
+        masks = [model.layer_mask(t, doc, None, (B, T), 0, torch.device("cpu"), torch.float32) for t in
+                 ("full", "sliding")]
+        assert all(isinstance(m, KeyRange) for m in masks) == kernels
+        loss = model(ids, pos, doc, targets=targets)
+        loss.backward()
+        out[kernels] = loss.detach(), {n: p.grad for n, p in lora_parameters(model)}
+    assert rel_err(out[True][0], out[False][0]) < 1e-6
+    for n, g in out[False][1].items():
+        assert rel_err(out[True][1][n], g) < 1e-5, n
