@@ -10,6 +10,7 @@ This module imports torch only, so that those runs need no Triton.
     rope_reference                         kernels/rope.py
     rope_into_cache_reference              kernels/rope_cache.py
     decode_attention_reference             kernels/decode_attention.py
+    softcap_attention_reference            kernels/softcap_attention.py (and `key_range`, the masks it takes)
     swiglu_reference, geglu_reference      kernels/swiglu.py, kernels/geglu.py
     cross_entropy_reference                kernels/cross_entropy.py
     fused_linear_cross_entropy_reference   kernels/fused_linear_cross_entropy.py
@@ -142,6 +143,58 @@ def decode_attention_reference(q, k_cache, v_cache, first, at, scale, window=Non
     s = s.masked_fill(~keep[:, None, None], float("-inf"))
     y = torch.softmax(s, dim=-1) @ v_cache.to(dt)  # (B, Hk, rep, D)
     return y.reshape(B, 1, Hq, D).to(q.dtype)
+
+
+# ----------------------------------------------------------------------------- softcapped attention
+
+def softcap_attention_reference(q, k, v, mask, scale, softcap):
+    """Softcapped softmax attention with explicit scores (Gemma 2), as transformers' eager attention computes it:
+    s = softcap · tanh(scale · q kᵀ / softcap), masked, softmax in fp32 rounded to q's dtype, then p v.
+    q (B, Hq, T, D); k, v (B, Hk, S, D), Hk dividing Hq (query heads h·rep .. h·rep + rep - 1 read kv head h).
+    mask: None (causal, S = T) or a bool tensor broadcasting to (B, 1, T, S), True where a key is visible.
+    Every row must see a key (a row of -inf is NaN here). Returns (B, Hq, T, D) in q's dtype."""
+    B, Hq, T, D = q.shape
+    rep = Hq // k.shape[1]
+    if mask is not None and T == 1:
+        # One query a row (a decoding step): the rep query heads that read one kv head become rep query rows of
+        # that head, under the row's mask broadcast over them, so k and v are read as they are.
+        q = q.reshape(B, Hq // rep, rep, D)
+    else:
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    s = (q @ k.transpose(-1, -2)) * scale  # (B, Hq, T, S), or (B, Hk, rep, S) for one query a row
+    s = softcap * torch.tanh(s / softcap)
+    if mask is None:
+        mask = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
+    s = s.masked_fill(~mask, float("-inf"))
+    p = torch.softmax(s, dim=-1, dtype=torch.float32).to(q.dtype)
+    return (p @ v).reshape(B, Hq, T, D)
+
+
+class KeyRange(NamedTuple):
+    """Which keys each query sees, for the flash kernel (kernels/softcap_attention.py), in O(T) memory: query i of
+    row b sees the keys lo[b, i] <= j <= i, and key j is seen by the queries j <= i <= hi[b, j]. It describes
+    causal rows, each document of a packed row (a run of equal doc ids), and a sliding window."""
+    lo: torch.Tensor  # int32 (B, T): the first key that query i sees, non-decreasing along a row
+    hi: torch.Tensor  # int32 (B, T): the last query that sees key j, non-decreasing along a row
+
+
+def key_range(shape, window=None, doc_ids=None, device=None) -> KeyRange:
+    """The KeyRange of rows of shape (B, T): causal, within each document of doc_ids (B, T) (None: one document a
+    row) and, with a window, to the last `window` keys (its own included). Device tensors only (no host sync: a
+    CUDA graph captures it)."""
+    B, T = shape
+    i = torch.arange(T, device=device)
+    if doc_ids is None:
+        lo = torch.zeros(B, T, dtype=torch.long, device=device)
+    else:  # a document starts at a row's first token and wherever the id changes: lo is its start
+        new = torch.ones(B, T, dtype=torch.bool, device=device)
+        new[:, 1:] = doc_ids[:, 1:] != doc_ids[:, :-1]
+        lo = torch.where(new, i, 0).cummax(dim=1).values
+    if window is not None:
+        lo = torch.maximum(lo, i - window + 1)
+    # lo is non-decreasing, so the queries with lo[i] <= j are a prefix: the last of them is the last that sees j.
+    hi = torch.searchsorted(lo, i.expand(B, T).contiguous(), right=True) - 1
+    return KeyRange(lo.to(torch.int32), hi.to(torch.int32))
 
 
 # ----------------------------------------------------------------------------- SwiGLU / GeGLU

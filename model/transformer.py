@@ -15,7 +15,8 @@ only to earlier keys of the same document (and, on sliding layers, within the wi
 Every token can see itself, so no softmax row is ever fully masked: padding is given a
 document id of its own and never produces NaN. On a GPU in fp16/bf16 the documents run through
 flash attention's variable-length kernels (`Documents`, `DocumentMask`); elsewhere through a dense
-boolean mask.
+boolean mask. Softcapped attention (Gemma 2) runs, with the kernels, through kernels/softcap_attention.py,
+which reads each query's first visible key (`KeyRange`) instead of a mask.
 """
 import math
 from contextlib import nullcontext
@@ -29,10 +30,13 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.checkpoint import checkpoint
 
 from kernels.references import (
+    KeyRange,
     fused_linear_cross_entropy_reference,
     geglu_reference,
+    key_range,
     rms_norm_reference,
     rope_reference,
+    softcap_attention_reference,
     swiglu_reference,
 )
 from model.config import ModelConfig
@@ -63,6 +67,7 @@ class Ops:
         self.fused_lora = fused_lora  # projections through model/lora.py's fused autograd Functions
         # a decoding step's kernels (`decode_attend`, `Transformer.decode_layers`)
         self.rope_into_cache = self.decode_attention = self.add_rms_norm = None
+        self.softcap_attention = None  # softcapped attention without a (T, T) tensor (`Transformer.layer_mask`)
         if use_kernels:
             from kernels.add_rms_norm import add_rms_norm
             from kernels.decode_attention import decode_attention
@@ -73,6 +78,7 @@ class Ops:
             from kernels.rms_norm import rms_norm
             from kernels.rope import apply_rope
             from kernels.rope_cache import rope_into_cache
+            from kernels.softcap_attention import softcap_attention
             from kernels.swiglu import swiglu, swiglu_backward, swiglu_forward
             self.rms_norm, self.rope, self.swiglu, self.geglu = rms_norm, apply_rope, swiglu, geglu
             self.linear_cross_entropy = fused_linear_cross_entropy
@@ -80,6 +86,7 @@ class Ops:
             self.add_rms_norm = add_rms_norm
             self._glu_pairs = {"silu": (swiglu_forward, swiglu_backward), "gelu": (geglu_forward, geglu_backward)}
             self.dora = DoRAOps(dora_backward, dora_norms)
+            self.softcap_attention = softcap_attention
         else:
             self.rms_norm, self.rope, self.swiglu, self.geglu = (rms_norm_reference, rope_reference,
                                                                  swiglu_reference, geglu_reference)
@@ -250,14 +257,17 @@ def attend(q, k, v, mask, scale, softcap):
     mask: None (plain causal, S = T), a bool (B or 1, 1, T, S) tensor, or a DocumentMask (GPU, fp16/bf16).
     SDPA is used wherever it is exact. Softcapping (Gemma 2) is a non-linearity on the scores
     that SDPA cannot express (transformers' sdpa path silently drops it; this one never does),
-    so those scores are computed explicitly.
+    so here those scores are computed explicitly; with the kernels, training and scoring take the
+    flash kernel instead (a KeyRange mask, `Attention.forward`).
     """
     if isinstance(mask, DocumentMask):
         B, Hq, T, D = q.shape
         flat = lambda t: t.transpose(1, 2).reshape(B * T, t.shape[1], D)  # noqa: E731 (B*T, heads, D), a view
         y = _VarlenAttention.apply(flat(q), flat(k), flat(v), mask.documents, scale, mask.window)
         return y.view(B, T, Hq, D).transpose(1, 2)
-    if softcap is None and mask is None:
+    if softcap is not None:
+        return softcap_attention_reference(q, k, v, mask, scale, softcap)
+    if mask is None:
         with sdpa_kernel(CAUSAL_BACKENDS, set_priority=True):
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
     B, Hq, T, D = q.shape
@@ -269,17 +279,9 @@ def attend(q, k, v, mask, scale, softcap):
         q = q.reshape(B, Hq // rep, rep, D)
     else:  # the kernels that take a mask do not take grouped kv heads
         k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-    if softcap is None:
-        with sdpa_kernel(MASKED_BACKENDS, set_priority=True):
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
-        return y.reshape(B, Hq, T, D)
-    s = (q @ k.transpose(-1, -2)) * scale  # (B, Hq, T, S), or (B, Hk, rep, S) for one query a row
-    s = softcap * torch.tanh(s / softcap)
-    if mask is None:
-        mask = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
-    s = s.masked_fill(~mask, float("-inf"))
-    p = torch.softmax(s, dim=-1, dtype=torch.float32).to(q.dtype)
-    return (p @ v).reshape(B, Hq, T, D)
+    with sdpa_kernel(MASKED_BACKENDS, set_priority=True):
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    return y.reshape(B, Hq, T, D)
 
 
 class DecodeMask(NamedTuple):
@@ -344,7 +346,10 @@ class Attention(nn.Module):
             q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, heads, T, d)
             if cache is not None:
                 k, v = cache.update(k, v)  # (B, nkv, S, d): the cached positions, then these
-            y = attend(q, k, v, mask, self.scale, self.softcap)  # (B, nh, T, d)
+            if isinstance(mask, KeyRange):
+                y = self.ops.softcap_attention(q, k, v, mask, self.scale, self.softcap)  # (B, nh, T, d)
+            else:
+                y = attend(q, k, v, mask, self.scale, self.softcap)
             y = y.transpose(1, 2).reshape(B, T, self.nh * self.d)
         if fused:
             return lora_projections(y, (self.o_proj,), store, self.ops.dora, residual)[0]
@@ -469,14 +474,17 @@ class Transformer(nn.Module):
         """How many positions back a layer of this type attends (its own included); None: all of them."""
         return self.config.sliding_window if layer_type == "sliding" else None
 
-    def layer_mask(self, layer_type, doc_ids, docs, shape, start, device, dtype):
+    def layer_mask(self, layer_type, doc_ids, docs, shape, start, device, dtype, cached=False):
         """The attention mask of one layer type for input_ids of `shape` (B, T), in the form
-        `attend` runs fastest. docs: the Documents of doc_ids where `varlen` holds, else None."""
+        `attend` runs fastest. docs: the Documents of doc_ids where `varlen` holds, else None.
+        cached: the keys and values go into a KV cache (generation keeps explicit softcapped scores)."""
         B, T = shape
         window = self.window(layer_type)
         window = window if window is not None and window < start + T else None  # None: it masks nothing
         if start > 0:  # queries after a KV cache's positions: an explicit mask
             return attention_mask(T, window, device, start=start)
+        if self.config.attn_softcap is not None and self.ops.softcap_attention is not None and not cached:
+            return key_range(shape, window, doc_ids, device)  # the flash kernel's O(T) bounds, no (T, T) mask
         if doc_ids is None and window is None:
             return None  # plain causal: SDPA's fastest kernels
         if self.varlen(device, dtype):  # documents and windows without an O(T^2) mask
@@ -517,7 +525,7 @@ class Transformer(nn.Module):
             tables[t] = rope_cos_sin(position_ids, rope_inv_freq(cfg, t, dev), x.dtype)
             masks[t] = (DecodeMask(cache.first, at, self.window(t)) if decoding else
                         cache.mask(self.window(t)) if at is not None else
-                        self.layer_mask(t, doc_ids, docs, (B, T), start, dev, x.dtype))
+                        self.layer_mask(t, doc_ids, docs, (B, T), start, dev, x.dtype, cache is not None))
         if decoding and not cfg.sandwich_norm:
             return self.decode_layers(x, tables, masks, cache)
         # Recomputing a layer would append its keys and values to a cache a second time.

@@ -150,7 +150,7 @@ def test_varlen_attention_matches_dense_mask(dtype, window, heads, bucket):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_cuda_bf16_packed_loss_matches_cpu_reference(family, tmp_path):
     """In bf16 on GPU (documents and windows through the variable-length kernels, softcapped layers
-    through explicit scores) the loss and LoRA gradients of packed rows follow the fp32 CPU reference."""
+    through the softcapped flash kernel) the loss and LoRA gradients of packed rows follow the fp32 CPU reference."""
     save_tiny(family, str(tmp_path))
     out = _cpu_and_cuda(str(tmp_path), _packed_batch(256, lens=LENGTHS["long"]), torch.bfloat16, True)
     assert rel_err(out["cuda"][0], out["cpu"][0]) < 2e-2

@@ -27,6 +27,7 @@ import triton.language as tl
 
 REPO = Path(__file__).resolve().parents[1]
 ARCHS = (80, 90)
+SHARED_MEMORY = {80: 166912, 90: 232448}  # bytes a block may use: 163 KiB on sm_80 (A100), 227 KiB on sm_90 (H100)
 DTYPES = ("fp32", "bf16", "fp16")
 # The kernels that dequantize NF4 as bitsandbytes does, which must not fuse a multiply and an add.
 NF4_KERNELS = {"nf4_fma": "_nf4_dequantize_kernel", "nf4_to_fp8_fma": "_nf4_to_fp8_kernel"}
@@ -42,6 +43,7 @@ class Case:
     constexprs: dict
     num_warps: int
     arch: int
+    num_stages: int = 3  # Triton's default on NVIDIA GPUs
 
 
 def flags(*names):
@@ -70,6 +72,7 @@ def kernel_cases():
     import kernels.rms_norm as rn
     import kernels.rope as rp
     import kernels.rope_cache as rc
+    import kernels.softcap_attention as sa
     import kernels.swiglu as sw
     from kernels.references import NF4_ABSMAX_BLOCK, NF4_BLOCK
     specs = []  # (module, kernel, signature(dtype), base constexprs, flag combos, num_warps[, label])
@@ -188,6 +191,30 @@ def kernel_cases():
             sig = {**signature(dtype), **{k: "constexpr" for k in constexprs}}
             cases.append(Case("-".join([kernel, *label, dtype, flag_id(combo), f"sm{arch}"]), module, kernel, sig,
                               constexprs, warps, arch))
+    return cases + softcap_attention_cases(sa)
+
+
+def softcap_attention_cases(sa):
+    """The softcapped flash attention's three kernels at the launchers' fixed configurations: Llama's and Gemma's
+    heads (64, 128, 256) in fp16 and bf16, and the fp32 one at the widest head, on GPUs (tensor-core operands)."""
+    import torch
+    names = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+    pointers = {"_forward_kernel": ("q", "k", "v", "y", "lse", "lo"),
+                "_backward_dkdv_kernel": ("q", "k", "v", "dy", "lse", "delta", "lo", "hi", "dk", "dv"),
+                "_backward_dq_kernel": ("q", "k", "v", "dy", "lse", "delta", "lo", "dq")}
+    types = {"lse": "fp32", "delta": "fp32", "lo": "i32", "hi": "i32"}
+    cases = []
+    for kernel, args in pointers.items():
+        for D, dtype, arch in [*product((64, 128, 256), ("bf16", "fp16"), ARCHS), *product((256,), ("fp32",), ARCHS)]:
+            block_m, block_n, warps, stages = sa.launch_config(D, names[dtype], kernel != "_forward_kernel")
+            operand = getattr(tl, {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}[dtype])
+            constexprs = dict(REP=2, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=D, DTYPE=operand, OPERAND=operand,
+                              PRECISION="ieee" if dtype == "fp32" else "tf32")
+            sig = {**{f"{a}_ptr": f"*{types.get(a, dtype)}" for a in args},
+                   **dict.fromkeys(("T", "HQ", "HK", "D"), "i32"), "scale": "fp32", "softcap": "fp32",
+                   **dict.fromkeys(constexprs, "constexpr")}
+            cases.append(Case(f"softcap_attention{kernel}-D{D}-{dtype}-sm{arch}", sa.__name__, kernel, sig, constexprs,
+                              warps, arch, stages))
     return cases
 
 
@@ -210,16 +237,18 @@ def bug_cases():
 # --------------------------------------------------------------------------- compiling (in the subprocess)
 
 def compile_case(case: Case) -> str:
-    """'' if the case compiles to a cubin, else the error's first lines."""
+    """'' if the case compiles to a cubin whose shared memory fits the architecture, else the error's first lines."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
     fn = getattr(importlib.import_module(case.module), case.kernel)
     try:
-        triton.compile(ASTSource(fn=fn, signature=case.signature, constexprs=case.constexprs),
-                       target=GPUTarget("cuda", case.arch, 32), options={"num_warps": case.num_warps})
-        return ""
+        compiled = triton.compile(ASTSource(fn=fn, signature=case.signature, constexprs=case.constexprs),
+                                  target=GPUTarget("cuda", case.arch, 32),
+                                  options={"num_warps": case.num_warps, "num_stages": case.num_stages})
     except Exception as e:  # report every failure, not just the first
         return f"{type(e).__name__}: {e}"[:2000] or type(e).__name__
+    shared = compiled.metadata.shared
+    return "" if shared <= SHARED_MEMORY[case.arch] else f"{shared} bytes of shared memory, over sm_{case.arch}'s limit"
 
 
 def nf4_fma(arch, kernel) -> str:
