@@ -125,6 +125,21 @@ def _forward_kernel(
 
 
 @triton.jit
+def _query_rows(q_ptr, dy_ptr, lse_ptr, delta_ptr, lo_ptr, b, h, rows, d, T, HQ, D):
+    """The backward's tiles of query rows `rows` of head h: q and dy, their offsets and mask, and per row L, D and
+    the first visible key (a row past T: L = +inf and no key, so it adds nothing)."""
+    in_t = rows < T
+    q_offs = ((b * T + rows[:, None]) * HQ + h) * D + d[None, :]
+    q_mask = in_t[:, None] & (d[None, :] < D)
+    q = tl.load(q_ptr + q_offs, mask=q_mask, other=0.0)
+    dy = tl.load(dy_ptr + q_offs, mask=q_mask, other=0.0)
+    lse = tl.load(lse_ptr + (b * T + rows) * HQ + h, mask=in_t, other=float("inf"))
+    delta = tl.load(delta_ptr + (b * T + rows) * HQ + h, mask=in_t, other=0.0)
+    lo = tl.load(lo_ptr + b * T + rows, mask=in_t, other=T)
+    return q, dy, lse, delta, lo, q_offs, q_mask
+
+
+@triton.jit
 def _backward_dkdv_kernel(
     q_ptr, k_ptr, v_ptr, dy_ptr,  # as in the forward; dy like q
     lse_ptr, delta_ptr,  # fp32 (B, T, HQ): L and D = rowsum(dy ⊙ y)
@@ -151,14 +166,8 @@ def _backward_dkdv_kernel(
         h = hk * REP + r
         for m0 in range(n0, end, BLOCK_M):  # a query before n0 sees none of these keys
             rows = m0 + rows0
-            in_t = rows < T
-            q_offs = ((b * T + rows[:, None]) * HQ + h) * D + d[None, :]
-            q_mask = in_t[:, None] & (d[None, :] < D)
-            q = tl.load(q_ptr + q_offs, mask=q_mask, other=0.0)
-            dy = tl.load(dy_ptr + q_offs, mask=q_mask, other=0.0)
-            lse = tl.load(lse_ptr + (b * T + rows) * HQ + h, mask=in_t, other=float("inf"))
-            delta = tl.load(delta_ptr + (b * T + rows) * HQ + h, mask=in_t, other=0.0)
-            lo = tl.load(lo_ptr + b * T + rows, mask=in_t, other=T)
+            q, dy, lse, delta, lo, _, _ = _query_rows(q_ptr, dy_ptr, lse_ptr, delta_ptr, lo_ptr, b, h, rows, d, T,
+                                                      HQ, D)
             p, t = _probabilities(q, k, lse, lo, rows, cols, scale, softcap, DTYPE, OPERAND, PRECISION)
             dv += _dot(tl.trans(p), dy, DTYPE, OPERAND, PRECISION)
             dp = _dot(dy, tl.trans(v), DTYPE, OPERAND, PRECISION)
@@ -180,16 +189,10 @@ def _backward_dq_kernel(
     b = tl.program_id(1).to(tl.int64) // HQ
     h = tl.program_id(1).to(tl.int64) % HQ
     rows = m0 + tl.arange(0, BLOCK_M)
-    in_t = rows < T
     cols0 = tl.arange(0, BLOCK_N)
     d = tl.arange(0, BLOCK_D)
-    q_offs = ((b * T + rows[:, None]) * HQ + h) * D + d[None, :]
-    q_mask = in_t[:, None] & (d[None, :] < D)
-    q = tl.load(q_ptr + q_offs, mask=q_mask, other=0.0)
-    dy = tl.load(dy_ptr + q_offs, mask=q_mask, other=0.0)
-    lse = tl.load(lse_ptr + (b * T + rows) * HQ + h, mask=in_t, other=float("inf"))
-    delta = tl.load(delta_ptr + (b * T + rows) * HQ + h, mask=in_t, other=0.0)
-    lo = tl.load(lo_ptr + b * T + rows, mask=in_t, other=T)
+    q, dy, lse, delta, lo, q_offs, q_mask = _query_rows(q_ptr, dy_ptr, lse_ptr, delta_ptr, lo_ptr, b, h, rows, d, T,
+                                                        HQ, D)
     kv_base = (b * T * HK + h // REP) * D
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     start = tl.load(lo_ptr + b * T + m0)
