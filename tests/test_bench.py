@@ -138,6 +138,14 @@ def run_bench(*argv):
 
 
 @pytest.mark.slow
+def test_make_checkpoint_writes_the_checkpoint_and_stops(tmp_path):
+    """--make-checkpoint SHAPE alone writes SHAPE's checkpoint under --cache-dir and runs no benchmark."""
+    stdout = run_bench("--make-checkpoint", "smollm2-135m", "--cache-dir", tmp_path, "--shapes", "smollm2-135m")
+    assert "| shape |" not in stdout and not (tmp_path / "bench.json").exists()
+    assert json.loads((tmp_path / "smoke-smollm2-135m" / "bench_shape.json").read_text()) == \
+        bench.shape_key("smollm2-135m", True)
+
+
 def test_bench_smoke_padded_case(cache_dir):
     out = os.path.join(cache_dir, "padded.json")
     stdout = run_bench("--shapes", "smollm2-135m", "--cases", "nanotune", "--ckpt", "off", "--padded", "20-40",
@@ -253,6 +261,22 @@ def test_bench_qlora_smoke(tmp_path):
         assert r["status"] == "ok", r
         assert r["loss_final"] < r["loss_first"], r
     assert "| gemma-2-9b | 2x64 | on+offload |" in stdout
+
+
+def test_write_checkpoint_gives_what_the_peers_load(tmp_path):
+    """--write-checkpoint: a checkpoint of the shape (Gemma 2's softcaps kept) with a tokenizer of exactly
+    vocab_size tokens, which nanotune and transformers both load; an existing folder is refused before writing."""
+    from transformers import AutoTokenizer
+
+    from model import read_config
+    folder = tmp_path / "g9"
+    bench_qlora.write_checkpoint("gemma-2-9b", str(folder), smoke=True)
+    cfg = read_config(str(folder))
+    assert (cfg.attn_softcap, cfg.final_softcap, cfg.vocab_size) == (50.0, 30.0, bench_qlora.SMOKE_SIZES["vocab_size"])
+    tok = AutoTokenizer.from_pretrained(str(folder))
+    assert len(tok) == cfg.vocab_size and (tok.pad_token_id, tok.eos_token_id, tok.bos_token_id) == (0, 1, 2)
+    with pytest.raises(SystemExit):
+        bench_qlora.main(["--shapes", "gemma-2-9b", "--write-checkpoint", str(folder), "--smoke"])
 
 
 def test_qlora_fp8_case_runs():
