@@ -76,6 +76,13 @@ def _probabilities(q, k, lse, lo, rows, cols, scale, softcap, DTYPE: tl.constexp
 
 
 @triton.jit
+def _tile(b, positions, head, heads, d, T, D):
+    """The offsets and mask of the (positions, D) tile of head `head` of row b in a (B, T, heads, D) tensor."""
+    offs = ((b * T + positions[:, None]) * heads + head) * D + d[None, :]
+    return offs, (positions[:, None] < T) & (d[None, :] < D)
+
+
+@triton.jit
 def _forward_kernel(
     q_ptr, k_ptr, v_ptr,  # (B, T, HQ, D), (B, T, HK, D), (B, T, HK, D), contiguous
     y_ptr, lse_ptr,  # (B, T, HQ, D); fp32 (B, T, HQ)
@@ -90,11 +97,9 @@ def _forward_kernel(
     rows = m0 + tl.arange(0, BLOCK_M)
     cols0 = tl.arange(0, BLOCK_N)
     d = tl.arange(0, BLOCK_D)
-    q_offs = ((b * T + rows[:, None]) * HQ + h) * D + d[None, :]
-    q_mask = (rows[:, None] < T) & (d[None, :] < D)
+    q_offs, q_mask = _tile(b, rows, h, HQ, d, T, D)
     q = tl.load(q_ptr + q_offs, mask=q_mask, other=0.0)
     lo = tl.load(lo_ptr + b * T + rows, mask=rows < T, other=T)
-    kv_base = (b * T * HK + h // REP) * D
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
@@ -102,8 +107,7 @@ def _forward_kernel(
     end = tl.minimum(m0 + BLOCK_M, T)
     for n0 in range(start, end, BLOCK_N):
         cols = n0 + cols0
-        kv_offs = kv_base + cols[:, None] * HK * D + d[None, :]
-        kv_mask = (cols[:, None] < T) & (d[None, :] < D)
+        kv_offs, kv_mask = _tile(b, cols, h // REP, HK, d, T, D)
         k = tl.load(k_ptr + kv_offs, mask=kv_mask, other=0.0)
         v = tl.load(v_ptr + kv_offs, mask=kv_mask, other=0.0)
         z = _dot(q, tl.trans(k), DTYPE, OPERAND, PRECISION) * scale
@@ -129,8 +133,7 @@ def _query_rows(q_ptr, dy_ptr, lse_ptr, delta_ptr, lo_ptr, b, h, rows, d, T, HQ,
     """The backward's tiles of query rows `rows` of head h: q and dy, their offsets and mask, and per row L, D and
     the first visible key (a row past T: L = +inf and no key, so it adds nothing)."""
     in_t = rows < T
-    q_offs = ((b * T + rows[:, None]) * HQ + h) * D + d[None, :]
-    q_mask = in_t[:, None] & (d[None, :] < D)
+    q_offs, q_mask = _tile(b, rows, h, HQ, d, T, D)
     q = tl.load(q_ptr + q_offs, mask=q_mask, other=0.0)
     dy = tl.load(dy_ptr + q_offs, mask=q_mask, other=0.0)
     lse = tl.load(lse_ptr + (b * T + rows) * HQ + h, mask=in_t, other=float("inf"))
@@ -155,8 +158,7 @@ def _backward_dkdv_kernel(
     cols = n0 + tl.arange(0, BLOCK_N)
     rows0 = tl.arange(0, BLOCK_M)
     d = tl.arange(0, BLOCK_D)
-    kv_offs = ((b * T + cols[:, None]) * HK + hk) * D + d[None, :]
-    kv_mask = (cols[:, None] < T) & (d[None, :] < D)
+    kv_offs, kv_mask = _tile(b, cols, hk, HK, d, T, D)
     k = tl.load(k_ptr + kv_offs, mask=kv_mask, other=0.0)
     v = tl.load(v_ptr + kv_offs, mask=kv_mask, other=0.0)
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
@@ -193,14 +195,12 @@ def _backward_dq_kernel(
     d = tl.arange(0, BLOCK_D)
     q, dy, lse, delta, lo, q_offs, q_mask = _query_rows(q_ptr, dy_ptr, lse_ptr, delta_ptr, lo_ptr, b, h, rows, d, T,
                                                         HQ, D)
-    kv_base = (b * T * HK + h // REP) * D
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     start = tl.load(lo_ptr + b * T + m0)
     end = tl.minimum(m0 + BLOCK_M, T)
     for n0 in range(start, end, BLOCK_N):
         cols = n0 + cols0
-        kv_offs = kv_base + cols[:, None] * HK * D + d[None, :]
-        kv_mask = (cols[:, None] < T) & (d[None, :] < D)
+        kv_offs, kv_mask = _tile(b, cols, h // REP, HK, d, T, D)
         k = tl.load(k_ptr + kv_offs, mask=kv_mask, other=0.0)
         v = tl.load(v_ptr + kv_offs, mask=kv_mask, other=0.0)
         p, t = _probabilities(q, k, lse, lo, rows, cols, scale, softcap, DTYPE, OPERAND, PRECISION)
