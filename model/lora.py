@@ -589,9 +589,11 @@ def base_sq_norms(projs):
 class DoRAOps(NamedTuple):
     """DoRA's kernels, or their torch references (model/transformer.py `Ops`). backward: the one-pass dm and dP
     (`_dora_backward`). norms: g and 1 / ‖W + s·B·A‖ of a packed group in one launch (kernels/dora_norm.py), or
-    None: `_dora_scales` computes them from ‖W_r‖² and r-wide products, in torch."""
+    None: `_dora_scales` computes them from ‖W_r‖² and r-wide products, in torch. norms_table: those of many groups
+    in one launch (kernels/dora_norm.py `NormsTable`, model/dora_scales.py), or None."""
     backward: Callable = dora_backward_reference
     norms: Callable | None = None
+    norms_table: Callable | None = None
 
 
 DORA_REFERENCES = DoRAOps()

@@ -40,6 +40,7 @@ from kernels.references import (
     swiglu_reference,
 )
 from model.config import ModelConfig
+from model.dora_scales import LayerScales
 from model.lora import (
     GLU,
     DoRAOps,
@@ -47,6 +48,7 @@ from model.lora import (
     affine_forward,
     autograd_backward,
     base_sq_norms,
+    compute_dtype,
     fusable,
     lora_mlp,
     lora_projections,
@@ -72,7 +74,7 @@ class Ops:
             from kernels.add_rms_norm import add_rms_norm
             from kernels.decode_attention import decode_attention
             from kernels.dora_backward import dora_backward
-            from kernels.dora_norm import dora_norms
+            from kernels.dora_norm import NormsTable, dora_norms
             from kernels.fused_linear_cross_entropy import fused_linear_cross_entropy
             from kernels.geglu import geglu, geglu_backward, geglu_forward
             from kernels.rms_norm import rms_norm
@@ -85,7 +87,7 @@ class Ops:
             self.rope_into_cache, self.decode_attention = rope_into_cache, decode_attention
             self.add_rms_norm = add_rms_norm
             self._glu_pairs = {"silu": (swiglu_forward, swiglu_backward), "gelu": (geglu_forward, geglu_backward)}
-            self.dora = DoRAOps(dora_backward, dora_norms)
+            self.dora = DoRAOps(dora_backward, dora_norms, NormsTable)
             self.softcap_attention = softcap_attention
         else:
             self.rms_norm, self.rope, self.swiglu, self.geglu = (rms_norm_reference, rope_reference,
@@ -395,7 +397,8 @@ class DecoderLayer(nn.Module):
     def forward(self, x, cos, sin, mask, cache=None, graph_only=False, store=None):
         """graph_only: the output's values are not read, only its graph (the recompute of a checkpointed
         layer), so the MLP may skip its last GEMM. Not with sandwich norms: their norm saves the MLP output.
-        store: a dict that keeps DoRA's scales from a checkpointed layer's first run for its recompute."""
+        store: a dict of DoRA's scales, computed for all layers at once (model/dora_scales.py), which also keeps
+        those computed in a checkpointed layer's first run for its recompute."""
         if self.sandwich:
             x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), cos, sin, mask, cache,
                                                                  store))
@@ -443,6 +446,7 @@ class Transformer(nn.Module):
         self.gradient_checkpointing = gradient_checkpointing  # recompute each layer in backward
         self.offload_activations = offload_activations  # with checkpointing: keep layer inputs in pinned CPU memory
         self.offload = ActivationOffload()  # its CPU buffers, made on first use and kept from step to step
+        self.dora_scales = LayerScales()  # DoRA's scales of every layer in one launch a forward
         self.pack_weights_()
 
     def pack_weights_(self):
@@ -536,6 +540,8 @@ class Transformer(nn.Module):
         offload = self.offload if recompute and self.offload_activations else None
         if offload:
             offload.begin()
+        # DoRA's scales of all layers at once, each layer's in the store its (checkpointed) runs read
+        stores = self.dora_scales(self.model.layers, self.ops, compute_dtype(x))
         for i, layer in enumerate(self.model.layers):
             cos, sin = tables[layer.layer_type]
             args = (x, cos, sin, masks[layer.layer_type])
@@ -544,9 +550,9 @@ class Transformer(nn.Module):
                 # every tensor saved inside the layer through Python hooks, a CPU cost that a
                 # CPU-bound step pays in full (docs/perf-notes.md, "reentrant checkpointing").
                 with offload.hooks(x) if offload else nullcontext():
-                    x = checkpoint(_checkpointed, layer, {}, *args, use_reentrant=True)
+                    x = checkpoint(_checkpointed, layer, stores[i], *args, use_reentrant=True)
             else:
-                x = layer(*args, cache=None if cache is None else cache.layers[i])
+                x = layer(*args, cache=None if cache is None else cache.layers[i], store=stores[i])
         if offload:
             offload.end()
         return self.model.norm(x)

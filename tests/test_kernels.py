@@ -13,7 +13,7 @@ import torch.nn.functional as F
 import kernels.fused_linear_cross_entropy as flce_module
 from kernels.cross_entropy import cross_entropy
 from kernels.dora_backward import dora_backward
-from kernels.dora_norm import dora_norms
+from kernels.dora_norm import NormsTable, dora_norms
 from kernels.fused_linear_cross_entropy import fused_linear_cross_entropy
 from kernels.geglu import geglu, geglu_backward, geglu_forward
 from kernels.references import (
@@ -568,6 +568,37 @@ def test_dora_norms(dtype, ends, r, in_features):
     close(ref_inv, 1 / direct, torch.float32, "reference inv")
 
 
+def check_dora_norms_table(dtype, shapes):
+    """`NormsTable`: the scales of every group in one launch equal each group's own launch (`dora_norms`) and the fp64
+    reference; a second call reads the tensors' new values in place (an optimizer's update)."""
+    groups = []
+    for ends, r, in_features in shapes:
+        out_features = ends[-1]
+        groups.append((torch.randn(out_features, in_features, device=DEVICE).to(dtype),
+                       torch.randn(len(ends) * r, in_features, device=DEVICE),
+                       torch.randn(out_features, r, device=DEVICE),
+                       torch.rand(out_features, device=DEVICE) + 0.5, list(ends), 0.1 + r / 64))
+    table = NormsTable(groups)
+    for _ in range(2):
+        for group, (g, inv) in zip(groups, table()):
+            own_g, own_inv = dora_norms(*group, dtype)
+            ref_g, ref_inv = dora_norms_reference(*(t.double() for t in group[:4]), *group[4:], torch.float64)
+            assert g.dtype == dtype and inv.dtype == torch.float32 and g.shape == inv.shape == own_g.shape
+            close(inv, own_inv, torch.float32, "inv against the group's launch")
+            close(g, own_g, dtype, "g against the group's launch")
+            close(inv.double(), ref_inv, torch.float32, "inv")
+            close(g, ref_g.to(dtype), dtype, "g")
+        for _, a, b, m, _, _ in groups:
+            a.mul_(0.5), b.add_(1.0), m.mul_(2.0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_dora_norms_table(dtype):
+    """Groups of three, two and one members, of different ranks and widths in one table: the tiles fit the largest
+    stacked rank, and the smaller groups' rows of A and B past their own are masked."""
+    check_dora_norms_table(dtype, [((40, 56, 72), 4, 50), ((24, 48), 16, 37), ((33,), 8, 300), ((20, 30, 45), 24, 19)])
+
+
 # ----------------------------------------------------------------------------- no Triton needed
 
 # Prepended to the code of a fresh interpreter: `import triton` fails there, as on a machine
@@ -680,3 +711,13 @@ def test_gpu_dora_norms(dtype, ends, r, in_features):
     """DoRA's norms kernel at the SmolLM2 shape's groups (q|k|v, gate|up, down) and a Qwen2.5-0.5B q|k|v of r = 64:
     the tf32x3 dot keeps fp32's precision."""
     test_dora_norms(dtype, ends, r, in_features)
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gpu_dora_norms_table(dtype):
+    """Every group of two SmolLM2-135M layers (q|k|v, o, gate|up, down, r = 16) in one table, as a step computes
+    them (model/dora_scales.py)."""
+    layer = [((576, 768, 960), 16, 576), ((576,), 16, 576), ((1536, 3072), 16, 576), ((576,), 16, 1536)]
+    check_dora_norms_table(dtype, layer * 2)

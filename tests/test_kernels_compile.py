@@ -146,6 +146,9 @@ def kernel_cases():
             "inv_ptr": "*fp32", "OUT": "i32", "IN": "i32", "R": "i32", "SR": "i32", "end0": "i32", "end1": "i32",
             "scale": "fp32"}, {"BLOCK_O": dn.BLOCK_O, **dn.launch_config(stacked_rank)}, [{}], dn.NUM_WARPS,
             f"rank{stacked_rank}"))
+        specs.append(("kernels.dora_norm", "_dora_norms_table_kernel", lambda t: {
+            "groups_ptr": "*i64", "blocks_ptr": "*i32", "scales_ptr": "*fp32", "g_ptr": f"*{t}", "inv_ptr": "*fp32"},
+            {"BLOCK_O": dn.BLOCK_O, **dn.launch_config(stacked_rank)}, [{}], dn.NUM_WARPS, f"rank{stacked_rank}"))
 
     specs.append(("kernels.nf4_dequantize", "_nf4_dequantize_kernel", lambda t: {
         "packed_ptr": "*u8", "absmax_ptr": "*u8", "absmax_scale_ptr": "*fp32", "absmax_offset_ptr": "*fp32",

@@ -233,6 +233,33 @@ def test_dora_kernel_computes_the_scales_of_every_packed_group(base, monkeypatch
     assert all(p.grad is not None for n, p in lora_parameters(model) if n.endswith("lora_magnitude_vector"))
 
 
+def test_dora_scales_of_every_layer_come_from_one_launch(base, monkeypatch):
+    """With the kernels, the scales of every packed group of every layer come from one launch a forward
+    (model/dora_scales.py), never from a launch a group, and its table of addresses is built once: the later
+    forwards read the adapters' new values in place (an optimizer's update), and their logits and gradients equal
+    the torch path's, under checkpointing's recompute."""
+    from kernels.dora_norm import NormsTable
+    folder, lora = base("qwen2"), LoRAConfig(r=4, alpha=8.0, dora=True)
+    ref, model = (load_model(folder, lora=lora, use_kernels=k, gradient_checkpointing=True)[0].train()
+                  for k in (False, True))
+    tables = []
+    monkeypatch.setattr(model.ops, "dora", model.ops.dora._replace(
+        norms=lambda *a: pytest.fail("a group's scales left the table"),
+        norms_table=lambda groups: tables.append(len(groups)) or NormsTable(groups)))
+    ids = ids_for(model)
+    for std in (0.1, 0.3):
+        randomize_lora_b(ref, std=std)
+        randomize_magnitudes(ref)
+        with torch.no_grad():
+            for (_, p), (_, q) in zip(lora_parameters(ref), lora_parameters(model), strict=True):
+                q.copy_(p)
+        (ref_logits, ref_grads), (logits, grads) = (grads_of(m, lora_parameters(m), ids) for m in (ref, model))
+        assert rel_err(logits, ref_logits) < TOL
+        for n, g in grads.items():
+            assert rel_err(g, ref_grads[n]) < 1e-5, n
+    assert tables == [4 * len(model.model.layers)]
+
+
 @pytest.mark.parametrize("family,inside", [("llama", 2), ("gemma2", 0)])
 def test_dora_adds_the_residual_where_it_scales_o_and_down(family, inside, base, monkeypatch):
     """The fused path adds the layer's residual in the op that scales o's and down's outputs (R + g ⊙ P + b, so that
