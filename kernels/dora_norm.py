@@ -16,7 +16,7 @@ norm is the direct one (no cancellation in an expanded form). All math in fp32, 
 replaces the half-dozen small torch ops of the expanded form (W Aᵀ, A Aᵀ, their combination, the row dot, rsqrt,
 m · inv) with one launch a group.
 
-`NormsTable` does the same for many groups in one launch (every packed group of every layer: model/dora_norms.py):
+`NormsTable` does the same for many groups in one launch (every packed group of every layer: model/dora_scales.py):
 each group's tensors are described by their addresses in a table on the device, and each program reads its group's
 row from it. A group's launch reads about 1 MB and is latency-bound; one launch for all of them is not.
 
