@@ -133,11 +133,13 @@ def kernel_cases():
             flags(*approx, "AFFINE", "HAS_BIAS"), glu.NUM_WARPS))
 
     for transposed in (False, True):  # the row-major and the transposed (MLP gate/up) tiles
-        block_n, block_c = db.launch_config(transposed)
+        block_n, block_c, sum_rows = db.launch_config(transposed)
+        unit = "stride_n" if transposed else "stride_c"  # the contiguous dimension's stride, 1: the JIT specializes it
         specs.append(("kernels.dora_backward", "_dora_backward_kernel", lambda t: {
             "dy_ptr": f"*{t}", "p_ptr": f"*{t}", "g_ptr": f"*{t}", "inv_ptr": "*fp32", "dp_ptr": f"*{t}",
             "partial_ptr": "*fp32", "count_ptr": "*i32", "dm_ptr": "*fp32", "N": "i32", "C": "i32", "stride_n": "i32",
-            "stride_c": "i32"}, {"BLOCK_N": block_n, "BLOCK_C": block_c, "SUM_ROWS": db.SUM_ROWS}, [{}], db.NUM_WARPS,
+            "stride_c": "i32"}, {"BLOCK_N": block_n, "BLOCK_C": block_c, "SUM_ROWS": sum_rows,
+                                 "TRANSPOSED": transposed, unit: 1}, [{}], db.NUM_WARPS,
             "transposed" if transposed else "rows"))
 
     for stacked_rank in (48, 384):  # q|k|v of r = 16 (the dot's K 64, A's tile 64 × 128) and of r = 128 (512 × 16)
