@@ -546,11 +546,12 @@ def test_dora_backward(dtype, N, C, transposed):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("ends,r,in_features", [((40, 56, 72), 4, 50), ((24, 48), 16, 37), ((33,), 8, 300),
-                                                ((20, 30, 45), 24, 19)])
+                                                ((20, 30, 45), 24, 19), ((70, 100, 130), 4, 65), ((75,), 136, 40)])
 def test_dora_norms(dtype, ends, r, in_features):
     """DoRA's scales of a packed group in one launch: 1 / ‖W + s·B_blk·A‖ and m times it equal the fp64 norms of
-    each member's merged rows, for q/k/v-, gate/up- and lone-projection groups, member boundaries inside a program's
-    rows, `in` over several column tiles, and a stacked rank that needs a 128-wide tile (three members of r = 24)."""
+    each member's merged rows, for q/k/v-, gate/up- and lone-projection groups, members shorter than a program's
+    rows and longer (70: a whole block and a partial one), `in` over several column tiles with a partial last one,
+    ranks padded to the dot's K (4, 24), and a rank over 128 (fewer rows a program)."""
     out_features = ends[-1]
     w = torch.randn(out_features, in_features, device=DEVICE).to(dtype)
     a = torch.randn(len(ends) * r, in_features, device=DEVICE)
@@ -595,8 +596,10 @@ def check_dora_norms_table(dtype, shapes):
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_dora_norms_table(dtype):
     """Groups of three, two and one members, of different ranks and widths in one table: the tiles fit the largest
-    stacked rank, and the smaller groups' rows of A and B past their own are masked."""
-    check_dora_norms_table(dtype, [((40, 56, 72), 4, 50), ((24, 48), 16, 37), ((33,), 8, 300), ((20, 30, 45), 24, 19)])
+    rank, the smaller ranks' columns of B and rows of A past their own are masked, and each program's rows stay
+    within one member (70 rows: a whole block and a partial one)."""
+    check_dora_norms_table(dtype, [((40, 56, 72), 4, 50), ((24, 48), 16, 37), ((33,), 8, 300), ((20, 30, 45), 24, 19),
+                                   ((70, 100, 130), 4, 65)])
 
 
 # ----------------------------------------------------------------------------- no Triton needed
@@ -706,10 +709,11 @@ def test_gpu_activation(act, dtype, inter):
 @needs_cuda
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("ends,r,in_features", [((576, 768, 960), 16, 576), ((1536, 3072), 16, 576),
-                                                ((576,), 16, 1536), ((896, 1024, 1152), 64, 896)])
+                                                ((576,), 16, 1536), ((896, 1024, 1152), 64, 896),
+                                                ((896, 1024, 1152), 128, 896), ((2048, 2304, 2560), 256, 2048)])
 def test_gpu_dora_norms(dtype, ends, r, in_features):
-    """DoRA's norms kernel at the SmolLM2 shape's groups (q|k|v, gate|up, down) and a Qwen2.5-0.5B q|k|v of r = 64:
-    the tf32x3 dot keeps fp32's precision."""
+    """DoRA's norms kernel at the SmolLM2 shape's groups (q|k|v, gate|up, down), a Qwen2.5-0.5B q|k|v of r = 64 and
+    128 and a TinyLlama q|k|v of r = 256 (32 rows a program): the tf32x3 dot keeps fp32's precision."""
     test_dora_norms(dtype, ends, r, in_features)
 
 
@@ -717,10 +721,10 @@ def test_gpu_dora_norms(dtype, ends, r, in_features):
 @needs_cuda
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_gpu_dora_norms_table(dtype):
-    """Every group of two SmolLM2-135M layers (q|k|v, o, gate|up, down, r = 16) in one table, as a step computes
-    them (model/dora_scales.py)."""
+    """Every group of SmolLM2-135M's 30 layers (q|k|v, o, gate|up, down, r = 16) in one table, as a step computes
+    them (model/dora_scales.py): 2430 programs, several waves."""
     layer = [((576, 768, 960), 16, 576), ((576,), 16, 576), ((1536, 3072), 16, 576), ((576,), 16, 1536)]
-    check_dora_norms_table(dtype, layer * 2)
+    check_dora_norms_table(dtype, layer * 30)
 
 
 @gpu

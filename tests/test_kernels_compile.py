@@ -142,15 +142,15 @@ def kernel_cases():
                                  "TRANSPOSED": transposed, unit: 1}, [{}], db.NUM_WARPS,
             "transposed" if transposed else "rows"))
 
-    for stacked_rank in (48, 384):  # q|k|v of r = 16 (the dot's K 64, A's tile 64 × 128) and of r = 128 (512 × 16)
+    for rank in (16, 64, 128, 256):  # SmolLM2's step (64 rows, K 16), Qwen's r 64, and the fewer-row tiles
+        config = dn.launch_config(rank)
         specs.append(("kernels.dora_norm", "_dora_norm_kernel", lambda t: {
             "w_ptr": f"*{t}", "a_ptr": "*fp32", "b_ptr": "*fp32", "m_ptr": "*fp32", "g_ptr": f"*{t}",
-            "inv_ptr": "*fp32", "OUT": "i32", "IN": "i32", "R": "i32", "SR": "i32", "end0": "i32", "end1": "i32",
-            "scale": "fp32"}, {"BLOCK_O": dn.BLOCK_O, **dn.launch_config(stacked_rank)}, [{}], dn.NUM_WARPS,
-            f"rank{stacked_rank}"))
+            "inv_ptr": "*fp32", "OUT": "i32", "IN": "i32", "R": "i32", "end0": "i32", "end1": "i32", "scale": "fp32"},
+            config, [{}], dn.NUM_WARPS, f"rank{rank}"))
         specs.append(("kernels.dora_norm", "_dora_norms_table_kernel", lambda t: {
             "groups_ptr": "*i64", "blocks_ptr": "*i32", "scales_ptr": "*fp32", "g_ptr": f"*{t}", "inv_ptr": "*fp32"},
-            {"BLOCK_O": dn.BLOCK_O, **dn.launch_config(stacked_rank)}, [{}], dn.NUM_WARPS, f"rank{stacked_rank}"))
+            config, [{}], dn.NUM_WARPS, f"rank{rank}"))
 
     specs.append(("kernels.nf4_dequantize", "_nf4_dequantize_kernel", lambda t: {
         "packed_ptr": "*u8", "absmax_ptr": "*u8", "absmax_scale_ptr": "*fp32", "absmax_offset_ptr": "*fp32",
