@@ -45,7 +45,7 @@ Two execution paths, chosen by `Transformer(fused_lora=...)`:
   small products s·X̃Aᵀ [N, Σr] and the LoRA weights cast to the compute dtype (cast once
   per forward, stacked per group as below). They never save a dequantized or cast base
   weight (W is dequantized again in backward and freed after each matmul), nor the
-  activation H = act(G) ⊙ U (recomputed from G and U).
+  activation H = act(G) ⊙ U (the activation's backward writes it again as it reads G and U).
   Dropout > 0 and biases are supported on this path. Dropout masks are drawn with
   F.dropout, in the order PEFT draws them (q, k, v, o, gate, up, down), so the two paths
   agree mask for mask under one seed. The gated activation inside `lora_mlp` is the
@@ -86,6 +86,10 @@ The MLP, with act(g) = g·σ(g) (SwiGLU) or gelu(g) (GeGLU):
     dU  = dH ⊙ act(G)
     dG  = dH ⊙ U ⊙ act'(G),    SwiGLU: act'(g) = σ(g) (1 + g (1 - σ(g)))
     then gate and up backward as one projection of X: [dG | dU] against [W_g; W_u].
+
+Backward runs in that order: dH and dB_d (neither reads H), then the activation's backward, which reads G
+and U for dG and dU and writes H over dH as it goes (H is not saved, and no forward runs again), then dA_d
+from that H (⊙ M_d with dropout).
 
 M_d is drawn inside the Function (H only exists there) and saved as a bool mask. [G | U]
 is computed transposed, as the contiguous (2I, N) product [W_g; W_u] Xᵀ, so that Gᵀ and Uᵀ
@@ -383,8 +387,8 @@ class GLU(NamedTuple):
     and backward returns dG, dU in new tensors."""
     function: Callable  # (gate, up) -> h, with its own autograd
     forward: Callable  # (gate, up, scale=None, bias=None) -> h, no graph
-    backward: Callable  # (dh, gate, up, scale=None, bias=None) -> (dgate, dup)
-    inplace: bool  # backward without scale writes dgate, dup over gate, up (saves two [N, I] buffers)
+    backward: Callable  # (dh, gate, up, scale=None, bias=None) -> (dgate, dup, h), h the forward's, bit for bit
+    inplace: bool  # backward without scale writes dgate, dup over gate, up (saves two [N, I] buffers), h over dh
 
 
 def scale_rows(gate, up, scale=None, bias=None):
@@ -408,12 +412,13 @@ def affine_forward(fn, gate, up, scale=None, bias=None):
 
 
 def autograd_backward(fn, dh, gate, up, scale=None, bias=None):
-    """(dG, dU) of fn(G, U) by autograd, G, U the per-row affine of gate, up (`scale_rows`): a torch reference's own
-    gradient, as a GLU backward."""
+    """(dG, dU, H) of H = fn(G, U) by autograd, G, U the per-row affine of gate, up (`scale_rows`): a torch
+    reference's own gradient, and the H it differentiates, as a GLU backward."""
     gate, up = scale_rows(gate, up, scale, bias)
     with torch.enable_grad():
         gate, up = gate.detach().requires_grad_(), up.detach().requires_grad_()
-        return torch.autograd.grad(fn(gate, up), (gate, up), dh)
+        h = fn(gate, up)
+        return *torch.autograd.grad(h, (gate, up), dh), h.detach()
 
 
 # ----------------------------------------------------------------------------- fused Functions
@@ -974,20 +979,23 @@ class _LoRAMLP(torch.autograd.Function):
                 dy = _dora_backward(ctx.dora_ops.backward, (down,), m_dtypes[2:], dy, *dora_d, need_m[2:], dm_d)
                 dm[2] = dm_d[0]
             g, u = _halves(gu)
-            h = ctx.glu.forward(g, u, **affine).t()  # (N, I), recomputed: never saved
             dh = _base_backward((down,), dy, transposed=True)  # (N, I), stored as (I, N) like Gᵀ and Uᵀ
-            if down.r:  # the down adapter reads H, or H̃ = H ⊙ M_d with dropout: dH gets (s dY B) A, ⊙ M_d then
-                mask = None if keep is None else keep.to(h.dtype).div_(1 - ctx.p_drop)  # as F.dropout scales
-                da_d, db_d = [None], [None]
-                dh_lora, = _adapt_groups_backward((down,), [[0]], saved[-3:], dy, [None if mask is None else h * mask],
-                                                  h, dh, [True], need_a[2:], need_b[2:], masters[2:], da_d, db_d)
-                da[2], db[2] = da_d[0], db_d[0]
-                if dh_lora is not None:
-                    dh.addcmul_(dh_lora, mask)
-                del mask, dh_lora
-            del h
-            dg, du = ctx.glu.backward(dh.t(), g, u, **affine)  # kernels, no DoRA: written over Gᵀ and Uᵀ, into gu
+            mask = None if keep is None else keep.to(dh.dtype).div_(1 - ctx.p_drop)  # M_d, as F.dropout scales
+            if down.r:  # dH gets s (dY B_d) A_d (⊙ M_d), and dB_d reads the saved s H̃ A_dᵀ: neither needs H
+                xa, a_d, b_d = saved[-3:]
+                db_d = [None]
+                dyb = _adapt_backward((down,), [0], dy, None, xa, b_d, [False], need_b[2:], masters[2:], None, db_d)
+                db[2] = db_d[0]
+                if mask is None:
+                    dh.addmm_(dyb, a_d)
+                else:
+                    dh.addcmul_(torch.mm(dyb, a_d), mask)
+            # kernels, no DoRA: dG, dU written over Gᵀ and Uᵀ (into gu); H over dH
+            dg, du, h = ctx.glu.backward(dh.t(), g, u, **affine)
             del dh
+            if down.r and need_a[2]:  # dA_d = s (dY B_d)ᵀ H̃
+                da[2] = _mm_to(dyb.t(), h.t() if mask is None else h.t() * mask, masters[2])
+            del h, mask
             if dora_gu is not None:  # dP = g ⊙ [dG | dU], written over [dG | dU] (new tensors)
                 dgu = _dora_backward(ctx.dora_ops.backward, projs[:2], m_dtypes[:2], _packed([dg, du]).t(), gu,
                                      *dora_gu, need_m[:2], dm, inplace=True)

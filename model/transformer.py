@@ -103,7 +103,7 @@ class Ops:
         if not self.use_kernels:
             return GLU(function, partial(affine_forward, function), partial(autograd_backward, function), inplace=False)
         forward, backward = self._glu_pairs["silu" if act == "silu" else "gelu"]
-        return GLU(function, partial(forward, **kw), partial(backward, inplace=True, **kw), inplace=True)
+        return GLU(function, partial(forward, **kw), partial(backward, inplace=True, write_h=True, **kw), inplace=True)
 
 
 class RMSNorm(nn.Module):

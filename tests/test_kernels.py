@@ -500,6 +500,27 @@ def test_activation_low_level_inplace(act):
 
 @pytest.mark.parametrize("act", list(ACTIVATIONS))
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("affine", [False, True])
+def test_activation_backward_writes_h(act, dtype, affine):
+    """write_h: the backward also writes h over dh, equal to the forward's h bit for bit (the LoRA MLP reads it for
+    the down adapter's dA in place of a second forward), with dG and dU those of the backward without it."""
+    _, _, forward, backward = ACTIVATIONS[act]
+    rows, n = 19, 67
+    gate = (torch.randn(rows, n, device=DEVICE) * 3).to(dtype)
+    up, dh = (torch.randn(rows, n, device=DEVICE).to(dtype) for _ in range(2))
+    kw = dict(scale=(torch.rand(2 * rows, device=DEVICE) + 0.5).to(dtype),
+              bias=torch.randn(2 * rows, device=DEVICE).to(dtype)) if affine else {}
+    expected_h = forward(gate, up, **kw)
+    expected = backward(dh, gate, up, **kw)
+    spent = dh.clone()
+    dgate, dup, h = backward(spent, gate.clone(), up.clone(), inplace=True, write_h=True, **kw)
+    assert h.data_ptr() == spent.data_ptr()
+    assert torch.equal(h, expected_h)
+    assert torch.equal(dgate, expected[0]) and torch.equal(dup, expected[1])
+
+
+@pytest.mark.parametrize("act", list(ACTIVATIONS))
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("has_bias", [False, True])
 def test_activation_per_row_affine(act, dtype, has_bias):
     """With a per-row scale and bias (DoRA's G = g ⊙ P + b of the MLP's gate and up, stored as (rows, N)), the
@@ -515,7 +536,7 @@ def test_activation_per_row_affine(act, dtype, has_bias):
     close(forward(gate, up, scale=scale, bias=bias), affine_forward(reference, gate, up, scale, bias), dtype, "h",
           scale=2)
     dgate, dup = backward(dh, gate, up, inplace=True, scale=scale, bias=bias)
-    ref_dgate, ref_dup = autograd_backward(reference, dh, gate, up, scale, bias)
+    ref_dgate, ref_dup, _ = autograd_backward(reference, dh, gate, up, scale, bias)
     close(dgate, ref_dgate, dtype, "dG", scale=4)
     close(dup, ref_dup, dtype, "dU", scale=2)
     assert torch.equal(gate, kept[0]) and torch.equal(up, kept[1])

@@ -130,7 +130,7 @@ def kernel_cases():
         specs.append((mod.__name__, f"_{name}_backward_kernel", lambda t: {
             "dh_ptr": f"*{t}", "gate_ptr": f"*{t}", "up_ptr": f"*{t}", "scale_ptr": f"*{t}", "bias_ptr": f"*{t}",
             "dgate_ptr": f"*{t}", "dup_ptr": f"*{t}", "n": "i32", "n_cols": "i32"}, {"BLOCK": glu.BLOCK},
-            flags(*approx, "AFFINE", "HAS_BIAS"), glu.NUM_WARPS))
+            flags(*approx, "AFFINE", "HAS_BIAS", "WRITE_H"), glu.NUM_WARPS))
 
     for transposed in (False, True):  # the row-major and the transposed (MLP gate/up) tiles
         block_n, block_c, sum_rows = db.launch_config(transposed)

@@ -263,6 +263,22 @@ def test_kernel_mlp_backward_runs_once():
         y.sum().backward()
 
 
+@pytest.mark.parametrize("use_kernels", [False, True], ids=["torch", "kernels"])
+@pytest.mark.parametrize("dropout", ["on", "off"])
+def test_mlp_backward_runs_no_activation_forward(use_kernels, dropout):
+    """The MLP's backward takes H for the down adapter's dA from the activation's backward (written over dH), so
+    the activation's forward runs once a step, in forward; the gradients are the unfused path's."""
+    projs = mlp_projs(torch.float32)
+    set_dropout(projs, dropout)
+    act = glu("silu", use_kernels)
+    calls = []
+    counted = act._replace(forward=lambda *a, **kw: calls.append(1) or act.forward(*a, **kw))
+    x = torch.randn(5, H)
+    fused = run(lambda t: lora_mlp(t, projs, counted), x, projs)
+    assert len(calls) == 1, f"the activation's forward ran {len(calls)} times"
+    compare(fused, run(lambda t: unfused_mlp(t, projs, "silu"), x, projs), torch.float32, "MLP")
+
+
 def test_gradcheck_float64():
     """Both Functions against finite differences, dropout on (masks fixed by the seed) and off."""
     f64 = torch.float64
