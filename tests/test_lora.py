@@ -236,6 +236,43 @@ def test_fused_mlp_matches_unfused(dtype, amp, act, dropout, packed):
                 run(lambda t: unfused_mlp(t, projs, act), x, projs), amp or dtype, f"{act} MLP")
 
 
+@pytest.mark.parametrize("use_kernels", [False, True], ids=["torch", "kernels"])
+@pytest.mark.parametrize("dropout", ["on", "off"])
+@pytest.mark.parametrize("dtype,amp", DTYPE_CASES, ids=DTYPE_IDS)
+def test_fused_residual_matches_unfused(dtype, amp, dropout, use_kernels):
+    """o's and down's Functions take the layer's residual R and return R + Y (the base GEMM adds it: `_base`), with
+    dR = dY; under autocast (R in another dtype than the output) the caller adds it. Values and gradients (R is a
+    slice of the input here, so dX carries dR) equal the unfused R + Y, with the down projection's bias."""
+    _, o = attention_projs(dtype)
+    projs = mlp_projs(dtype)
+    set_dropout((o, *projs), dropout)
+    x = torch.randn(3, 7, 64).to(dtype)
+    with maybe_autocast(amp):
+        compare(run(lambda t: lora_projections(t, (o,), residual=t[..., :H] * 2)[0], x, (o,)),
+                run(lambda t: t[..., :H] * 2 + o(t), x, (o,)), amp or dtype, "o + residual")
+        compare(run(lambda t: lora_mlp(t, projs, glu("silu", use_kernels), residual=t * 2), x[..., :H], projs),
+                run(lambda t: t * 2 + unfused_mlp(t, projs, "silu"), x[..., :H], projs), amp or dtype,
+                "MLP + residual")
+
+
+@pytest.mark.parametrize("family,inside", [("llama", 2), ("qwen2", 2), ("gemma2", 0)])
+def test_residual_added_by_the_base_gemm(family, inside, monkeypatch, tmp_path):
+    """Plain LoRA adds the layer's residual in o's and down's base GEMM (R as its C): twice a layer, with no add of
+    its own; never with sandwich norms (Gemma 2/3: the sublayer's output is normalized before the add)."""
+    import model.lora as lora_module
+    from tests.tiny_models import save_tiny
+    original, calls = lora_module._base, []
+
+    def recorded(*args, residual=None, **kw):
+        calls.append(residual is not None)
+        return original(*args, residual=residual, **kw)
+    monkeypatch.setattr(lora_module, "_base", recorded)
+    save_tiny(family, str(tmp_path))
+    model, cfg = load_model(str(tmp_path), lora=LoRAConfig(r=4))
+    model(torch.randint(0, cfg.vocab_size, (B, T)), targets=torch.randint(0, cfg.vocab_size, (B, T))).backward()
+    assert sum(calls) == inside * len(model.model.layers)
+
+
 @pytest.mark.parametrize("adapted", [("up_proj",), ("gate_proj", "down_proj")])
 def test_fused_mlp_partial_targets(adapted):
     projs = mlp_projs(torch.float32, adapted)
