@@ -100,8 +100,9 @@ def kernel_cases():
         {"BLOCK": block}, flags("GEMMA_CAST"), warps))
     specs.append(("kernels.rms_norm", "_rms_norm_backward_kernel", lambda t: {
         "dy_ptr": f"*{t}", "dy_row_stride": "i32", "x_ptr": f"*{t}", "x_row_stride": "i32", "w_ptr": f"*{t}",
-        "rstd_ptr": "*fp32", "dx_ptr": f"*{t}", "dw_partial_ptr": "*fp32", "N": "i32", "H": "i32",
-        "offset": "fp32", "rows_per_program": "i32"}, {"BLOCK": block}, flags("GEMMA_CAST", "COMPUTE_DW"), warps))
+        "rstd_ptr": "*fp32", "dres_ptr": f"*{t}", "dres_row_stride": "i32", "dx_ptr": f"*{t}",
+        "dw_partial_ptr": "*fp32", "N": "i32", "H": "i32", "offset": "fp32", "rows_per_program": "i32"},
+        {"BLOCK": block}, flags("GEMMA_CAST", "COMPUTE_DW", "HAS_DRES"), warps))
 
     block_hq, block_hk, block_half, warps = rp.launch_config(32, 8, 256)
     specs.append(("kernels.rope", "_rope_kernel", lambda t: {

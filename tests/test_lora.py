@@ -273,6 +273,44 @@ def test_residual_added_by_the_base_gemm(family, inside, monkeypatch, tmp_path):
     assert sum(calls) == inside * len(model.model.layers)
 
 
+@pytest.mark.parametrize("family,forward_adds", [("llama", 0), ("gemma2", 2)])
+def test_residual_stream_adds_no_pass_of_its_own(family, forward_adds, tmp_path):
+    """With the kernels, a step runs no add of whole (B, T, H) activations for the residual stream: forward adds the
+    residual in o's and down's GEMMs (but Gemma 2's sandwich norms add after a norm: two a layer), and backward sums
+    a layer input's two gradients (its norm's and the residual's) in the norm's backward kernel
+    (`RMSNorm.with_residual`), where autograd would add them. The gradients equal the torch path's."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from tests.tiny_models import save_tiny
+
+    class CountAdds(TorchDispatchMode):
+        def __init__(self, shape):
+            super().__init__()
+            self.shape, self.count = shape, 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.overloadpacket in (torch.ops.aten.add, torch.ops.aten.add_) and args[0].shape == self.shape:
+                self.count += 1
+            return func(*args, **(kwargs or {}))
+
+    save_tiny(family, str(tmp_path))
+    results = []
+    for use_kernels in (True, False):
+        model, cfg = load_model(str(tmp_path), lora=LoRAConfig(r=4), use_kernels=use_kernels)
+        randomize_lora_b(model, std=0.1)
+        ids = torch.randint(0, cfg.vocab_size, (1, 6), generator=torch.Generator().manual_seed(0))
+        shape = (1, 6, cfg.hidden_size)
+        with CountAdds(shape) as forward:
+            loss = model(ids, targets=ids)
+        with CountAdds(shape) as backward:
+            loss.backward()
+        results.append([p.grad for _, p in lora_parameters(model)])
+        if use_kernels:
+            assert (forward.count, backward.count) == (forward_adds * len(model.model.layers), 0)
+    for g, ref in zip(*results):
+        assert_close(g, ref, atol=1e-5 * ref.abs().max().item(), rtol=1e-4, name="LoRA grad with the kernels")
+
+
 @pytest.mark.parametrize("adapted", [("up_proj",), ("gate_proj", "down_proj")])
 def test_fused_mlp_partial_targets(adapted):
     projs = mlp_projs(torch.float32, adapted)
