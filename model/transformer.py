@@ -334,7 +334,7 @@ class Attention(nn.Module):
         """x (B, T, H). cache: this layer's `LayerCache` (model/generate.py) or None; with one, the
         keys and values of x are appended to it and the queries attend to all it holds. store: DoRA's
         scales kept for a checkpointed layer's recompute (`_checkpointed`). residual: (B, T, H) added to the
-        output (with DoRA, in the op that scales o's output)."""
+        output (on the fused path, by o's base GEMM, or with DoRA by the op that scales o's output)."""
         B, T, _ = x.shape
         qkv = (self.q_proj, self.k_proj, self.v_proj)
         fused = self.ops.fused_lora and fusable(qkv + (self.o_proj,))
