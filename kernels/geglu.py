@@ -12,6 +12,8 @@ approximate="tanh":  t = tanh(k (g + c g^3)), k = sqrt(2 / pi), c = 0.044715
 then
     h = gelu(g) * u,   dup = dh * gelu(g),   dgate = dh * u * gelu'(g)
 
+and the backward can also write h (the forward's bits) over dh, as kernels/swiglu.py's does.
+
 tanh(x) is computed from exp(-2|x|) (libdevice.tanh does not run in the
 interpreter). All math in fp32; one rounding at the store, whereas HF rounds gelu(g)
 and the product separately (about one ulp apart). `geglu_forward` / `geglu_backward`
@@ -57,7 +59,7 @@ def _geglu_forward_kernel(gate_ptr, up_ptr, scale_ptr, bias_ptr, h_ptr, n, n_col
 @triton.jit
 def _geglu_backward_kernel(dh_ptr, gate_ptr, up_ptr, scale_ptr, bias_ptr, dgate_ptr, dup_ptr, n, n_cols,
                            APPROX_TANH: tl.constexpr, AFFINE: tl.constexpr, HAS_BIAS: tl.constexpr,
-                           BLOCK: tl.constexpr):
+                           WRITE_H: tl.constexpr, BLOCK: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
     dh = tl.load(dh_ptr + offs, mask=mask, other=0.0).to(tl.float32)
@@ -65,6 +67,8 @@ def _geglu_backward_kernel(dh_ptr, gate_ptr, up_ptr, scale_ptr, bias_ptr, dgate_
     gelu, dgelu = _gelu_and_grad(g, APPROX_TANH)
     tl.store(dgate_ptr + offs, (dh * u * dgelu).to(dgate_ptr.dtype.element_ty), mask=mask)
     tl.store(dup_ptr + offs, (dh * gelu).to(dup_ptr.dtype.element_ty), mask=mask)
+    if WRITE_H:
+        tl.store(dh_ptr + offs, (gelu * u).to(dh_ptr.dtype.element_ty), mask=mask)
 
 
 def geglu_forward(gate, up, approximate="tanh", scale=None, bias=None):
@@ -74,13 +78,13 @@ def geglu_forward(gate, up, approximate="tanh", scale=None, bias=None):
     return glu_forward(_geglu_forward_kernel, gate, up, scale, bias, APPROX_TANH=approximate == "tanh")
 
 
-def geglu_backward(dh, gate, up, approximate="tanh", inplace=False, scale=None, bias=None):
+def geglu_backward(dh, gate, up, approximate="tanh", inplace=False, scale=None, bias=None, write_h=False):
     """(dgate, dup). inplace=True writes them into gate and up (which must be contiguous) and
     returns those tensors; use it only when the caller owns gate and up and is done with them.
     scale, bias: the gradients with respect to the per-row affine of gate and up (kernels/glu.py), in new
-    tensors."""
+    tensors. write_h: also h = gelu(G) * U, written over dh, and (dgate, dup, h) returned (kernels/glu.py)."""
     check_glu_args("geglu", dh, gate, up, approximate=approximate)
-    return glu_backward(_geglu_backward_kernel, dh, gate, up, inplace, "geglu_backward", scale, bias,
+    return glu_backward(_geglu_backward_kernel, dh, gate, up, inplace, "geglu_backward", scale, bias, write_h,
                         APPROX_TANH=approximate == "tanh")
 
 

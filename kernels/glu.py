@@ -14,6 +14,10 @@ and optionally `bias` (2 · rows,) for gate and up of shape (rows, n_cols), the 
 
 in fp32 registers, in place of gate and up, and the backward returns dG and dU (the gradients with
 respect to G and U, not to gate and up): new tensors, since the caller still reads gate and up.
+
+write_h (backward): the kernel also stores h = act(G) * U over dh, each element after it is read, with the
+forward's expression (the same bits): the LoRA MLP reads h after dh is spent (the down adapter's dA), and
+would otherwise run the forward again over gate and up. The kernels take it as the constexpr WRITE_H.
 """
 import torch
 import triton
@@ -65,9 +69,10 @@ def glu_forward(kernel, gate, up, scale=None, bias=None, **constexprs):
     return h
 
 
-def glu_backward(kernel, dh, gate, up, inplace, name, scale=None, bias=None, **constexprs):
+def glu_backward(kernel, dh, gate, up, inplace, name, scale=None, bias=None, write_h=False, **constexprs):
     """(dG, dU) by `kernel`: gate and up themselves when inplace (and no scale), else new tensors, rows of one
-    (2, ...) buffer, so that dG and dU lie one after the other."""
+    (2, ...) buffer, so that dG and dU lie one after the other. write_h: (dG, dU, h), h written over dh (over
+    its contiguous copy when dh is strided)."""
     dh = dh.contiguous()
     if inplace and scale is None:
         if not (gate.is_contiguous() and up.is_contiguous()):
@@ -79,6 +84,6 @@ def glu_backward(kernel, dh, gate, up, inplace, name, scale=None, bias=None, **c
     n = dh.numel()
     if n > 0:
         kernel[(triton.cdiv(n, BLOCK),)](dh, gate, up, dgate_ptr=dgate, dup_ptr=dup, n=n,
-                                         **affine_args(gate, scale, bias), **constexprs, BLOCK=BLOCK,
-                                         num_warps=NUM_WARPS)
-    return dgate, dup
+                                         **affine_args(gate, scale, bias), **constexprs, WRITE_H=write_h,
+                                         BLOCK=BLOCK, num_warps=NUM_WARPS)
+    return (dgate, dup, dh) if write_h else (dgate, dup)

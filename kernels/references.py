@@ -53,6 +53,11 @@ def rms_norm_reference(x, weight, eps=1e-6, offset=0.0, cast="llama"):
     return w * xhat.to(x.dtype)
 
 
+def rms_norm_and_residual_reference(x, weight, eps=1e-6, offset=0.0, cast="llama"):
+    """Pure torch: (rms_norm_reference(x), x); autograd sums x's two gradients."""
+    return rms_norm_reference(x, weight, eps, offset, cast), x
+
+
 def add_rms_norm_reference(x, r, weight, eps=1e-6, offset=0.0, cast="llama"):
     """Pure torch: (x + r, rms_norm_reference(x + r))."""
     s = x + r

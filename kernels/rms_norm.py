@@ -21,6 +21,10 @@ autograd sees it) and g = dy * (offset + w):
 dw is accumulated in fp32: each program sums its rows into one partial row, and the
 partials are summed in torch and cast to w's dtype. A frozen w (LoRA) skips dw.
 
+A layer's input x feeds both its norm and the residual stream, so x has two gradients: the norm's dx
+and the residual's dres. `rms_norm_and_residual` returns (y, x) from one autograd Function, whose backward
+adds dres to dx in the kernel (in fp32, one rounding), where autograd would add the two in a pass of its own.
+
 Reference: kernels.references.rms_norm_reference.
 """
 import torch
@@ -62,9 +66,10 @@ def _rms_norm_forward_kernel(
 @triton.jit
 def _rms_norm_backward_kernel(
     dy_ptr, dy_row_stride, x_ptr, x_row_stride, w_ptr, rstd_ptr,
+    dres_ptr, dres_row_stride,  # the residual stream's gradient of x, added to dx (HAS_DRES)
     dx_ptr, dw_partial_ptr,  # dx: [N, H] contiguous; dw_partial: [programs, H] fp32
     N, H, offset, rows_per_program,
-    GEMMA_CAST: tl.constexpr, COMPUTE_DW: tl.constexpr, BLOCK: tl.constexpr,
+    GEMMA_CAST: tl.constexpr, COMPUTE_DW: tl.constexpr, HAS_DRES: tl.constexpr, BLOCK: tl.constexpr,
 ):
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
@@ -81,6 +86,7 @@ def _rms_norm_backward_kernel(
     dy_ptr += row_start.to(tl.int64) * dy_row_stride
     x_ptr += row_start.to(tl.int64) * x_row_stride
     dx_ptr += row_start.to(tl.int64) * H
+    dres_ptr += row_start.to(tl.int64) * dres_row_stride
     for row in range(row_start, row_end):
         dy = tl.load(dy_ptr + cols, mask=mask, other=0.0).to(tl.float32)
         x = tl.load(x_ptr + cols, mask=mask, other=0.0).to(tl.float32)
@@ -88,6 +94,8 @@ def _rms_norm_backward_kernel(
         xhat = x * rstd
         g = dy * w_eff
         dx = rstd * (g - xhat * (tl.sum(g * xhat, 0) / H))
+        if HAS_DRES:
+            dx += tl.load(dres_ptr + cols, mask=mask, other=0.0).to(tl.float32)
         tl.store(dx_ptr + cols, dx.to(dx_ptr.dtype.element_ty), mask=mask)
         if COMPUTE_DW:
             if GEMMA_CAST:
@@ -96,6 +104,7 @@ def _rms_norm_backward_kernel(
                 dw += dy * xhat.to(x_ptr.dtype.element_ty).to(tl.float32)
         dy_ptr += dy_row_stride
         x_ptr += x_row_stride
+        dres_ptr += dres_row_stride
         dx_ptr += H
     if COMPUTE_DW:
         tl.store(dw_partial_ptr + pid * H + cols, dw, mask=mask)
@@ -141,10 +150,12 @@ def rms_norm_forward(x, weight, eps, offset, cast):
     return y.view(*x.shape[:-1], H), rstd
 
 
-def rms_norm_backward(dy, x, weight, rstd, offset, cast, compute_dw=True):
-    """(dx in x's dtype and shape, dw in w's dtype, or None without compute_dw)."""
+def rms_norm_backward(dy, x, weight, rstd, offset, cast, compute_dw=True, dres=None):
+    """(dx in x's dtype and shape, dw in w's dtype, or None without compute_dw). dres: x's gradient from elsewhere
+    (the residual stream, in x's dtype), added to dx."""
     H = x.shape[-1]
     x2, dy2 = _rows(x, H), _rows(dy, H)
+    dres2 = x2 if dres is None else _rows(dres, H)  # x2 stands in for the pointer the kernel never reads
     N = x2.shape[0]
     dx = torch.empty((N, H), dtype=x.dtype, device=x.device)
     programs = _backward_programs(x.device, N, compute_dw)
@@ -153,9 +164,10 @@ def rms_norm_backward(dy, x, weight, rstd, offset, cast, compute_dw=True):
     if N > 0:
         block, num_warps = launch_config(H)
         _rms_norm_backward_kernel[(programs,)](
-            dy2, dy2.stride(0), x2, x2.stride(0), weight, rstd, dx, dx if dw_partial is None else dw_partial,
-            N, H, offset, triton.cdiv(N, programs),
-            GEMMA_CAST=cast == "gemma", COMPUTE_DW=compute_dw, BLOCK=block, num_warps=num_warps)
+            dy2, dy2.stride(0), x2, x2.stride(0), weight, rstd, dres2, dres2.stride(0), dx,
+            dx if dw_partial is None else dw_partial, N, H, offset, triton.cdiv(N, programs),
+            GEMMA_CAST=cast == "gemma", COMPUTE_DW=compute_dw, HAS_DRES=dres is not None, BLOCK=block,
+            num_warps=num_warps)
     elif compute_dw:
         dw_partial.zero_()
     return dx.view(x.shape), dw_partial.sum(0).to(weight.dtype) if compute_dw else None
@@ -186,3 +198,33 @@ def rms_norm(x, weight, eps=1e-6, offset=0.0, cast="llama"):
     """RMSNorm of x [..., H] with weight [H]; see the module docstring for offset and cast."""
     check_rms_norm_args(x, weight, cast)
     return _RMSNorm.apply(x, weight, eps, offset, cast)
+
+
+class _RMSNormAndResidual(torch.autograd.Function):
+    """(y, x): x's norm, and x itself (autograd returns an input as an alias whose gradient comes here), so that
+    backward receives both of x's gradients, the norm's dy and the residual stream's dres, and sums them in the
+    norm's backward kernel. Either may be None (not used)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, eps, offset, cast):
+        y = _RMSNorm.forward(ctx, x, weight, eps, offset, cast)
+        ctx.set_materialize_grads(False)
+        return y, x
+
+    @staticmethod
+    def backward(ctx, dy, dres):
+        x, weight, rstd = ctx.saved_tensors
+        assert dres is None or dres.dtype == x.dtype, f"rms_norm: the residual's gradient must be {x.dtype}"
+        if dy is None:
+            return dres, None, None, None, None
+        dx, dw = rms_norm_backward(dy, x, weight, rstd, ctx.offset, ctx.cast, ctx.needs_input_grad[1], dres)
+        assert dx.dtype == x.dtype, f"rms_norm: dx must be {x.dtype}, got {dx.dtype}"
+        assert dw is None or dw.dtype == weight.dtype, f"rms_norm: dweight must be {weight.dtype}, got {dw.dtype}"
+        return dx, dw, None, None, None
+
+
+def rms_norm_and_residual(x, weight, eps=1e-6, offset=0.0, cast="llama"):
+    """(rms_norm(x, ...), x), where x's two gradients (the norm's and the residual stream's) are summed inside the
+    norm's backward kernel: for a layer whose input goes both into its norm and into the residual add."""
+    check_rms_norm_args(x, weight, cast)
+    return _RMSNormAndResidual.apply(x, weight, eps, offset, cast)

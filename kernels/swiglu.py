@@ -9,6 +9,9 @@ With s = sigmoid(g):
     dup   = dh * g * s
     dgate = dh * u * s * (1 + g * (1 - s))         since d(g s)/dg = s + g s (1 - s)
 
+The backward can also write h (as the forward computes it, to the bit) over dh: the LoRA MLP's down
+adapter needs h for its dA after dh is spent, and this saves a forward pass over gate and up.
+
 All math in fp32; one rounding at the store. HF rounds twice (silu(g), then the
 product), so the kernel differs from the reference by at most about one ulp.
 
@@ -37,7 +40,8 @@ def _swiglu_forward_kernel(gate_ptr, up_ptr, scale_ptr, bias_ptr, h_ptr, n, n_co
 
 @triton.jit
 def _swiglu_backward_kernel(dh_ptr, gate_ptr, up_ptr, scale_ptr, bias_ptr, dgate_ptr, dup_ptr, n, n_cols,
-                            AFFINE: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
+                            AFFINE: tl.constexpr, HAS_BIAS: tl.constexpr, WRITE_H: tl.constexpr,
+                            BLOCK: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
     dh = tl.load(dh_ptr + offs, mask=mask, other=0.0).to(tl.float32)
@@ -47,6 +51,8 @@ def _swiglu_backward_kernel(dh_ptr, gate_ptr, up_ptr, scale_ptr, bias_ptr, dgate
     dgate = dh * u * s * (1.0 + g * (1.0 - s))
     tl.store(dgate_ptr + offs, dgate.to(dgate_ptr.dtype.element_ty), mask=mask)
     tl.store(dup_ptr + offs, dup.to(dup_ptr.dtype.element_ty), mask=mask)
+    if WRITE_H:  # the forward's expression, so the same bits
+        tl.store(dh_ptr + offs, (g * s * u).to(dh_ptr.dtype.element_ty), mask=mask)
 
 
 def swiglu_forward(gate, up, scale=None, bias=None):
@@ -56,13 +62,13 @@ def swiglu_forward(gate, up, scale=None, bias=None):
     return glu_forward(_swiglu_forward_kernel, gate, up, scale, bias)
 
 
-def swiglu_backward(dh, gate, up, inplace=False, scale=None, bias=None):
+def swiglu_backward(dh, gate, up, inplace=False, scale=None, bias=None, write_h=False):
     """(dgate, dup). inplace=True writes them into gate and up (which must be contiguous) and
     returns those tensors; use it only when the caller owns gate and up and is done with them.
     scale, bias: the gradients with respect to the per-row affine of gate and up (kernels/glu.py), in new
-    tensors."""
+    tensors. write_h: also h = silu(G) * U, written over dh, and (dgate, dup, h) returned (kernels/glu.py)."""
     check_glu_args("swiglu", dh, gate, up)
-    return glu_backward(_swiglu_backward_kernel, dh, gate, up, inplace, "swiglu_backward", scale, bias)
+    return glu_backward(_swiglu_backward_kernel, dh, gate, up, inplace, "swiglu_backward", scale, bias, write_h)
 
 
 class _SwiGLU(torch.autograd.Function):

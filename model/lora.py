@@ -45,7 +45,7 @@ Two execution paths, chosen by `Transformer(fused_lora=...)`:
   small products s·X̃Aᵀ [N, Σr] and the LoRA weights cast to the compute dtype (cast once
   per forward, stacked per group as below). They never save a dequantized or cast base
   weight (W is dequantized again in backward and freed after each matmul), nor the
-  activation H = act(G) ⊙ U (recomputed from G and U).
+  activation H = act(G) ⊙ U (the activation's backward writes it again as it reads G and U).
   Dropout > 0 and biases are supported on this path. Dropout masks are drawn with
   F.dropout, in the order PEFT draws them (q, k, v, o, gate, up, down), so the two paths
   agree mask for mask under one seed. The gated activation inside `lora_mlp` is the
@@ -86,6 +86,10 @@ The MLP, with act(g) = g·σ(g) (SwiGLU) or gelu(g) (GeGLU):
     dU  = dH ⊙ act(G)
     dG  = dH ⊙ U ⊙ act'(G),    SwiGLU: act'(g) = σ(g) (1 + g (1 - σ(g)))
     then gate and up backward as one projection of X: [dG | dU] against [W_g; W_u].
+
+Backward runs in that order: dH and dB_d (neither reads H), then the activation's backward, which reads G
+and U for dG and dU and writes H over dH as it goes (H is not saved, and no forward runs again), then dA_d
+from that H (⊙ M_d with dropout).
 
 M_d is drawn inside the Function (H only exists there) and saved as a bool mask. [G | U]
 is computed transposed, as the contiguous (2I, N) product [W_g; W_u] Xᵀ, so that Gᵀ and Uᵀ
@@ -383,8 +387,8 @@ class GLU(NamedTuple):
     and backward returns dG, dU in new tensors."""
     function: Callable  # (gate, up) -> h, with its own autograd
     forward: Callable  # (gate, up, scale=None, bias=None) -> h, no graph
-    backward: Callable  # (dh, gate, up, scale=None, bias=None) -> (dgate, dup)
-    inplace: bool  # backward without scale writes dgate, dup over gate, up (saves two [N, I] buffers)
+    backward: Callable  # (dh, gate, up, scale=None, bias=None) -> (dgate, dup, h), h the forward's, bit for bit
+    inplace: bool  # backward without scale writes dgate, dup over gate, up (saves two [N, I] buffers), h over dh
 
 
 def scale_rows(gate, up, scale=None, bias=None):
@@ -408,12 +412,13 @@ def affine_forward(fn, gate, up, scale=None, bias=None):
 
 
 def autograd_backward(fn, dh, gate, up, scale=None, bias=None):
-    """(dG, dU) of fn(G, U) by autograd, G, U the per-row affine of gate, up (`scale_rows`): a torch reference's own
-    gradient, as a GLU backward."""
+    """(dG, dU, H) of H = fn(G, U) by autograd, G, U the per-row affine of gate, up (`scale_rows`): a torch
+    reference's own gradient, and the H it differentiates, as a GLU backward."""
     gate, up = scale_rows(gate, up, scale, bias)
     with torch.enable_grad():
         gate, up = gate.detach().requires_grad_(), up.detach().requires_grad_()
-        return torch.autograd.grad(fn(gate, up), (gate, up), dh)
+        h = fn(gate, up)
+        return *torch.autograd.grad(h, (gate, up), dh), h.detach()
 
 
 # ----------------------------------------------------------------------------- fused Functions
@@ -545,21 +550,27 @@ def _base_weights(projs, dtype):
     return w.to(dtype)
 
 
-def _base(projs, x, dtype, transposed=False, bias=True):
+def _base(projs, x, dtype, transposed=False, bias=True, residual=None):
     """X [W_1; W_2; ...]ᵀ + [b_1 | b_2 | ...], the projections' outputs side by side (N, Σout) in `dtype`, as one
-    GEMM. transposed: computed as the contiguous (Σout, N) product [W_1; W_2; ...] Xᵀ and returned transposed, so
-    that each projection's output, transposed back, is contiguous (the MLP's G and U, for the elementwise
-    kernels). One row (a decoding step) is computed plainly: its plain product already has that layout, and
-    its transposed one would carry the row stride 1, which cuBLAS takes as the leading dimension of the
+    GEMM. residual: R (N, Σout) added too, as the GEMM's C (R + X Wᵀ in its epilogue, no add of its own: the
+    layer's residual add of o and down). transposed: computed as the contiguous (Σout, N) product [W_1; W_2; ...] Xᵀ
+    and returned transposed, so that each projection's output, transposed back, is contiguous (the MLP's G and U,
+    for the elementwise kernels). One row (a decoding step) is computed plainly: its plain product already has that
+    layout, and its transposed one would carry the row stride 1, which cuBLAS takes as the leading dimension of the
     column slices that the adapters add into, and refuses. A dequantized, concatenated or cast weight is
     freed on return. bias=False: without the biases (DoRA adds them after its scaling, `_dora_output`).
-    With --fp8 the GEMM runs in fp8 (model/fp8.py) and the biases are added after it."""
+    With --fp8 the GEMM runs in fp8 (model/fp8.py) and the biases and the residual are added after it."""
     assert len({p.bias is None for p in projs}) == 1, "fused LoRA: projections of one input all have a bias or none"
+    assert residual is None or not transposed, "fused LoRA: a residual is added to a row-major output only"
     b = _bias(projs, dtype) if bias else None
     if projs[0].fp8 is not None:
         y = fp8_linear(projs, x, dtype, transposed)
-        return y if b is None else y.add_(b)
+        y = y if b is None else y.add_(b)
+        return y if residual is None else y.add_(residual)
     w = _base_weights(projs, dtype)
+    if residual is not None:
+        y = torch.addmm(residual, x, w.t())
+        return y if b is None else y.add_(b)
     if not transposed or len(x) == 1:
         return F.linear(x, w, b)
     return (torch.mm(w, x.t()) if b is None else torch.addmm(b[:, None], w, x.t())).t()
@@ -819,10 +830,10 @@ class _LoRAProjections(torch.autograd.Function):
 
     Inputs after X: (X̃_i, A_i, B_i) per projection, then m_i per projection, then optionally a residual R (N, Σout).
     A_i, B_i are None without an adapter; X̃_i is None unless that adapter's dropout is on (the adapter then reads X);
-    m_i, DoRA's magnitude, is None without DoRA. R, given only with DoRA (`lora_projections`), is added to the output
-    in the op that scales it (`_dora_output`); its gradient is dY. With DoRA (no dropout), Y_i = g_i ⊙ P_i + b_i,
-    P_i = X W_iᵀ + s_i (X A_iᵀ) B_iᵀ, and backward starts with dm_i = Σ_n dY_i ⊙ P_i / ‖W_i + s_i B_i A_i‖ and
-    dP_i = g_i ⊙ dY_i (`_dora_backward`).
+    m_i, DoRA's magnitude, is None without DoRA. R (o's: the layer's residual stream) is added to the output by the
+    base GEMM (`_base`), or with DoRA in the op that scales the output (`_dora_output`); its gradient is dY. With
+    DoRA (no dropout), Y_i = g_i ⊙ P_i + b_i, P_i = X W_iᵀ + s_i (X A_iᵀ) B_iᵀ, and backward starts with
+    dm_i = Σ_n dY_i ⊙ P_i / ‖W_i + s_i B_i A_i‖ and dP_i = g_i ⊙ dY_i (`_dora_backward`).
     """
 
     @staticmethod
@@ -837,7 +848,7 @@ class _LoRAProjections(torch.autograd.Function):
             xc = x.to(dtype)
             x_loras = [_to(t, dtype) for t in lora[0::3]]
             dora = any(m is not None for m in mags)
-            y = _base(projs, xc, dtype, bias=not dora)
+            y = _base(projs, xc, dtype, bias=not dora, residual=None if dora else residual)
             groups = _adapter_groups(projs, x_loras)
             saved = _adapt_groups(y, projs, groups, x_loras, xc, a_masters, b_masters, dtype)
             if dora:
@@ -889,8 +900,9 @@ class _LoRAMLP(torch.autograd.Function):
     output [G | U] is stored transposed, so that Gᵀ and Uᵀ are contiguous for the elementwise
     kernels; H and dH are handled transposed likewise, which the GEMMs take at no cost.
 
-    Last inputs: m of gate, up and down (None without DoRA), then optionally a residual R (N, H), given only with
-    DoRA on down, added to the output in the op that scales it (as in `_LoRAProjections`; output=False: zeros still).
+    Last inputs: m of gate, up and down (None without DoRA), then optionally a residual R (N, H), added to the output
+    by down's base GEMM, or with DoRA on down in the op that scales it (as in `_LoRAProjections`; output=False: zeros
+    still).
     With DoRA on gate/up, what is saved is their P = [G | U] before DoRA's scaling, and backward scales it again;
     with DoRA on down, its P (N, H) is saved, and computed also when output=False (see `_LoRAProjections` for DoRA's
     backward).
@@ -927,7 +939,8 @@ class _LoRAMLP(torch.autograd.Function):
                 mask = F.dropout(h.new_ones(h.shape), p_drop)  # 0 or 1/(1-p), drawn as F.dropout(h) draws
                 keep, h_lora = mask != 0, h * mask
                 del mask
-            y = _base((down,), h, dtype, bias=not dora_d) if output or dora_d else None
+            y = _base((down,), h, dtype, bias=not dora_d, residual=None if dora_d else residual) \
+                if output or dora_d else None
             if down.r:
                 saved += _adapt(y, (down,), [0], h if h_lora is None else h_lora, a_masters[2:], b_masters[2:], dtype)
             if dora_d:
@@ -974,20 +987,23 @@ class _LoRAMLP(torch.autograd.Function):
                 dy = _dora_backward(ctx.dora_ops.backward, (down,), m_dtypes[2:], dy, *dora_d, need_m[2:], dm_d)
                 dm[2] = dm_d[0]
             g, u = _halves(gu)
-            h = ctx.glu.forward(g, u, **affine).t()  # (N, I), recomputed: never saved
             dh = _base_backward((down,), dy, transposed=True)  # (N, I), stored as (I, N) like Gᵀ and Uᵀ
-            if down.r:  # the down adapter reads H, or H̃ = H ⊙ M_d with dropout: dH gets (s dY B) A, ⊙ M_d then
-                mask = None if keep is None else keep.to(h.dtype).div_(1 - ctx.p_drop)  # as F.dropout scales
-                da_d, db_d = [None], [None]
-                dh_lora, = _adapt_groups_backward((down,), [[0]], saved[-3:], dy, [None if mask is None else h * mask],
-                                                  h, dh, [True], need_a[2:], need_b[2:], masters[2:], da_d, db_d)
-                da[2], db[2] = da_d[0], db_d[0]
-                if dh_lora is not None:
-                    dh.addcmul_(dh_lora, mask)
-                del mask, dh_lora
-            del h
-            dg, du = ctx.glu.backward(dh.t(), g, u, **affine)  # kernels, no DoRA: written over Gᵀ and Uᵀ, into gu
+            mask = None if keep is None else keep.to(dh.dtype).div_(1 - ctx.p_drop)  # M_d, as F.dropout scales
+            if down.r:  # dH gets s (dY B_d) A_d (⊙ M_d), and dB_d reads the saved s H̃ A_dᵀ: neither needs H
+                xa, a_d, b_d = saved[-3:]
+                db_d = [None]
+                dyb = _adapt_backward((down,), [0], dy, None, xa, b_d, [False], need_b[2:], masters[2:], None, db_d)
+                db[2] = db_d[0]
+                if mask is None:
+                    dh.addmm_(dyb, a_d)
+                else:
+                    dh.addcmul_(torch.mm(dyb, a_d), mask)
+            # kernels, no DoRA: dG, dU written over Gᵀ and Uᵀ (into gu); H over dH
+            dg, du, h = ctx.glu.backward(dh.t(), g, u, **affine)
             del dh
+            if down.r and need_a[2]:  # dA_d = s (dY B_d)ᵀ H̃
+                da[2] = _mm_to(dyb.t(), h.t() if mask is None else h.t() * mask, masters[2])
+            del h, mask
             if dora_gu is not None:  # dP = g ⊙ [dG | dU], written over [dG | dU] (new tensors)
                 dgu = _dora_backward(ctx.dora_ops.backward, projs[:2], m_dtypes[:2], _packed([dg, du]).t(), gu,
                                      *dora_gu, need_m[:2], dm, inplace=True)
@@ -1013,11 +1029,11 @@ def lora_projections(x, projs, store=None, dora_ops=DORA_REFERENCES, residual=No
     X cast and saved once, and dX in one GEMM too. x (..., in); the outputs are column slices of one
     (..., Σout) tensor. store: a dict that keeps DoRA's scales for a checkpointed layer's recompute
     (`_dora_scales`). dora_ops: DoRA's kernels or their references (`DoRAOps`). residual: (..., Σout) added to
-    the output (residual + y), inside the Function where DoRA scales the output (`_residual_input`)."""
+    the output (residual + y), inside the Function (`_residual_input`)."""
     x2 = x.reshape(-1, x.shape[-1])  # (N, in)
     lora = [t for p in projs for t in (p.lora_input(x2), p.lora_A, p.lora_B)]
     mags = _magnitudes(projs)
-    inside = _residual_input(residual, x2, mags)
+    inside = _residual_input(residual, x2)
     y = _LoRAProjections.apply(projs, store, dora_ops, x2, *lora, *mags, *inside)
     y = y.view(*x.shape[:-1], y.shape[-1])
     if residual is not None and not inside:
@@ -1025,10 +1041,10 @@ def lora_projections(x, projs, store=None, dora_ops=DORA_REFERENCES, residual=No
     return (y,) if len(projs) == 1 else y.split([p.out_features for p in projs], dim=-1)
 
 
-def _residual_input(residual, x, mags):
-    """[the residual as (N, Σout)] when the fused Function adds it (DoRA scales the output, and the residual, X and
-    the output share X's dtype: no autocast), else [] (the caller adds it, as plain LoRA does)."""
-    if residual is None or all(m is None for m in mags) or not residual.dtype == x.dtype == compute_dtype(x):
+def _residual_input(residual, x):
+    """[the residual as (N, Σout)] when the fused Function adds it (the residual, X and the output share X's dtype: no
+    autocast), else [] (the caller adds it)."""
+    if residual is None or not residual.dtype == x.dtype == compute_dtype(x):
         return []
     return [residual.reshape(-1, residual.shape[-1])]
 
@@ -1036,11 +1052,11 @@ def _residual_input(residual, x, mags):
 def lora_mlp(x, projs, glu: GLU, output=True, store=None, dora_ops=DORA_REFERENCES, residual=None):
     """down(act(gate(x)) ⊙ up(x)) for projs = (gate, up, down), as one autograd Function. x (..., H).
     output=False: zeros in place of the output, the graph and what backward needs as with True (`_LoRAMLP`).
-    store, dora_ops, residual: as for `lora_projections` (DoRA on down adds the residual inside)."""
+    store, dora_ops, residual: as for `lora_projections`."""
     gate, up, down = projs
     x2 = x.reshape(-1, x.shape[-1])  # (N, H)
     mags = _magnitudes(projs)
-    inside = _residual_input(residual, x2, mags[2:])
+    inside = _residual_input(residual, x2)
     y = _LoRAMLP.apply(projs, glu, output, store, dora_ops, x2, gate.lora_input(x2), up.lora_input(x2),
                        gate.lora_A, gate.lora_B, up.lora_A, up.lora_B, down.lora_A, down.lora_B, *mags, *inside)
     y = y.view(*x.shape[:-1], y.shape[-1])

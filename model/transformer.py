@@ -34,6 +34,7 @@ from kernels.references import (
     fused_linear_cross_entropy_reference,
     geglu_reference,
     key_range,
+    rms_norm_and_residual_reference,
     rms_norm_reference,
     rope_reference,
     softcap_attention_reference,
@@ -77,7 +78,7 @@ class Ops:
             from kernels.dora_norm import NormsTable, dora_norms
             from kernels.fused_linear_cross_entropy import fused_linear_cross_entropy
             from kernels.geglu import geglu, geglu_backward, geglu_forward
-            from kernels.rms_norm import rms_norm
+            from kernels.rms_norm import rms_norm, rms_norm_and_residual
             from kernels.rope import apply_rope
             from kernels.rope_cache import rope_into_cache
             from kernels.softcap_attention import softcap_attention
@@ -86,6 +87,7 @@ class Ops:
             self.linear_cross_entropy = fused_linear_cross_entropy
             self.rope_into_cache, self.decode_attention = rope_into_cache, decode_attention
             self.add_rms_norm = add_rms_norm
+            self.rms_norm_and_residual = rms_norm_and_residual
             self._glu_pairs = {"silu": (swiglu_forward, swiglu_backward), "gelu": (geglu_forward, geglu_backward)}
             self.dora = DoRAOps(dora_backward, dora_norms, NormsTable)
             self.softcap_attention = softcap_attention
@@ -93,6 +95,7 @@ class Ops:
             self.rms_norm, self.rope, self.swiglu, self.geglu = (rms_norm_reference, rope_reference,
                                                                  swiglu_reference, geglu_reference)
             self.linear_cross_entropy = fused_linear_cross_entropy_reference
+            self.rms_norm_and_residual = rms_norm_and_residual_reference
             self.dora = DoRAOps()
 
     def glu(self, act: str) -> GLU:
@@ -103,7 +106,7 @@ class Ops:
         if not self.use_kernels:
             return GLU(function, partial(affine_forward, function), partial(autograd_backward, function), inplace=False)
         forward, backward = self._glu_pairs["silu" if act == "silu" else "gelu"]
-        return GLU(function, partial(forward, **kw), partial(backward, inplace=True, **kw), inplace=True)
+        return GLU(function, partial(forward, **kw), partial(backward, inplace=True, write_h=True, **kw), inplace=True)
 
 
 class RMSNorm(nn.Module):
@@ -114,6 +117,11 @@ class RMSNorm(nn.Module):
 
     def forward(self, x):
         return self.ops.rms_norm(x, self.weight, eps=self.eps, offset=self.offset, cast=self.cast)
+
+    def with_residual(self, x):
+        """(this norm of x, x) for a layer's input, which feeds both the norm and the residual stream: with the
+        kernels, x's two gradients are summed inside the norm's backward kernel, not by an add of autograd's."""
+        return self.ops.rms_norm_and_residual(x, self.weight, eps=self.eps, offset=self.offset, cast=self.cast)
 
     def after_add(self, x, r):
         """(x + r, this norm of x + r) in one kernel, without gradients (a decoding step, `decode_layers`)."""
@@ -326,7 +334,7 @@ class Attention(nn.Module):
         """x (B, T, H). cache: this layer's `LayerCache` (model/generate.py) or None; with one, the
         keys and values of x are appended to it and the queries attend to all it holds. store: DoRA's
         scales kept for a checkpointed layer's recompute (`_checkpointed`). residual: (B, T, H) added to the
-        output (with DoRA, in the op that scales o's output)."""
+        output (on the fused path, by o's base GEMM, or with DoRA by the op that scales o's output)."""
         B, T, _ = x.shape
         qkv = (self.q_proj, self.k_proj, self.v_proj)
         fused = self.ops.fused_lora and fusable(qkv + (self.o_proj,))
@@ -400,11 +408,14 @@ class DecoderLayer(nn.Module):
         store: a dict of DoRA's scales, computed for all layers at once (model/dora_scales.py), which also keeps
         those computed in a checkpointed layer's first run for its recompute."""
         if self.sandwich:
-            x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), cos, sin, mask, cache,
-                                                                 store))
-            return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x), store=store))
-        x = self.self_attn(self.input_layernorm(x), cos, sin, mask, cache, store, residual=x)
-        return self.mlp(self.post_attention_layernorm(x), output=not graph_only, store=store, residual=x)
+            h, x = self.input_layernorm.with_residual(x)
+            x = x + self.post_attention_layernorm(self.self_attn(h, cos, sin, mask, cache, store))
+            h, x = self.pre_feedforward_layernorm.with_residual(x)
+            return x + self.post_feedforward_layernorm(self.mlp(h, store=store))
+        h, x = self.input_layernorm.with_residual(x)
+        x = self.self_attn(h, cos, sin, mask, cache, store, residual=x)
+        h, x = self.post_attention_layernorm.with_residual(x)
+        return self.mlp(h, output=not graph_only, store=store, residual=x)
 
 
 def _checkpointed(layer, store, *args):

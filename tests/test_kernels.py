@@ -22,11 +22,12 @@ from kernels.references import (
     dora_norms_reference,
     fused_linear_cross_entropy_reference,
     geglu_reference,
+    rms_norm_and_residual_reference,
     rms_norm_reference,
     rope_reference,
     swiglu_reference,
 )
-from kernels.rms_norm import rms_norm
+from kernels.rms_norm import rms_norm, rms_norm_and_residual
 from kernels.rope import apply_rope
 from kernels.swiglu import swiglu, swiglu_backward, swiglu_forward
 from model.lora import affine_forward, autograd_backward
@@ -373,6 +374,38 @@ def test_rms_norm_frozen_weight(cast, offset):
     close(x1.grad, x2.grad, torch.float32, "dx", scale=2)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("cast, offset", [("llama", 0.0), ("gemma", 1.0)])
+@pytest.mark.parametrize("used", ["both", "norm", "residual"])
+def test_rms_norm_and_residual(dtype, cast, offset, used):
+    """(norm of x, x) from one Function: x's two gradients, the norm's and the residual stream's (here a strided
+    one), summed in the norm's backward kernel, equal autograd's sum of the reference's; one unused gradient (None)
+    leaves the other. fp32: dx bit-equal to the norm kernel's dx plus dres."""
+    x = torch.randn(3, 37, 96, device=DEVICE).to(dtype)
+    w = (torch.randn(96, device=DEVICE) * 0.5 + 1.0 - offset).to(dtype)
+    (x1, w1), (x2, w2) = leaves(x, w)
+    y, r = rms_norm_and_residual(x1, w1, offset=offset, cast=cast)
+    ref_y, ref_r = rms_norm_and_residual_reference(x2, w2, offset=offset, cast=cast)
+    assert torch.equal(r, x) and r.data_ptr() == x1.data_ptr()
+    close(y, ref_y, dtype, "y")
+    dy = torch.randn_like(ref_y)
+    dres = torch.randn(3, 37, 128, device=DEVICE).to(dtype)[..., 5:101]  # rows 128 apart
+    outs = {"both": ((y, r), (ref_y, ref_r), (dy, dres)), "norm": ((y,), (ref_y,), (dy,)),
+            "residual": ((r,), (ref_r,), (dres,))}[used]
+    torch.autograd.backward(outs[0], outs[2])
+    torch.autograd.backward(outs[1], outs[2])
+    assert x1.grad.dtype == dtype
+    close(x1.grad, x2.grad, dtype, "dx", scale=2)
+    if used == "residual":
+        assert w1.grad is None and torch.equal(x1.grad, dres)
+    else:
+        close(w1.grad, w2.grad, dtype, "dw", scale=2)
+    if used == "both" and dtype == torch.float32:
+        (x3,), _ = leaves(x)
+        rms_norm(x3, w, offset=offset, cast=cast).backward(dy)
+        assert torch.equal(x1.grad, x3.grad + dres)
+
+
 def test_rms_norm_non_contiguous():
     x = torch.randn(6, 5, 130, device=DEVICE)[:, :, 1:129]  # (6, 5, 128), row stride 130
     w = torch.randn(128, device=DEVICE)
@@ -500,6 +533,27 @@ def test_activation_low_level_inplace(act):
 
 @pytest.mark.parametrize("act", list(ACTIVATIONS))
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("affine", [False, True])
+def test_activation_backward_writes_h(act, dtype, affine):
+    """write_h: the backward also writes h over dh, equal to the forward's h bit for bit (the LoRA MLP reads it for
+    the down adapter's dA in place of a second forward), with dG and dU those of the backward without it."""
+    _, _, forward, backward = ACTIVATIONS[act]
+    rows, n = 19, 67
+    gate = (torch.randn(rows, n, device=DEVICE) * 3).to(dtype)
+    up, dh = (torch.randn(rows, n, device=DEVICE).to(dtype) for _ in range(2))
+    kw = dict(scale=(torch.rand(2 * rows, device=DEVICE) + 0.5).to(dtype),
+              bias=torch.randn(2 * rows, device=DEVICE).to(dtype)) if affine else {}
+    expected_h = forward(gate, up, **kw)
+    expected = backward(dh, gate, up, **kw)
+    spent = dh.clone()
+    dgate, dup, h = backward(spent, gate.clone(), up.clone(), inplace=True, write_h=True, **kw)
+    assert h.data_ptr() == spent.data_ptr()
+    assert torch.equal(h, expected_h)
+    assert torch.equal(dgate, expected[0]) and torch.equal(dup, expected[1])
+
+
+@pytest.mark.parametrize("act", list(ACTIVATIONS))
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("has_bias", [False, True])
 def test_activation_per_row_affine(act, dtype, has_bias):
     """With a per-row scale and bias (DoRA's G = g ⊙ P + b of the MLP's gate and up, stored as (rows, N)), the
@@ -515,7 +569,7 @@ def test_activation_per_row_affine(act, dtype, has_bias):
     close(forward(gate, up, scale=scale, bias=bias), affine_forward(reference, gate, up, scale, bias), dtype, "h",
           scale=2)
     dgate, dup = backward(dh, gate, up, inplace=True, scale=scale, bias=bias)
-    ref_dgate, ref_dup = autograd_backward(reference, dh, gate, up, scale, bias)
+    ref_dgate, ref_dup, _ = autograd_backward(reference, dh, gate, up, scale, bias)
     close(dgate, ref_dgate, dtype, "dG", scale=4)
     close(dup, ref_dup, dtype, "dU", scale=2)
     assert torch.equal(gate, kept[0]) and torch.equal(up, kept[1])

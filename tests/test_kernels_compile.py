@@ -100,8 +100,9 @@ def kernel_cases():
         {"BLOCK": block}, flags("GEMMA_CAST"), warps))
     specs.append(("kernels.rms_norm", "_rms_norm_backward_kernel", lambda t: {
         "dy_ptr": f"*{t}", "dy_row_stride": "i32", "x_ptr": f"*{t}", "x_row_stride": "i32", "w_ptr": f"*{t}",
-        "rstd_ptr": "*fp32", "dx_ptr": f"*{t}", "dw_partial_ptr": "*fp32", "N": "i32", "H": "i32",
-        "offset": "fp32", "rows_per_program": "i32"}, {"BLOCK": block}, flags("GEMMA_CAST", "COMPUTE_DW"), warps))
+        "rstd_ptr": "*fp32", "dres_ptr": f"*{t}", "dres_row_stride": "i32", "dx_ptr": f"*{t}",
+        "dw_partial_ptr": "*fp32", "N": "i32", "H": "i32", "offset": "fp32", "rows_per_program": "i32"},
+        {"BLOCK": block}, flags("GEMMA_CAST", "COMPUTE_DW", "HAS_DRES"), warps))
 
     block_hq, block_hk, block_half, warps = rp.launch_config(32, 8, 256)
     specs.append(("kernels.rope", "_rope_kernel", lambda t: {
@@ -130,7 +131,7 @@ def kernel_cases():
         specs.append((mod.__name__, f"_{name}_backward_kernel", lambda t: {
             "dh_ptr": f"*{t}", "gate_ptr": f"*{t}", "up_ptr": f"*{t}", "scale_ptr": f"*{t}", "bias_ptr": f"*{t}",
             "dgate_ptr": f"*{t}", "dup_ptr": f"*{t}", "n": "i32", "n_cols": "i32"}, {"BLOCK": glu.BLOCK},
-            flags(*approx, "AFFINE", "HAS_BIAS"), glu.NUM_WARPS))
+            flags(*approx, "AFFINE", "HAS_BIAS", "WRITE_H"), glu.NUM_WARPS))
 
     for transposed in (False, True):  # the row-major and the transposed (MLP gate/up) tiles
         block_n, block_c, sum_rows = db.launch_config(transposed)

@@ -236,6 +236,81 @@ def test_fused_mlp_matches_unfused(dtype, amp, act, dropout, packed):
                 run(lambda t: unfused_mlp(t, projs, act), x, projs), amp or dtype, f"{act} MLP")
 
 
+@pytest.mark.parametrize("use_kernels", [False, True], ids=["torch", "kernels"])
+@pytest.mark.parametrize("dropout", ["on", "off"])
+@pytest.mark.parametrize("dtype,amp", DTYPE_CASES, ids=DTYPE_IDS)
+def test_fused_residual_matches_unfused(dtype, amp, dropout, use_kernels):
+    """o's and down's Functions take the layer's residual R and return R + Y (the base GEMM adds it: `_base`), with
+    dR = dY; under autocast (R in another dtype than the output) the caller adds it. Values and gradients (R is a
+    slice of the input here, so dX carries dR) equal the unfused R + Y, with the down projection's bias."""
+    _, o = attention_projs(dtype)
+    projs = mlp_projs(dtype)
+    set_dropout((o, *projs), dropout)
+    x = torch.randn(3, 7, 64).to(dtype)
+    with maybe_autocast(amp):
+        compare(run(lambda t: lora_projections(t, (o,), residual=t[..., :H] * 2)[0], x, (o,)),
+                run(lambda t: t[..., :H] * 2 + o(t), x, (o,)), amp or dtype, "o + residual")
+        compare(run(lambda t: lora_mlp(t, projs, glu("silu", use_kernels), residual=t * 2), x[..., :H], projs),
+                run(lambda t: t * 2 + unfused_mlp(t, projs, "silu"), x[..., :H], projs), amp or dtype,
+                "MLP + residual")
+
+
+@pytest.mark.parametrize("family,inside", [("llama", 2), ("qwen2", 2), ("gemma2", 0)])
+def test_residual_added_by_the_base_gemm(family, inside, monkeypatch, tmp_path):
+    """Plain LoRA adds the layer's residual in o's and down's base GEMM (R as its C): twice a layer, with no add of
+    its own; never with sandwich norms (Gemma 2/3: the sublayer's output is normalized before the add)."""
+    import model.lora as lora_module
+    from tests.tiny_models import save_tiny
+    original, calls = lora_module._base, []
+
+    def recorded(*args, residual=None, **kw):
+        calls.append(residual is not None)
+        return original(*args, residual=residual, **kw)
+    monkeypatch.setattr(lora_module, "_base", recorded)
+    save_tiny(family, str(tmp_path))
+    model, cfg = load_model(str(tmp_path), lora=LoRAConfig(r=4))
+    model(torch.randint(0, cfg.vocab_size, (B, T)), targets=torch.randint(0, cfg.vocab_size, (B, T))).backward()
+    assert sum(calls) == inside * len(model.model.layers)
+
+
+@pytest.mark.parametrize("family,forward_adds", [("llama", 0), ("gemma2", 2)])
+def test_residual_stream_adds_no_pass_of_its_own(family, forward_adds, tmp_path):
+    """With the kernels, a step runs no add of whole (B, T, H) activations for the residual stream: forward adds the
+    residual in o's and down's GEMMs (but Gemma 2's sandwich norms add after a norm: two a layer), and backward sums
+    a layer input's two gradients (its norm's and the residual's) in the norm's backward kernel
+    (`RMSNorm.with_residual`), where autograd would add them. The gradients equal the torch path's."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from tests.tiny_models import save_tiny
+
+    class CountAdds(TorchDispatchMode):
+        def __init__(self, shape):
+            super().__init__()
+            self.shape, self.count = shape, 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.overloadpacket in (torch.ops.aten.add, torch.ops.aten.add_) and args[0].shape == self.shape:
+                self.count += 1
+            return func(*args, **(kwargs or {}))
+
+    save_tiny(family, str(tmp_path))
+    results = []
+    for use_kernels in (True, False):
+        model, cfg = load_model(str(tmp_path), lora=LoRAConfig(r=4), use_kernels=use_kernels)
+        randomize_lora_b(model, std=0.1)
+        ids = torch.randint(0, cfg.vocab_size, (1, 6), generator=torch.Generator().manual_seed(0))
+        shape = (1, 6, cfg.hidden_size)
+        with CountAdds(shape) as forward:
+            loss = model(ids, targets=ids)
+        with CountAdds(shape) as backward:
+            loss.backward()
+        results.append([p.grad for _, p in lora_parameters(model)])
+        if use_kernels:
+            assert (forward.count, backward.count) == (forward_adds * len(model.model.layers), 0)
+    for g, ref in zip(*results):
+        assert_close(g, ref, atol=1e-5 * ref.abs().max().item(), rtol=1e-4, name="LoRA grad with the kernels")
+
+
 @pytest.mark.parametrize("adapted", [("up_proj",), ("gate_proj", "down_proj")])
 def test_fused_mlp_partial_targets(adapted):
     projs = mlp_projs(torch.float32, adapted)
@@ -261,6 +336,22 @@ def test_kernel_mlp_backward_runs_once():
     y.sum().backward(retain_graph=True)
     with pytest.raises(RuntimeError, match="backward ran twice"):
         y.sum().backward()
+
+
+@pytest.mark.parametrize("use_kernels", [False, True], ids=["torch", "kernels"])
+@pytest.mark.parametrize("dropout", ["on", "off"])
+def test_mlp_backward_runs_no_activation_forward(use_kernels, dropout):
+    """The MLP's backward takes H for the down adapter's dA from the activation's backward (written over dH), so
+    the activation's forward runs once a step, in forward; the gradients are the unfused path's."""
+    projs = mlp_projs(torch.float32)
+    set_dropout(projs, dropout)
+    act = glu("silu", use_kernels)
+    calls = []
+    counted = act._replace(forward=lambda *a, **kw: calls.append(1) or act.forward(*a, **kw))
+    x = torch.randn(5, H)
+    fused = run(lambda t: lora_mlp(t, projs, counted), x, projs)
+    assert len(calls) == 1, f"the activation's forward ran {len(calls)} times"
+    compare(fused, run(lambda t: unfused_mlp(t, projs, "silu"), x, projs), torch.float32, "MLP")
 
 
 def test_gradcheck_float64():
