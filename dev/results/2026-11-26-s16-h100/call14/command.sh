@@ -1,0 +1,1 @@
+python3 scripts/bench/bench.py --cache-dir /tmp/bc --cases nanotune,hf --shapes smollm2-135m --ckpt off,on --batch 8 --seqlen 512 --step-opts cuda_graphs=on,dora=true --time-budget 230 --out $OUT/dora_vs_peft.json
