@@ -2,6 +2,7 @@
 line and peers table, and bench.py --smoke end to end on CPU (a padded table case, and the
 train.py mode); bench_qlora.py's shapes, its prediction of the longest length, and its --smoke."""
 import json
+import math
 import os
 import subprocess
 import sys
@@ -259,7 +260,10 @@ def test_bench_qlora_smoke(tmp_path):
         ("gemma-2-9b", 2, 64, "on+offload"), ("llama-3.1-8b", 1, 96, "on+offload")]
     for r in rows:
         assert r["status"] == "ok", r
-        assert r["loss_final"] < r["loss_first"], r
+        assert math.isfinite(r["loss_first"]) and math.isfinite(r["loss_final"]), r
+    # two updates move the 2 x T row's loss; the batch-1 row times one step after its warm-up, and one update of
+    # B from zero moves a random model's loss by about one fp32 ulp, so only its finiteness is checked
+    assert rows[0]["loss_final"] < rows[0]["loss_first"] - 1e-4, rows[0]
     assert "| gemma-2-9b | 2x64 | on+offload |" in stdout
 
 
