@@ -20,7 +20,7 @@ combination, the row dot, rsqrt, m · inv) with one launch a group.
 
 `NormsTable` does the same for many groups in one launch (every packed group of every layer: model/dora_scales.py):
 each group's tensors are described by their addresses in a table on the device, and each program reads its group's
-row from it. A group's launch reads about 1 MB and is latency-bound; one launch for all of them is not.
+row from it: a step's norms are one launch, not one a group.
 
 References: Liu et al. 2024 "DoRA" (§4.3: the norm is a constant in backward); PEFT `tuners/lora/dora.py`
 (`get_weight_norm`).
