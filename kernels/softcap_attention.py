@@ -65,12 +65,21 @@ def _dot(a, b, DTYPE: tl.constexpr, OPERAND: tl.constexpr, PRECISION: tl.constex
 
 
 @triton.jit
-def _probabilities(q, k, lse, lo, rows, cols, scale, softcap, DTYPE: tl.constexpr, OPERAND: tl.constexpr,
+def _capped_scores(q, k, lo, rows, cols, scale, softcap, DTYPE: tl.constexpr, OPERAND: tl.constexpr,
                    PRECISION: tl.constexpr):
-    """p (BLOCK_M, BLOCK_N) from the saved log-sum-exp, 0 where a key is not visible, and t = tanh(z / c)."""
+    """t = tanh(z / c) of the scores z = q kᵀ · scale (BLOCK_M, BLOCK_N), and which keys each query sees: those
+    from its first visible key lo to itself."""
     z = _dot(q, tl.trans(k), DTYPE, OPERAND, PRECISION) * scale
     t = tanh(z / softcap)
     visible = (cols[None, :] >= lo[:, None]) & (cols[None, :] <= rows[:, None])
+    return t, visible
+
+
+@triton.jit
+def _probabilities(q, k, lse, lo, rows, cols, scale, softcap, DTYPE: tl.constexpr, OPERAND: tl.constexpr,
+                   PRECISION: tl.constexpr):
+    """p (BLOCK_M, BLOCK_N) from the saved log-sum-exp, 0 where a key is not visible, and t = tanh(z / c)."""
+    t, visible = _capped_scores(q, k, lo, rows, cols, scale, softcap, DTYPE, OPERAND, PRECISION)
     p = tl.where(visible, tl.exp(softcap * t - lse[:, None]), 0.0)
     return p, t
 
@@ -83,6 +92,26 @@ def _tile(b, positions, head, heads, d, T, D):
 
 
 @triton.jit
+def _keys(k_ptr, v_ptr, b, cols, head, HK, d, T, D):
+    """The k and v tiles of keys `cols` of kv head `head` of row b, and their offsets and mask."""
+    offs, mask = _tile(b, cols, head, HK, d, T, D)
+    return tl.load(k_ptr + offs, mask=mask, other=0.0), tl.load(v_ptr + offs, mask=mask, other=0.0), offs, mask
+
+
+@triton.jit
+def _query_block(lo_ptr, T, HQ, BLOCK_M: tl.constexpr):
+    """A query program's row b, head h, first row m0 and rows, and the keys its queries see: from the block's first
+    query's first visible key (lo is non-decreasing: it sees the furthest back) to its last query."""
+    m0 = tl.program_id(0) * BLOCK_M
+    b = tl.program_id(1).to(tl.int64) // HQ
+    h = tl.program_id(1).to(tl.int64) % HQ
+    rows = m0 + tl.arange(0, BLOCK_M)
+    start = tl.load(lo_ptr + b * T + m0)
+    end = tl.minimum(m0 + BLOCK_M, T)
+    return b, h, rows, start, end
+
+
+@triton.jit
 def _forward_kernel(
     q_ptr, k_ptr, v_ptr,  # (B, T, HQ, D), (B, T, HK, D), (B, T, HK, D), contiguous
     y_ptr, lse_ptr,  # (B, T, HQ, D); fp32 (B, T, HQ)
@@ -91,10 +120,7 @@ def _forward_kernel(
     REP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     DTYPE: tl.constexpr, OPERAND: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    m0 = tl.program_id(0) * BLOCK_M
-    b = tl.program_id(1).to(tl.int64) // HQ
-    h = tl.program_id(1).to(tl.int64) % HQ
-    rows = m0 + tl.arange(0, BLOCK_M)
+    b, h, rows, start, end = _query_block(lo_ptr, T, HQ, BLOCK_M)
     cols0 = tl.arange(0, BLOCK_N)
     d = tl.arange(0, BLOCK_D)
     q_offs, q_mask = _tile(b, rows, h, HQ, d, T, D)
@@ -103,17 +129,11 @@ def _forward_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    start = tl.load(lo_ptr + b * T + m0)  # lo is non-decreasing: the block's first query sees the furthest back
-    end = tl.minimum(m0 + BLOCK_M, T)
     for n0 in range(start, end, BLOCK_N):
         cols = n0 + cols0
-        kv_offs, kv_mask = _tile(b, cols, h // REP, HK, d, T, D)
-        k = tl.load(k_ptr + kv_offs, mask=kv_mask, other=0.0)
-        v = tl.load(v_ptr + kv_offs, mask=kv_mask, other=0.0)
-        z = _dot(q, tl.trans(k), DTYPE, OPERAND, PRECISION) * scale
-        s = softcap * tanh(z / softcap)
-        visible = (cols[None, :] >= lo[:, None]) & (cols[None, :] <= rows[:, None])
-        s = tl.where(visible, s, float("-inf"))
+        k, v, _, _ = _keys(k_ptr, v_ptr, b, cols, h // REP, HK, d, T, D)
+        t, visible = _capped_scores(q, k, lo, rows, cols, scale, softcap, DTYPE, OPERAND, PRECISION)
+        s = tl.where(visible, softcap * t, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing visible yet: exp(-inf) = 0
         alpha = tl.exp(m_i - m_safe)
@@ -158,9 +178,7 @@ def _backward_dkdv_kernel(
     cols = n0 + tl.arange(0, BLOCK_N)
     rows0 = tl.arange(0, BLOCK_M)
     d = tl.arange(0, BLOCK_D)
-    kv_offs, kv_mask = _tile(b, cols, hk, HK, d, T, D)
-    k = tl.load(k_ptr + kv_offs, mask=kv_mask, other=0.0)
-    v = tl.load(v_ptr + kv_offs, mask=kv_mask, other=0.0)
+    k, v, kv_offs, kv_mask = _keys(k_ptr, v_ptr, b, cols, hk, HK, d, T, D)
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     end = tl.load(hi_ptr + b * T + tl.minimum(n0 + BLOCK_N, T) - 1) + 1  # hi is non-decreasing: the last key's
@@ -187,22 +205,15 @@ def _backward_dq_kernel(
     REP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     DTYPE: tl.constexpr, OPERAND: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    m0 = tl.program_id(0) * BLOCK_M
-    b = tl.program_id(1).to(tl.int64) // HQ
-    h = tl.program_id(1).to(tl.int64) % HQ
-    rows = m0 + tl.arange(0, BLOCK_M)
+    b, h, rows, start, end = _query_block(lo_ptr, T, HQ, BLOCK_M)
     cols0 = tl.arange(0, BLOCK_N)
     d = tl.arange(0, BLOCK_D)
     q, dy, lse, delta, lo, q_offs, q_mask = _query_rows(q_ptr, dy_ptr, lse_ptr, delta_ptr, lo_ptr, b, h, rows, d, T,
                                                         HQ, D)
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    start = tl.load(lo_ptr + b * T + m0)
-    end = tl.minimum(m0 + BLOCK_M, T)
     for n0 in range(start, end, BLOCK_N):
         cols = n0 + cols0
-        kv_offs, kv_mask = _tile(b, cols, h // REP, HK, d, T, D)
-        k = tl.load(k_ptr + kv_offs, mask=kv_mask, other=0.0)
-        v = tl.load(v_ptr + kv_offs, mask=kv_mask, other=0.0)
+        k, v, _, _ = _keys(k_ptr, v_ptr, b, cols, h // REP, HK, d, T, D)
         p, t = _probabilities(q, k, lse, lo, rows, cols, scale, softcap, DTYPE, OPERAND, PRECISION)
         dp = _dot(dy, tl.trans(v), DTYPE, OPERAND, PRECISION)
         dz = p * (dp - delta[:, None]) * (1.0 - t * t)
