@@ -1,10 +1,10 @@
 """DoRA's scales of every layer in one launch a forward.
 
 DoRA scales each output row of a packed projection group (q|k|v, o, gate|up, down) by g = m / ‖W + s·B·A‖
-(model/lora.py, `_dora_scales`). One launch a group reads about 1 MB and waits on its latency, four times a layer;
-`LayerScales` computes the scales of every group of every layer in one launch (kernels/dora_norm.py, `NormsTable`)
-before the first layer runs, and hands each layer a `store` that holds them, which `_dora_scales` reads (as the
-recompute of a checkpointed layer reads what its first run stored). The values are the same kernel's, per row.
+(model/lora.py, `_dora_scales`), four groups a layer. `LayerScales` computes the scales of every group of every
+layer in one launch (kernels/dora_norm.py, `NormsTable`), not one a group, before the first layer runs, and hands
+each layer a `store` that holds them, which `_dora_scales` reads (as the recompute of a checkpointed layer reads
+what its first run stored). The values are the same kernel's, per row.
 
 A group is left out, for `_dora_scales` to compute as before, unless its projections run through the fused Functions
 with DoRA on each, one rank and one scale, their fp32 masters and magnitudes stored stacked (`pack_adapters_`) and
