@@ -30,16 +30,18 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.references import check_dora_norms_args
+from kernels.references import check_dora_norms_args, check_merge_args
 
 NUM_WARPS = 4
 
 
 @triton.jit
-def _norm_rows(w_ptr, a_ptr, b_ptr, m_ptr, g_ptr, inv_ptr, first, end, member, IN, R, scale,
-               BLOCK_O: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_R: tl.constexpr):
-    """g and inv of a group's output rows first … min(first + BLOCK_O, end) - 1, all of member `member` (its rows of
-    A: member·R … member·R + R - 1)."""
+def _rows(w_ptr, a_ptr, b_ptr, m_ptr, g_ptr, inv_ptr, out_ptr, first, end, member, IN, R, scale, norms,
+          MERGE: tl.constexpr, BLOCK_O: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_R: tl.constexpr):
+    """A group's output rows first … min(first + BLOCK_O, end) - 1, all of member `member` (its rows of A:
+    member·R … member·R + R - 1). MERGE False: their g and inv (`norms` True). MERGE True: V = W + s·B·A of the rows
+    stored into out (in its dtype, rounded once), scaled row by row by m ⊙ inv where `norms` (DoRA's merged weight),
+    which then walks `in` twice: once for the norms, once for the stores."""
     rows = first + tl.arange(0, BLOCK_O)
     row_mask = rows < end
     ks = tl.arange(0, BLOCK_R)  # the member's rows of A, columns of B
@@ -48,19 +50,35 @@ def _norm_rows(w_ptr, a_ptr, b_ptr, m_ptr, g_ptr, inv_ptr, first, end, member, I
                 other=0.0)
     b = b.to(tl.float32) * scale  # (BLOCK_O, BLOCK_R)
     a_rows = a_ptr + (member * R + ks)[:, None].to(tl.int64) * IN
-    sq = tl.zeros((BLOCK_O,), dtype=tl.float32)
-    for start in range(0, IN, BLOCK_I):
-        cols = start + tl.arange(0, BLOCK_I)
-        col_mask = cols < IN
-        w = tl.load(w_ptr + rows[:, None].to(tl.int64) * IN + cols[None, :],
-                    mask=row_mask[:, None] & col_mask[None, :], other=0.0).to(tl.float32)
-        a = tl.load(a_rows + cols[None, :], mask=k_mask[:, None] & col_mask[None, :], other=0.0).to(tl.float32)
-        v = tl.dot(b, a, acc=w, input_precision="tf32x3")  # (BLOCK_O, BLOCK_I): W + s · B A, ~fp32 exact
-        sq += tl.sum(v * v, axis=1)
-    inv = 1.0 / tl.sqrt_rn(tl.where(row_mask, sq, 1.0))  # rows past the end: 1, not 1 / 0 (never stored)
-    m = tl.load(m_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)
-    tl.store(inv_ptr + rows, inv, mask=row_mask)
-    tl.store(g_ptr + rows, (m * inv).to(g_ptr.dtype.element_ty), mask=row_mask)
+    w_rows = w_ptr + rows[:, None].to(tl.int64) * IN
+    factor = tl.full((BLOCK_O,), 1.0, tl.float32)  # each row's scale of V: 1, or DoRA's m / ‖V‖
+    if norms:
+        sq = tl.zeros((BLOCK_O,), dtype=tl.float32)
+        for start in range(0, IN, BLOCK_I):
+            v, _, _ = _tile(w_rows, a_rows, b, row_mask, k_mask, start, IN, BLOCK_I)
+            sq += tl.sum(v * v, axis=1)
+        inv = 1.0 / tl.sqrt_rn(tl.where(row_mask, sq, 1.0))  # rows past the end: 1, not 1 / 0 (never stored)
+        factor = tl.load(m_ptr + rows, mask=row_mask, other=0.0).to(tl.float32) * inv
+        if not MERGE:
+            tl.store(inv_ptr + rows, inv, mask=row_mask)
+            tl.store(g_ptr + rows, factor.to(g_ptr.dtype.element_ty), mask=row_mask)
+    if MERGE:
+        out_rows = out_ptr + rows[:, None].to(tl.int64) * IN
+        for start in range(0, IN, BLOCK_I):
+            v, cols, col_mask = _tile(w_rows, a_rows, b, row_mask, k_mask, start, IN, BLOCK_I)
+            tl.store(out_rows + cols[None, :], (v * factor[:, None]).to(out_ptr.dtype.element_ty),
+                     mask=row_mask[:, None] & col_mask[None, :])
+
+
+@triton.jit
+def _tile(w_rows, a_rows, b, row_mask, k_mask, start, IN, BLOCK_I: tl.constexpr):
+    """(V's tile of columns start … start + BLOCK_I - 1 in fp32, those columns, their mask): W's tile plus B's rows
+    (scaled) times A's tile, in one dot that takes W's tile as its accumulator."""
+    cols = start + tl.arange(0, BLOCK_I)
+    col_mask = cols < IN
+    w = tl.load(w_rows + cols[None, :], mask=row_mask[:, None] & col_mask[None, :], other=0.0).to(tl.float32)
+    a = tl.load(a_rows + cols[None, :], mask=k_mask[:, None] & col_mask[None, :], other=0.0).to(tl.float32)
+    return tl.dot(b, a, acc=w, input_precision="tf32x3"), cols, col_mask  # (BLOCK_O, BLOCK_I): ~fp32 exact
 
 
 @triton.jit
@@ -72,24 +90,24 @@ def _dora_norm_kernel(w_ptr, a_ptr, b_ptr, m_ptr, g_ptr, inv_ptr, OUT, IN, R, en
     end = tl.where(member == 0, end0, tl.where(member == 1, end1, OUT))
     first = begin + tl.program_id(0) * BLOCK_O
     if first < end:  # a smaller member's programs past its rows
-        _norm_rows(w_ptr, a_ptr, b_ptr, m_ptr, g_ptr, inv_ptr, first, end, member, IN, R, scale, BLOCK_O, BLOCK_I,
-                   BLOCK_R)
+        _rows(w_ptr, a_ptr, b_ptr, m_ptr, g_ptr, inv_ptr, g_ptr, first, end, member, IN, R, scale, True, False,
+              BLOCK_O, BLOCK_I, BLOCK_R)
 
 
 @triton.jit
-def _dora_norms_table_kernel(groups_ptr, blocks_ptr, scales_ptr, g_ptr, inv_ptr,
-                             BLOCK_O: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_R: tl.constexpr):
-    """A program's group and first row from `blocks` (programs, 2), its rows within one member; the group's row of
-    `groups` (groups, 10): the addresses of its W (in g's dtype), A, B, m (fp32), then its first row in g and inv,
-    OUT, IN, R, end0, end1 (`NormsTable`)."""
+def _table_program(groups_ptr, blocks_ptr, like_ptr):
+    """A table program's group, first row, and its group's row of `groups` (groups, 10): the addresses of W (in
+    like's dtype), A, B (fp32), m (fp32, or 0: none), then its first element of the output, OUT, IN, R, end0, end1.
+    Returns (group, first, W, A, B, m's address, offset, IN, R, member, end): the program's rows lie within one
+    member, which ends at `end`."""
     block = blocks_ptr + tl.program_id(0) * 2
     group = tl.load(block)
     first = tl.load(block + 1)
     row = groups_ptr + group.to(tl.int64) * 10
-    w_ptr = tl.load(row).to(tl.pointer_type(g_ptr.dtype.element_ty))
+    w_ptr = tl.load(row).to(tl.pointer_type(like_ptr.dtype.element_ty))
     a_ptr = tl.load(row + 1).to(tl.pointer_type(tl.float32))
     b_ptr = tl.load(row + 2).to(tl.pointer_type(tl.float32))
-    m_ptr = tl.load(row + 3).to(tl.pointer_type(tl.float32))
+    m_addr = tl.load(row + 3)
     offset = tl.load(row + 4)
     OUT = tl.load(row + 5).to(tl.int32)
     IN = tl.load(row + 6).to(tl.int32)
@@ -98,8 +116,29 @@ def _dora_norms_table_kernel(groups_ptr, blocks_ptr, scales_ptr, g_ptr, inv_ptr,
     end1 = tl.load(row + 9).to(tl.int32)
     member = (first >= end0).to(tl.int32) + (first >= end1).to(tl.int32)
     end = tl.where(member == 0, end0, tl.where(member == 1, end1, OUT))
-    _norm_rows(w_ptr, a_ptr, b_ptr, m_ptr, g_ptr + offset, inv_ptr + offset, first, end, member, IN, R,
-               tl.load(scales_ptr + group), BLOCK_O, BLOCK_I, BLOCK_R)
+    return group, first, w_ptr, a_ptr, b_ptr, m_addr, offset, IN, R, member, end
+
+
+@triton.jit
+def _dora_norms_table_kernel(groups_ptr, blocks_ptr, scales_ptr, g_ptr, inv_ptr,
+                             BLOCK_O: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_R: tl.constexpr):
+    """g and inv of a program's rows (`_table_program`; W in g's dtype, the offset the group's first row in g and
+    inv: `NormsTable`)."""
+    group, first, w_ptr, a_ptr, b_ptr, m_addr, offset, IN, R, member, end = _table_program(groups_ptr, blocks_ptr,
+                                                                                           g_ptr)
+    _rows(w_ptr, a_ptr, b_ptr, m_addr.to(tl.pointer_type(tl.float32)), g_ptr + offset, inv_ptr + offset, g_ptr,
+          first, end, member, IN, R, tl.load(scales_ptr + group), True, False, BLOCK_O, BLOCK_I, BLOCK_R)
+
+
+@triton.jit
+def _merge_table_kernel(groups_ptr, blocks_ptr, scales_ptr, out_ptr,
+                        BLOCK_O: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_R: tl.constexpr):
+    """The merged rows of a program (`_table_program`; W and out in one dtype, the offset the group's first element
+    in out, m's address 0 where the rows are not DoRA's: `MergeTable`)."""
+    group, first, w_ptr, a_ptr, b_ptr, m_addr, offset, IN, R, member, end = _table_program(groups_ptr, blocks_ptr,
+                                                                                           out_ptr)
+    _rows(w_ptr, a_ptr, b_ptr, m_addr.to(tl.pointer_type(tl.float32)), out_ptr, out_ptr, out_ptr + offset,
+          first, end, member, IN, R, tl.load(scales_ptr + group), m_addr != 0, True, BLOCK_O, BLOCK_I, BLOCK_R)
 
 
 def member_spans(ends):
@@ -166,3 +205,35 @@ class NormsTable:
         _dora_norms_table_kernel[(len(self.blocks),)](self.groups, self.blocks, self.scales, g, inv, **self.config,
                                                       num_warps=NUM_WARPS)
         return list(zip(g.split(self.sizes), inv.split(self.sizes)))
+
+
+class MergeTable:
+    """The merged weights of many projections in one launch: W' = W + s·B·A, rounded once to W's dtype; with DoRA's m,
+    each row scaled to m / ‖W + s·B·A‖ first (`model.lora.merged_weight`). members: (W, A, B, m, view, s) each, W
+    (out, in) contiguous in `out`'s dtype, A (r, in) and B (out, r) fp32 (None: no adapter, W' = W), m (out,) fp32 or
+    None, `view` the member's (out, in) rows of `out`, the one buffer every W' lies in. The launch reads the tensors
+    at the addresses they have now: the caller builds a new table when any of them moves (`MergedAdapters`), and
+    never inside a CUDA graph's capture (the table is copied from host memory)."""
+
+    def __init__(self, out, members):
+        for w, a, b, m, view, _ in members:
+            check_merge_args(w, a, b, m, view, out)
+        self.config = launch_config(max(len(a) if a is not None else 0 for _, a, *_ in members))
+        descriptors, blocks = [], []
+        for n, (w, a, b, m, view, _) in enumerate(members):
+            out_features, in_features = w.shape
+            offset = (view.data_ptr() - out.data_ptr()) // out.element_size()
+            rank = 0 if a is None else len(a)
+            a, b = (w, w) if a is None else (a, b)  # rank 0: W's address stands for A's and B's, never read
+            descriptors.append([w.data_ptr(), a.data_ptr(), b.data_ptr(), 0 if m is None else m.data_ptr(), offset,
+                                out_features, in_features, rank, out_features, out_features])
+            blocks += [[n, first] for first in range(0, out_features, self.config["BLOCK_O"])]
+        self.groups = torch.tensor(descriptors, dtype=torch.int64, device=out.device)  # (members, 10)
+        self.blocks = torch.tensor(blocks, dtype=torch.int32, device=out.device)  # (programs, 2): member, first row
+        self.scales = torch.tensor([s for *_, s in members], dtype=torch.float32, device=out.device)
+        self.out = out
+
+    def __call__(self):
+        """Write every member's W' into its view of `out`."""
+        _merge_table_kernel[(len(self.blocks),)](self.groups, self.blocks, self.scales, self.out, **self.config,
+                                                 num_warps=NUM_WARPS)

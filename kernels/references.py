@@ -274,6 +274,34 @@ def dora_norms_reference(w, a, b, m, ends, scale, dtype):
     return (m.to(acc) * inv).to(dtype), inv
 
 
+def check_merge_args(w, a, b, m, view, out):
+    """W (out, in) contiguous in out's dtype (fp32/bf16/fp16) and on its device; A (r, in) and B (out, r) contiguous
+    fp32, or both None; m (out,) fp32 or None; `view` (out, in) contiguous rows of `out`."""
+    out_features, in_features = w.shape
+    assert out.dtype in DTYPES and w.dtype == out.dtype and w.device == out.device and w.is_contiguous(), \
+        f"merge: W must be contiguous in the output's dtype (fp32/bf16/fp16), got {w.dtype} for {out.dtype}"
+    assert (a is None) == (b is None), "merge: A and B come together"
+    assert all(t is None or (t.dtype == torch.float32 and t.is_contiguous()) for t in (a, b, m)), \
+        "merge: A, B and m must be contiguous fp32"
+    assert a is None or (a.shape[1] == in_features and b.shape == (out_features, a.shape[0])), \
+        f"merge: shapes W {tuple(w.shape)}, A {tuple(a.shape)}, B {tuple(b.shape)} disagree"
+    assert m is None or m.shape == (out_features,), f"merge: m {tuple(m.shape)} for {out_features} rows"
+    start = view.data_ptr() - out.data_ptr()
+    assert view.shape == w.shape and view.is_contiguous() and view.dtype == out.dtype and 0 <= start and \
+        start + view.numel() * view.element_size() <= out.numel() * out.element_size(), \
+        "merge: each member's view is (out, in) contiguous rows of the output"
+
+
+def merged_weight_reference(w, a, b, m, scale, dtype):
+    """`kernels.dora_norm.MergeTable`'s W' of one member in torch: W + s·B·A (with m: each row scaled to
+    m / ‖W + s·B·A‖), in fp32 (fp64 for fp64 inputs), returned in `dtype`."""
+    acc = torch.promote_types(w.dtype, torch.float32)
+    merged = w.to(acc) if a is None else w.to(acc) + scale * (b.to(acc) @ a.to(acc))
+    if m is not None:
+        merged = merged * (m.to(acc) / torch.linalg.vector_norm(merged, dim=1))[:, None]
+    return merged.to(dtype)
+
+
 # ----------------------------------------------------------------------------- cross-entropy
 
 REDUCTIONS = ("mean", "sum", "none")

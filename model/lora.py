@@ -284,10 +284,13 @@ class MergedAdapters:
 
     The buffers are allocated once, one per group of projections that share an input and hold an adapter (q|k|v,
     o, gate|up, down), in W's dtype, with the members' rows one after the other as `pack_weights_` stores W, so a
-    group stays one GEMM. Entering the block refreshes them in place with copy_, so their addresses never change
-    and a CUDA graph captured inside one block reads the current adapters in every later one. A projection
-    without an adapter in such a group gets its W copied. The projections' ranks read 0 inside the block (as in
-    `adapters_disabled`), so both the fused and the unfused paths take W' as a base weight.
+    group stays one GEMM; the groups' buffers lie one after the other in one allocation. Entering the block
+    refreshes them in place, so their addresses never change and a CUDA graph captured inside one block reads the
+    current adapters in every later one: with the kernels (`Ops.merge_table`), every projection's W' in one launch
+    (kernels/dora_norm.py `MergeTable`, whose table is built again only when a tensor it reads has moved); without,
+    `merged_weight` and copy_ a projection. A projection without an adapter in such a group gets its W copied. The
+    projections' ranks read 0 inside the block (as in `adapters_disabled`), so both the fused and the unfused paths
+    take W' as a base weight.
 
     Not taken (`groups` empty, the block changes nothing) for a quantized base (NF4: merged copies would cost as
     much memory as an unquantized model), for --fp8 bases, or where one copy of the adapted projections' weights
@@ -300,15 +303,23 @@ class MergedAdapters:
         if any(p.nf4 is not None or p.fp8 is not None for p in projs) or size > free_memory(projs) / 4:
             groups = []
         self.groups, self.views, self.ranks = groups, [], None
-        for g in groups:
-            buffer = g[0].weight.new_empty(sum(p.out_features for p in g), g[0].in_features)
-            self.views += [(p, buffer[rows]) for p, rows in zip(g, _spans(g))]
+        self.make_table, self.table, self.key = model.ops.merge_table, None, None
+        shapes = [(sum(p.out_features for p in g), g[0].in_features) for g in groups]
+        self.buffer = groups[0][0].weight.new_empty(sum(o * i for o, i in shapes)) if groups else None
+        start = 0
+        for g, (rows, cols) in zip(groups, shapes):
+            buffer = self.buffer[start:start + rows * cols].view(rows, cols)
+            self.views += [(p, buffer[span]) for p, span in zip(g, _spans(g))]
+            start += rows * cols
 
     @torch.no_grad()
     def __enter__(self):
         assert self.ranks is None, "MergedAdapters: the block is already open"
-        for p, view in self.views:
-            view.copy_(merged_weight(p))
+        if self.make_table is None:
+            for p, view in self.views:
+                view.copy_(merged_weight(p))
+        elif self.views:
+            self.current_table()()
         self.ranks = [p.r for p, _ in self.views]
         for p, view in self.views:
             p.r, p.merged = 0, view
@@ -318,6 +329,17 @@ class MergedAdapters:
         for (p, _), r in zip(self.views, self.ranks):
             p.r, p.merged = r, None
         self.ranks = None
+
+    def current_table(self):
+        """The `MergeTable` of every projection's W, A, B, m and scale (W alone where the rank reads 0): the last one,
+        while none of them has moved."""
+        members = [(p.weight, *((p.lora_A, p.lora_B, p.lora_magnitude_vector if p.dora else None) if p.r else
+                                (None,) * 3), view, p.scale) for p, view in self.views]
+        key = [(*(0 if t is None else t.data_ptr() for t in member[:4]), p.r, p.scale)
+               for (p, _), member in zip(self.views, members)]
+        if key != self.key:
+            self.table, self.key = self.make_table(self.buffer, members), key
+        return self.table
 
 
 def free_memory(projs):

@@ -71,11 +71,12 @@ class Ops:
         # a decoding step's kernels (`decode_attend`, `Transformer.decode_layers`)
         self.rope_into_cache = self.decode_attention = self.add_rms_norm = None
         self.softcap_attention = None  # softcapped attention without a (T, T) tensor (`Transformer.layer_mask`)
+        self.merge_table = None  # the merged weights of every adapter in one launch (`MergedAdapters`)
         if use_kernels:
             from kernels.add_rms_norm import add_rms_norm
             from kernels.decode_attention import decode_attention
             from kernels.dora_backward import dora_backward
-            from kernels.dora_norm import NormsTable, dora_norms
+            from kernels.dora_norm import MergeTable, NormsTable, dora_norms
             from kernels.fused_linear_cross_entropy import fused_linear_cross_entropy
             from kernels.geglu import geglu, geglu_backward, geglu_forward
             from kernels.rms_norm import rms_norm, rms_norm_and_residual
@@ -91,6 +92,7 @@ class Ops:
             self._glu_pairs = {"silu": (swiglu_forward, swiglu_backward), "gelu": (geglu_forward, geglu_backward)}
             self.dora = DoRAOps(dora_backward, dora_norms, NormsTable)
             self.softcap_attention = softcap_attention
+            self.merge_table = MergeTable
         else:
             self.rms_norm, self.rope, self.swiglu, self.geglu = (rms_norm_reference, rope_reference,
                                                                  swiglu_reference, geglu_reference)

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 import kernels.fused_linear_cross_entropy as flce_module
 from kernels.cross_entropy import cross_entropy
 from kernels.dora_backward import dora_backward
-from kernels.dora_norm import NormsTable, dora_norms
+from kernels.dora_norm import MergeTable, NormsTable, dora_norms
 from kernels.fused_linear_cross_entropy import fused_linear_cross_entropy
 from kernels.geglu import geglu, geglu_backward, geglu_forward
 from kernels.references import (
@@ -22,6 +22,7 @@ from kernels.references import (
     dora_norms_reference,
     fused_linear_cross_entropy_reference,
     geglu_reference,
+    merged_weight_reference,
     rms_norm_and_residual_reference,
     rms_norm_reference,
     rope_reference,
@@ -656,6 +657,53 @@ def test_dora_norms_table(dtype):
                                    ((70, 100, 130), 4, 65)])
 
 
+
+def check_merge_table(dtype, groups):
+    """`MergeTable`: each member's W' in its view of the one output buffer equals the fp64 W + s·B·A (DoRA: its rows
+    scaled to m / ‖W + s·B·A‖) rounded to the dtype, to the dtype's tolerance; a second launch reads the tensors'
+    new values in place (an optimizer's update) and writes into the same buffer. groups: (outs, rank, in, dora) a
+    group, its members' W packed one after the other as `pack_weights_` stores them and, where every member has an
+    adapter, their A, B and m stacked as `pack_adapters_` stores them; rank 0: the members have no adapter."""
+    out = torch.empty(sum(sum(outs) * i for outs, _, i, _ in groups), dtype=dtype, device=DEVICE)
+    members, start = [], 0
+    for outs, r, in_features, dora in groups:
+        w = torch.randn(sum(outs), in_features, device=DEVICE).to(dtype)
+        a = torch.randn(len(outs) * r, in_features, device=DEVICE)
+        b = torch.randn(sum(outs), r, device=DEVICE)
+        m = torch.rand(sum(outs), device=DEVICE) + 0.5
+        first = 0
+        for j, rows in enumerate(outs):
+            span = slice(first, first + rows)
+            view = out[start:start + rows * in_features].view(rows, in_features)
+            members.append((w[span], a[j * r:(j + 1) * r] if r else None, b[span] if r else None,
+                            m[span] if dora else None, view, 0.1 + r / 64))
+            first, start = first + rows, start + rows * in_features
+    table = MergeTable(out, members)
+    for _ in range(2):
+        table()
+        for n, (w, a, b, m, view, scale) in enumerate(members):
+            ref = merged_weight_reference(*(None if t is None else t.double() for t in (w, a, b, m)), scale,
+                                          torch.float64)
+            assert view.dtype == dtype
+            close(view, ref.to(dtype), dtype, f"member {n}'s W'")
+            if a is None:
+                assert torch.equal(view, w)
+        for _, a, b, m, _, _ in members:
+            for t, f in ((a, 0.5), (b, -1.5), (m, 2.0)):
+                if t is not None:
+                    t.mul_(f)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_merge_table(dtype):
+    """A rollout's merged weights in one launch: groups of three, two and one members of several ranks (4, 16, 24: K
+    padded to the dot's 16 and 32) and widths in one table, members shorter than a program's rows and longer (70: a
+    whole block and a partial one), `in` over several column tiles with a partial last one, members without an
+    adapter (W copied), and DoRA's scaled rows."""
+    check_merge_table(dtype, [((40, 56, 72), 4, 50, False), ((24, 48), 16, 37, True), ((33,), 8, 300, False),
+                              ((20, 30, 45), 24, 19, True), ((70, 100), 0, 65, False), ((70,), 4, 65, False)])
+
+
 # ----------------------------------------------------------------------------- no Triton needed
 
 # Prepended to the code of a fresh interpreter: `import triton` fails there, as on a machine
@@ -779,6 +827,17 @@ def test_gpu_dora_norms_table(dtype):
     them (model/dora_scales.py): 2430 programs, several waves."""
     layer = [((576, 768, 960), 16, 576), ((576,), 16, 576), ((1536, 3072), 16, 576), ((576,), 16, 1536)]
     check_dora_norms_table(dtype, layer * 30)
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_gpu_merge_table(dtype):
+    """Every projection of Qwen2.5-0.5B's 24 layers (q|k|v, o, gate|up, down, r = 16) in one table, as a rollout
+    merges them (`MergedAdapters`): about 4800 programs, 358M weights; DoRA's in a second table."""
+    layer = [((896, 128, 128), 16, 896), ((896,), 16, 896), ((4864, 4864), 16, 896), ((896,), 16, 4864)]
+    check_merge_table(dtype, [(*group, False) for group in layer] * 24)
+    check_merge_table(dtype, [(*group, True) for group in layer] * 2)
 
 
 @gpu

@@ -17,6 +17,7 @@ from model.lora import (
     lora_mlp,
     lora_parameters,
     lora_projections,
+    merged_weight,
     pack_weights_,
 )
 from tests.helpers import (
@@ -91,6 +92,43 @@ def test_merged_adapters_give_the_adapter_path(family_folder, dtype, variant, fu
         assert rel_err(got, want) < 2e-2, rel_err(got, want)
     assert torch.equal(unchanged, got)
     assert torch.equal(after, want)
+
+
+MERGE_TABLE_CASES = [(torch.float32, "lora"), (torch.float32, "dora"), (torch.float32, "some targets"),
+                     (torch.bfloat16, "lora"), (torch.bfloat16, "dora")]
+
+
+@pytest.mark.parametrize("dtype,variant", MERGE_TABLE_CASES, ids=[f"{str(d)[6:]}-{v}" for d, v in MERGE_TABLE_CASES])
+def test_merged_adapters_with_the_kernels_equal_merged_weight(llama_folder, dtype, variant):
+    """With the kernels, entering MergedAdapters writes every projection's W' in one launch (`MergeTable`): each
+    projection's merged buffer equals `merged_weight` (fp32: to fp32's rounding, the kernel's tf32x3 dot is not
+    torch's fp32 GEMM; bf16: to one rounding of W + s·B·A), and W itself where the projection has no adapter. A
+    second block reads the adapters' in-place updates into the same buffers with the same table; a projection
+    whose adapter is replaced by a new tensor gets a new table."""
+    from kernels.dora_norm import MergeTable
+    model, _ = load_model(llama_folder, dtype=dtype, use_kernels=True,
+                          lora=LoRAConfig(r=4, alpha=8.0, **MERGE_VARIANTS[variant]))
+    randomize_lora_b(model, std=0.1)
+    merged = MergedAdapters(model)
+    assert merged.make_table is MergeTable and merged.groups
+    tol = dict(atol=2e-6, rtol=1e-5) if dtype == torch.float32 else dict(atol=0.0, rtol=2 ** -7)
+    address = merged.buffer.data_ptr()
+    for step in range(3):
+        if step == 2:
+            proj = model.model.layers[0].self_attn.q_proj
+            proj.lora_B = torch.nn.Parameter(proj.lora_B.detach() * 2)
+        want = {p: merged_weight(p) for p, _ in merged.views}
+        table = merged.table
+        with merged:
+            for p, view in merged.views:
+                assert_close(view, want[p], **tol, name=f"{p.name}'s W'")
+                if p.lora_A is None:
+                    assert torch.equal(view, p.weight)
+        assert merged.buffer.data_ptr() == address
+        assert (merged.table is table) == (step == 1), "the table is built again exactly when a tensor moved"
+        with torch.no_grad():
+            for _, t in lora_parameters(model):
+                t.mul_(0.5)
 
 
 def test_adapters_disabled_inside_merged_adapters_is_the_base(llama_folder):
