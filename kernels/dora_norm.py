@@ -22,9 +22,15 @@ combination, the row dot, rsqrt, m · inv) with one launch a group.
 each group's tensors are described by their addresses in a table on the device, and each program reads its group's
 row from it: a step's norms are one launch, not one a group.
 
+`MergeTable` runs the same body in its merge mode (`MERGE`) over a table of projections: each program stores its
+tile W + s·B·A, rounded once to W's dtype, into the projection's rows of an output buffer, instead of summing its
+squares; with DoRA's m, it sums them first and stores the tile scaled by m / ‖W + s·B·A‖ (`model.lora.merged_weight`
+computes the same in torch). Every adapted projection's merged weight of a rollout is then one launch
+(`model.lora.MergedAdapters`), where torch takes half a dozen ops and an (out, in) fp32 temporary a projection.
+
 References: Liu et al. 2024 "DoRA" (§4.3: the norm is a constant in backward); PEFT `tuners/lora/dora.py`
 (`get_weight_norm`).
-Reference: kernels.references.dora_norms_reference.
+References in torch: kernels.references.dora_norms_reference, kernels.references.merged_weight_reference.
 """
 import torch
 import triton
