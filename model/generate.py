@@ -87,24 +87,51 @@ class KVCache:
     def mask(self, window=None):
         """(1 or B, 1, T, max_len) bool for a static cache: the query at position at[t] sees the positions up to
         its own (with a window, the last `window` of them); those not written yet lie after it, so stay hidden,
-        and so do a row's slots before its `first`."""
+        and so do a row's slots before its `first`. A query in those slots (a left-padded prompt's padding, in a
+        prefill) sees its own slot alone: no row of the softmax is fully masked."""
         at = self.at[:, None]  # (T, 1)
         keys = torch.arange(self.layers[0].k.shape[2], device=at.device)
         keep = keys <= at
         if window is not None:
             keep = keep & (at - keys < window)
         if self.first is not None:
-            return (keep & (keys >= self.first[:, None, None]))[:, None]  # (B, 1, T, max_len)
+            return (keep & ((keys >= self.first[:, None, None]) | (keys == at)))[:, None]  # (B, 1, T, max_len)
         return keep[None, None]
 
 
+class Replay:
+    """fn(), a forward on fixed input buffers, captured as a CUDA graph at the first call and replayed at every
+    later one: a small model's forward is bound by the Python that issues its kernels, as a training step is
+    (step.py); replayed, it costs the GPU's time. graphed=False (a CPU) runs fn eagerly. If the capture fails, fn
+    runs eagerly from then on, after one warning. The result is the graph's output tensor, overwritten by the next
+    replay."""
+
+    def __init__(self, fn, graphed, what):
+        self.fn, self.graphed, self.what = fn, graphed, what
+        self.graph, self.out, self.failed = None, None, False
+
+    def __call__(self):
+        if self.graph is None and self.graphed and not self.failed:
+            try:
+                warm_up(self.fn)  # it writes what the replay writes again (keys and values)
+                graph = torch.cuda.CUDAGraph()
+                self.out = capture(graph, self.fn)
+                self.graph = graph
+            except torch.OutOfMemoryError:
+                raise
+            except Exception as e:  # an op that cannot be captured
+                self.failed = True
+                warnings.warn(f"CUDA graph capture of the {self.what} failed ({type(e).__name__}: {str(e)[:200]}); "
+                              "going on without it (the same tokens, more time)", stacklevel=3)
+        if self.graph is None:
+            return self.fn()
+        self.graph.replay()
+        return self.out
+
+
 class DecodeGraph:
-    """The one-token forward of every row through a static KV cache, captured as a CUDA graph at the first call
-    and replayed at every later one. A decoding step of a small model is bound by the Python that issues its
-    kernels, as a training step is (step.py); replayed, it costs the GPU's time. The tokens, their slot and their
-    positions are copied into the graph's input tensors; the logits are its output tensor, overwritten by the next
-    replay. graphed=False (a CPU) runs the same forward eagerly. If the capture fails, the forward runs eagerly
-    from then on, after one warning."""
+    """The one-token forward of every row through a static KV cache, replayed from a CUDA graph (`Replay`). The
+    tokens, their slot and their positions are copied into the graph's input tensors."""
 
     def __init__(self, model, cache, first=None, graphed=True):
         k = cache.layers[0].k
@@ -112,7 +139,7 @@ class DecodeGraph:
         self.token = torch.zeros(k.shape[0], 1, dtype=torch.long, device=k.device)  # (B, 1)
         self.position = torch.zeros(k.shape[0], 1, dtype=torch.long, device=k.device)  # (B, 1) RoPE positions
         self.at = torch.zeros(1, dtype=torch.long, device=k.device)  # the cache slot of these tokens
-        self.graph, self.logits, self.failed, self.graphed = None, None, False, graphed
+        self.replay = Replay(self._forward, graphed, "decoding step")
 
     def __call__(self, tokens, slot, positions=None):
         """Logits (B, V) after tokens (B,) (or one int, for every row) at cache slot `slot`, whose keys and values
@@ -128,29 +155,47 @@ class DecodeGraph:
             self.position.copy_(positions.view(-1, 1))
         if self.cache.at is None:
             self.cache.make_static(self.at, self.first)
-        if self.graph is None and self.graphed and not self.failed:
-            try:
-                self._capture()
-            except torch.OutOfMemoryError:
-                raise
-            except Exception as e:  # an op that cannot be captured
-                self.failed = True
-                warnings.warn(f"CUDA graph capture of the decoding step failed ({type(e).__name__}: {str(e)[:200]}); "
-                              "decoding on without it (same tokens, more time per token)", stacklevel=2)
-        if self.graph is None:
-            return self._forward()
-        self.graph.replay()
-        return self.logits
+        return self.replay()
 
     def _forward(self):
         return self.model(self.token, self.position, cache=self.cache)[:, -1]
 
-    def _capture(self):
-        # The warm-up writes these tokens' keys and values, as the replay writes them again.
-        warm_up(self._forward)
-        graph = torch.cuda.CUDAGraph()
-        self.logits = capture(graph, self._forward)
-        self.graph = graph
+
+class Prefill:
+    """The prompts' forward for a `GroupSampler`, with fixed shapes, so that it replays a CUDA graph (`Replay`) as
+    the decoding steps do: P prompts, left-padded to the sampler's M slots, run through a static cache of their
+    own (P rows of M slots, each row's padding hidden by its `first`); their keys and values are then copied to
+    the rows of each prompt in the sampler's cache (slots [0, M)), and the logits after each prompt to its rows.
+    A prompt runs once, not once per sample; a replay issues its layers without Python."""
+
+    def __init__(self, model, cache, prompts, max_prompt_len, graphed):
+        k = cache.layers[0].k
+        rows, M = k.shape[0], max_prompt_len
+        self.model, self.cache, self.M = model, cache, M
+        self.tokens = torch.zeros(prompts, M, dtype=torch.long, device=k.device)  # (P, M), left-padded
+        self.lengths = torch.zeros(prompts, dtype=torch.long, device=k.device)  # (P,)
+        self.prompt_of = torch.zeros(rows, dtype=torch.long, device=k.device)  # (rows,) each row's prompt
+        self.own = KVCache(model.config, prompts, M, k.dtype, k.device)
+        self.own.make_static(torch.arange(M, device=k.device), torch.zeros_like(self.lengths))
+        self.replay = Replay(self._forward, graphed, "prefill")
+
+    def __call__(self, ids, lengths, prompt_of):
+        """Logits (rows, V) after each row's prompt; ids (P, M) on the host, left-padded; lengths (P,), prompt_of
+        (rows,) on the device."""
+        self.tokens.copy_(ids)
+        self.lengths.copy_(lengths)
+        self.prompt_of.copy_(prompt_of)
+        return self.replay()
+
+    def _forward(self):
+        M, cache = self.M, self.own
+        cache.first.copy_(M - self.lengths)
+        positions = (torch.arange(M, device=self.tokens.device) - cache.first[:, None]).clamp(min=0)  # (P, M)
+        h = self.model.hidden_states(self.tokens, positions, cache=cache)[:, -1]
+        for big, own in zip(self.cache.layers, cache.layers, strict=True):
+            big.k[:, :, :M] = own.k.index_select(0, self.prompt_of)
+            big.v[:, :, :M] = own.v.index_select(0, self.prompt_of)
+        return self.model.logits(h).index_select(0, self.prompt_of)
 
 
 def sample(logits, temperature=0.0, top_p=1.0, generator=None) -> int:
@@ -231,14 +276,14 @@ class GroupSampler:
         sampler = GroupSampler(model, rows=P * G, max_prompt_len=M, max_new_tokens=N, pad_id=pad_id)
         completions, logps = sampler(prompts, G, temperature=1.0, stop_ids=stops, generator=g)
 
-    The cache has `rows` rows of M + N slots. A call's prompts (at most M tokens each) run once each through the
-    prefill, left-padded to their own longest L, and their keys and values are copied G times into slots
-    [M - L, M): every prompt ends at slot M - 1. Then decoding step t writes all rows' new tokens at slot M + t,
-    each at its own RoPE position len(prompt) + t. The mask shows a row the slots from its prompt's first
-    (`first`, a device tensor the graph reads, refilled at each call) up to the current one: the keys and values
-    an earlier call left in the slots before the prompt or after the current token stay hidden, so a call samples
-    what a fresh sampler samples. A call with fewer than `rows` rows fills the rest with copies of its last row,
-    whose samples are dropped."""
+    The cache has `rows` rows of M + N slots. A call's P prompts (at most M tokens each) run once each through the
+    prefill (`Prefill`, one per P, made at the first call with P prompts), left-padded to M, and their keys and
+    values are copied to each of their G rows, in slots [0, M): every prompt ends at slot M - 1. Then decoding
+    step t writes all rows' new tokens at slot M + t, each at its own RoPE position len(prompt) + t. The mask shows
+    a row the slots from its prompt's first (`first`, a device tensor the graph reads, refilled at each call) up to
+    the current one: the keys and values an earlier call left in the slots after the current token stay hidden, so
+    a call samples what a fresh sampler samples. A call with fewer than `rows` rows fills the rest with copies of
+    its last row, whose samples are dropped."""
 
     SYNC_EVERY = 16  # decoding steps between the host's checks that every row has stopped
 
@@ -247,11 +292,12 @@ class GroupSampler:
         self.model, self.rows, self.pad_id = model, rows, pad_id
         self.max_prompt_len, self.max_new_tokens = max_prompt_len, max_new_tokens
         self.device = weight.device
+        self.graphed = self.device.type == "cuda" if cuda_graph is None else cuda_graph
         self.cache = KVCache(model.config, rows, max_prompt_len + max_new_tokens, weight.dtype, self.device)
         self.first = torch.zeros(rows, dtype=torch.long, device=self.device)  # (rows,) each row's first shown slot
-        self.merged = MergedAdapters(model)  # its buffers, like the cache, are made once: the graph reads them
-        self.decode = DecodeGraph(model, self.cache, first=self.first,
-                                  graphed=self.device.type == "cuda" if cuda_graph is None else cuda_graph)
+        self.merged = MergedAdapters(model)  # its buffers, like the cache, are made once: the graphs read them
+        self.prefills = {}  # P: the Prefill of P prompts
+        self.decode = DecodeGraph(model, self.cache, first=self.first, graphed=self.graphed)
 
     @torch.no_grad()
     def __call__(self, prompts, num_samples, temperature=1.0, top_p=1.0, top_k=0, stop_ids=(), generator=None):
@@ -260,28 +306,21 @@ class GroupSampler:
         `stop_ids` (at most max_new_tokens), and for each token its log-probability under
         log_softmax(logits / temperature) (`sample_tokens`). generator: a torch.Generator on the model's device;
         the same state gives the same samples. A finished row goes on with `pad_id` tokens, which nothing reads."""
-        model, M, G = self.model, self.max_prompt_len, num_samples
-        n = len(prompts) * G
+        M, G, P = self.max_prompt_len, num_samples, len(prompts)
+        n = P * G
         if not prompts or n > self.rows:
-            raise ValueError(f"the sampler holds {self.rows} rows; {len(prompts)} prompts x {G} samples need {n}")
+            raise ValueError(f"the sampler holds {self.rows} rows; {P} prompts x {G} samples need {n}")
         if max(map(len, prompts)) > M:
             raise ValueError(f"a prompt of {max(map(len, prompts))} tokens does not fit the sampler's {M}")
+        if P not in self.prefills:
+            self.prefills[P] = Prefill(self.model, self.cache, P, M, self.graphed)
         with self.merged:  # the adapters stay fixed while sampling: plain GEMMs on merged weights
-            lengths = torch.tensor([len(p) for p in prompts], device=self.device)  # (P,)
-            L = max(map(len, prompts))
-            slots = torch.arange(L, device=self.device)
-            start = (L - lengths)[:, None]  # (P, 1): each prompt's first slot in the prefill
-            ids = torch.full((len(prompts), L), self.pad_id, dtype=torch.long)
+            ids = torch.full((P, M), self.pad_id, dtype=torch.long)
             for i, p in enumerate(prompts):
-                ids[i, L - len(p):] = torch.tensor(p, dtype=torch.long)
-            ids = ids.to(self.device)
-            prefill = KVCache(model.config, len(prompts), L, self.cache.layers[0].k.dtype, self.device)
-            h = model.hidden_states(ids, (slots - start).clamp(min=0), (slots >= start).long(), cache=prefill)[:, -1]
+                ids[i, M - len(p):] = torch.tensor(p, dtype=torch.long)
+            lengths = torch.tensor([len(p) for p in prompts], device=self.device)  # (P,)
             prompt_of = torch.arange(self.rows, device=self.device).clamp(max=n - 1) // G  # (rows,) each row's prompt
-            logits = model.logits(h)[prompt_of]  # (rows, V)
-            for big, small in zip(self.cache.layers, prefill.layers, strict=True):
-                big.k[:, :, M - L:M] = small.k[prompt_of]
-                big.v[:, :, M - L:M] = small.v[prompt_of]
+            logits = self.prefills[P](ids, lengths, prompt_of)  # (rows, V)
             positions = lengths[prompt_of]  # (rows,): the position of each row's next token
             self.first.copy_(M - positions)
             stops = torch.tensor(sorted(stop_ids), dtype=torch.long, device=self.device)

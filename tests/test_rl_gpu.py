@@ -93,8 +93,9 @@ def test_graphed_grpo_update_matches_eager(policy, packing, loss_type, importanc
 @pytest.mark.filterwarnings("error:CUDA graph capture")
 def test_a_reused_sampler_on_a_cuda_graph_matches_eager(policy):
     """One GroupSampler over three calls (longer prompts, then shorter ones, then greedy with fewer rows than it
-    holds) replays one CUDA graph, captured once, and samples the eager sampler's tokens and log-probs (fp32,
-    the same seeds); its second call samples what a fresh sampler samples."""
+    holds) replays one CUDA graph of its decoding step, captured once, and one of its prefill for each count of
+    prompts, and samples the eager sampler's tokens and log-probs (fp32, the same seeds); its second call samples
+    what a fresh sampler samples."""
     policy.eval()
     dev = torch.device("cuda")
     calls = [(PROMPTS, 4, 1.0, 0), ([[5, 6], [3, 17, 9]], 4, 1.0, 1), (PROMPTS, 1, 0.0, 2)]
@@ -106,8 +107,9 @@ def test_a_reused_sampler_on_a_cuda_graph_matches_eager(policy):
         sampler = GroupSampler(policy, rows=12, max_prompt_len=8, max_new_tokens=12, cuda_graph=graphed)
         runs[graphed] = [run(sampler, *call) for call in calls]
         if graphed:
-            graph = sampler.decode.graph
-            assert graph is not None and not sampler.decode.failed
+            replays = [sampler.decode.replay, *sampler.prefills.values()]
+            assert sorted(sampler.prefills) == [2, 3]
+            assert all(r.graph is not None and not r.failed for r in replays)
     for (tokens_g, logps_g), (tokens_e, logps_e) in zip(runs[True], runs[False], strict=True):
         assert tokens_g == tokens_e
         assert rel_err(torch.tensor(sum(logps_g, [])), torch.tensor(sum(logps_e, []))) < 1e-4
