@@ -107,7 +107,7 @@ def test_a_reused_sampler_on_a_cuda_graph_matches_eager(policy):
         sampler = GroupSampler(policy, rows=12, max_prompt_len=8, max_new_tokens=12, cuda_graph=graphed)
         runs[graphed] = [run(sampler, *call) for call in calls]
         if graphed:
-            replays = [sampler.decode.replay, *sampler.prefills.values()]
+            replays = [sampler.decode.replay, *(prefill.replay for prefill in sampler.prefills.values())]
             assert sorted(sampler.prefills) == [2, 3]
             assert all(r.graph is not None and not r.failed for r in replays)
     for (tokens_g, logps_g), (tokens_e, logps_e) in zip(runs[True], runs[False], strict=True):
