@@ -20,7 +20,8 @@ values there and attends over its whole buffer, under a mask that hides the posi
 Batched sampling (`GroupSampler`, the rollouts of RL): G samples of each of P prompts decode together as
 P×G rows. The prompts end at one fixed slot (left-padded), so every row's next token goes to the same cache
 slot; each row keeps its own RoPE positions (its prompt's starting at 0), and the mask hides the slots before
-its prompt. One sampler serves a whole run: its cache and its graph are made once, for the longest prompt.
+its prompt. One sampler serves a whole run: its cache and its graphs (the prefill's and the decoding step's) are
+made once, for the longest prompt.
 """
 import warnings
 
