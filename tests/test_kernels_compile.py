@@ -44,6 +44,7 @@ class Case:
     num_warps: int
     arch: int
     num_stages: int = 3  # Triton's default on NVIDIA GPUs
+    aligned: tuple = ()  # pointer arguments known 16-byte aligned, as the launcher specializes them at run time
 
 
 def flags(*names):
@@ -116,14 +117,6 @@ def kernel_cases():
         "v_row_stride": "i32", "q_out_ptr": f"*{t}", "k_cache_ptr": f"*{t}", "v_cache_ptr": f"*{t}", "at_ptr": "*i64",
         "cos_ptr": f"*{t}", "sin_ptr": f"*{t}", "cs_row_stride": "i32", "S": "i32", "HQ": "i32", "HK": "i32",
         "HALF": "i32"}, {"BLOCK_HQ": block_hq, "BLOCK_HK": block_hk, "BLOCK_HALF": block_half}, [{}], warps))
-    for label, (rep, D) in (("small", (3, 64)), ("large", (8, 256))):  # SmolLM2's heads; Gemma's widest
-        block_rep, block_s, block_d = da.launch_config(rep, D)
-        specs.append((da.__name__, "_decode_attention_kernel", lambda t: {
-            "q_ptr": f"*{t}", "k_ptr": f"*{t}", "v_ptr": f"*{t}", "y_ptr": f"*{t}", "first_ptr": "*i64",
-            "at_ptr": "*i64", "S": "i32", "HK": "i32", "D": "i32", "window": "i32", "scale": "fp32",
-            "softcap": "fp32"}, {"REP": rep, "BLOCK_REP": block_rep, "BLOCK_S": block_s, "BLOCK_D": block_d},
-            flags("HAS_FIRST", "HAS_WINDOW", "HAS_SOFTCAP"), da.NUM_WARPS, label))
-
     for mod, name, approx in ((sw, "swiglu", ()), (gg, "geglu", ("APPROX_TANH",))):
         specs.append((mod.__name__, f"_{name}_forward_kernel", lambda t: {
             "gate_ptr": f"*{t}", "up_ptr": f"*{t}", "scale_ptr": f"*{t}", "bias_ptr": f"*{t}", "h_ptr": f"*{t}",
@@ -200,7 +193,31 @@ def kernel_cases():
             sig = {**signature(dtype), **{k: "constexpr" for k in constexprs}}
             cases.append(Case("-".join([kernel, *label, dtype, flag_id(combo), f"sm{arch}"]), module, kernel, sig,
                               constexprs, warps, arch))
-    return cases + softcap_attention_cases(sa)
+    return cases + decode_attention_cases(da) + softcap_attention_cases(sa)
+
+
+def decode_attention_cases(da):
+    """The decoding attention at its launcher's configurations: SmolLM2's heads (rep 3, D 64), Qwen2.5-0.5B's (rep
+    7, D 64) and Gemma's widest (rep 8, D 256), in every dtype and every flag combination, with the
+    pointers 16-byte aligned as Triton's launcher specializes them for torch's tensors: the loads then vectorize
+    and pipeline through shared memory, which is what runs on a GPU and what needs the most shared memory."""
+    import torch
+    names = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+    cases = []
+    for (label, (rep, D)), dtype, combo, arch in product(
+            (("smollm2", (3, 64)), ("qwen", (7, 64)), ("large", (8, 256))), DTYPES,
+            flags("HAS_FIRST", "HAS_WINDOW", "HAS_SOFTCAP"), ARCHS):
+        block_rep, block_s, block_d = da.launch_config(rep, D, names[dtype])
+        operand = getattr(tl, {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}[dtype])
+        constexprs = dict(D=D, REP=rep, BLOCK_REP=block_rep, BLOCK_S=block_s, BLOCK_D=block_d, DTYPE=operand,
+                          OPERAND=operand, PRECISION="ieee" if dtype == "fp32" else "tf32", **combo)
+        sig = {**{f"{a}_ptr": f"*{dtype}" for a in ("q", "k", "v", "y")}, "first_ptr": "*i64", "at_ptr": "*i64",
+               "S": "i32", "HK": "i32", "window": "i32", "scale": "fp32", "softcap": "fp32",
+               **dict.fromkeys(constexprs, "constexpr")}
+        cases.append(Case(f"_decode_attention_kernel-{label}-{dtype}-{flag_id(combo)}-sm{arch}", da.__name__,
+                          "_decode_attention_kernel", sig, constexprs, da.NUM_WARPS, arch, da.NUM_STAGES,
+                          aligned=("q_ptr", "k_ptr", "v_ptr", "y_ptr")))
+    return cases
 
 
 def softcap_attention_cases(sa):
@@ -254,7 +271,8 @@ def compile_case(case: Case) -> str:
     from triton.compiler import ASTSource
     fn = getattr(importlib.import_module(case.module), case.kernel)
     try:
-        compiled = triton.compile(ASTSource(fn=fn, signature=case.signature, constexprs=case.constexprs),
+        attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name in case.aligned}
+        compiled = triton.compile(ASTSource(fn=fn, signature=case.signature, constexprs=case.constexprs, attrs=attrs),
                                   target=GPUTarget("cuda", case.arch, 32),
                                   options={"num_warps": case.num_warps, "num_stages": case.num_stages})
     except Exception as e:  # report every failure, not just the first

@@ -49,11 +49,19 @@ def test_rope_into_cache_equals_rope_and_index_copy(dtype, B, Hq, Hk, D):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("B, Hq, Hk, D, S, at", [(3, 6, 2, 16, 37, 33), (2, 4, 4, 80, 9, 8), (2, 8, 1, 32, 70, 69)])
-@pytest.mark.parametrize("window, softcap", [(None, None), (5, None), (None, 3.0)], ids=["plain", "window", "softcap"])
+@pytest.mark.parametrize("B, Hq, Hk, D, S, at", [
+    (3, 6, 2, 16, 37, 33), (2, 4, 4, 80, 9, 8), (2, 8, 1, 32, 70, 69),
+    (2, 14, 2, 64, 140, 133),  # Qwen2.5-0.5B's heads (rep 7): 134 visible slots, over a block of 128
+    (2, 3, 3, 128, 70, 66),  # plain kv heads (rep 1) of 128: over a block of 64
+    (2, 16, 2, 96, 70, 69),  # rep 8, an odd head (padded to 128): over a block of 64
+    (2, 6, 2, 256, 40, 37),  # Gemma's widest head (rep 3): over a block of 32
+], ids=["rep3-D16", "rep1-D80", "rep8-D32", "rep7-D64", "rep1-D128", "rep8-D96", "rep3-D256"])
+@pytest.mark.parametrize("window, softcap", [(None, None), (5, None), (None, 3.0), (35, 3.0)],
+                         ids=["plain", "window", "softcap", "window-over-a-block-softcap"])
 def test_decode_attention(dtype, B, Hq, Hk, D, S, at, window, softcap):
-    """Grouped (rep 3, 8) and plain kv heads, odd cache lengths, rows left-padded to different first slots (one
-    that sees only its own token), slots after `at` filled with junk that must stay hidden, against float64."""
+    """Grouped (rep 3, 7, 8) and plain kv heads, heads of 16 to 256 (80 and 96 padded), odd cache lengths, visible
+    slots over a block boundary, rows left-padded to different first slots (one that sees only its own token),
+    slots after `at` filled with junk that must stay hidden, against float64."""
     q = torch.randn(B, 1, Hq, D, device=DEVICE).to(dtype)
     k, v = (torch.randn(B, Hk, S, D, device=DEVICE).to(dtype) for _ in range(2))
     first = torch.tensor([0, at, 3][:B], device=DEVICE)
@@ -65,6 +73,15 @@ def test_decode_attention(dtype, B, Hq, Hk, D, S, at, window, softcap):
         assert y.dtype == dtype and y.shape == q.shape
         rtol = RTOL[dtype]
         assert_close(y, want, atol=rtol * want.abs().max().item(), rtol=rtol, name=f"y (first={rows is not None})")
+
+
+@pytest.mark.parametrize("Hq, Hk", [(14, 2), (4, 4)])
+def test_decode_attention_of_no_rows(Hq, Hk):
+    """A batch of no rows launches nothing and gives an empty y of q's shape."""
+    q, k = torch.randn(0, 1, Hq, 64, device=DEVICE), torch.randn(0, Hk, 9, 64, device=DEVICE)
+    y = decode_attention(q, k, k, torch.zeros(0, dtype=torch.long, device=DEVICE), torch.tensor([3], device=DEVICE),
+                         0.125)
+    assert y.shape == q.shape and y.dtype == q.dtype
 
 
 def test_decode_attention_refuses_a_cache_of_another_shape():
