@@ -41,8 +41,8 @@ def check(logits, temperature, noise, **launch):
 @pytest.mark.parametrize("V", [1000, 5003])
 @pytest.mark.parametrize("rows", [1, 3, 16])
 def test_the_kernel_equals_the_float64_reference(rows, V, temperature, dtype):
-    """Tokens and log-probs against float64, for rows not a multiple of anything and V not a multiple of the
-    block: several chunks a row (the last one partial) for few rows, one chunk of several blocks for 16."""
+    """Tokens and log-probs against float64, with V not a multiple of the block: several chunks a row (the last one
+    partial) for 1 and 3 rows, one chunk of several blocks a row for 16."""
     logits, noise = draw(rows, V, temperature, dtype)
     check(logits, temperature, noise, max_block=BLOCK)
 
