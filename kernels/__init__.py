@@ -10,6 +10,7 @@ their modules (`from kernels.rms_norm import rms_norm`).
     glu.py                         the launchers SwiGLU and GeGLU share
     tanh.py                        tanh for kernels (softcapping, tanh-approximate gelu)
     decode_attention.py            a decoding step's attention over a static KV cache
+    sample.py                      a decoding step's token a row (the exponential race) and its log-prob
     softcap_attention.py           softcapped flash attention (Gemma 2), forward and backward
     nf4_dequantize.py              NF4 weights (double-quantized absmax) into a given buffer, as bitsandbytes
     nf4_to_fp8.py                  a group's NF4 weights straight to e4m3 with given scales, row-major or

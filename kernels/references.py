@@ -14,6 +14,7 @@ This module imports torch only, so that those runs need no Triton.
     swiglu_reference, geglu_reference      kernels/swiglu.py, kernels/geglu.py
     cross_entropy_reference                kernels/cross_entropy.py
     fused_linear_cross_entropy_reference   kernels/fused_linear_cross_entropy.py
+    sample_tokens_reference                kernels/sample.py
     nf4_dequantize_reference               kernels/nf4_dequantize.py
     fp8_quantize_rows_reference            kernels/fp8_quantize.py
     fp8_quantize_tensor_reference          kernels/fp8_quantize_tensor.py
@@ -359,6 +360,29 @@ def cross_entropy_reference(logits, targets, *, ignore_index=-100, softcap=None,
         z = softcap * torch.tanh(z / softcap)
     losses = F.cross_entropy(z, targets, ignore_index=ignore_index, reduction="none")  # (N,)
     return reduce_losses(losses, targets, num_targets, opts)[0]
+
+
+# ----------------------------------------------------------------------------- sampling a decoding step's tokens
+
+def check_sample_args(logits, temperature, noise):
+    if logits.dim() != 2:
+        raise ValueError(f"logits must be [B, V], got {tuple(logits.shape)}")
+    if not temperature >= 0:
+        raise ValueError(f"temperature must be >= 0 (0: the argmax), got {temperature}")
+    if (noise is None) != (temperature == 0):
+        raise ValueError("noise E ~ Exp(1) [B, V] must be given at a temperature > 0, and only then; "
+                         f"got temperature {temperature} and noise {None if noise is None else tuple(noise.shape)}")
+    if noise is not None and noise.shape != logits.shape:
+        raise ValueError(f"noise must be [B, V] = {list(logits.shape)}, got {list(noise.shape)}")
+
+
+def sample_tokens_reference(logits, temperature, noise=None):
+    """(tokens (B,), logps (B,) float64): the float64 definition of kernels/sample.py. z = logits / T (T = 1 at
+    temperature 0); token = argmax(z - log noise), or argmax(z) at temperature 0; logp = log_softmax(z) there."""
+    check_sample_args(logits, temperature, noise)
+    z = logits.double() / (temperature or 1.0)
+    tokens = (z if noise is None else z - noise.double().log()).argmax(-1)
+    return tokens, torch.log_softmax(z, -1).gather(1, tokens[:, None])[:, 0]
 
 
 # ----------------------------------------------------------------------------- fused linear cross-entropy

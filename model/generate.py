@@ -204,12 +204,20 @@ def sample(logits, temperature=0.0, top_p=1.0, generator=None) -> int:
     return int(sample_tokens(logits[None], temperature, top_p, generator=generator)[0][0])
 
 
-def sample_tokens(logits, temperature=0.0, top_p=1.0, top_k=0, generator=None):
+def sample_tokens(logits, temperature=0.0, top_p=1.0, top_k=0, generator=None, kernel=None):
     """(tokens (B,), logps (B,) fp32) from logits (B, V): the argmax at temperature 0; else a draw from
     softmax(logits / T) cut to the top_k most likely tokens (0: all), then to the smallest set of most likely
     tokens whose renormalized probability reaches top_p (nucleus sampling, Holtzman et al. 2019).
     logps: each token's log-probability under log_softmax(logits / T) before the cuts, as a training forward
-    at temperature T computes it (TRL's GRPOTrainer divides the logits by T); at temperature 0, under T = 1."""
+    at temperature T computes it (TRL's GRPOTrainer divides the logits by T); at temperature 0, under T = 1.
+    kernel: kernels/sample.py's `sample_tokens` (a model's `ops.sample_tokens`), which draws without the cuts in
+    two launches from the same exponential draw as below: the same generator state gives the same tokens."""
+    if kernel is not None and top_k == 0 and top_p >= 1.0:
+        noise = None  # E ~ Exp(1): the draw below, of the same shape and dtype
+        if temperature > 0:
+            noise = torch.empty(logits.shape, dtype=torch.float32, device=logits.device)
+            noise.exponential_(generator=generator)
+        return kernel(logits, temperature, noise)
     logits = logits.float()
     logp = torch.log_softmax(logits / (temperature or 1.0), dim=-1)  # (B, V)
     if temperature == 0:
@@ -332,7 +340,7 @@ class GroupSampler:
                     if t % self.SYNC_EVERY == 0 and bool(done.all()):  # a host sync: not at every token
                         break
                     logits = self.decode(tokens[-1], M + t - 1, positions + t - 1)
-                token, logp = sample_tokens(logits, temperature, top_p, top_k, generator)
+                token, logp = sample_tokens(logits, temperature, top_p, top_k, generator, self.model.ops.sample_tokens)
                 tokens.append(torch.where(done, self.pad_id, token))
                 logps.append(logp)
                 done = done | torch.isin(token, stops)

@@ -72,6 +72,7 @@ class Ops:
         self.rope_into_cache = self.decode_attention = self.add_rms_norm = None
         self.softcap_attention = None  # softcapped attention without a (T, T) tensor (`Transformer.layer_mask`)
         self.merge_table = None  # the merged weights of every adapter in one launch (`MergedAdapters`)
+        self.sample_tokens = None  # a rollout's draw of each row's token in two launches (`GroupSampler`)
         if use_kernels:
             from kernels.add_rms_norm import add_rms_norm
             from kernels.decode_attention import decode_attention
@@ -82,6 +83,7 @@ class Ops:
             from kernels.rms_norm import rms_norm, rms_norm_and_residual
             from kernels.rope import apply_rope
             from kernels.rope_cache import rope_into_cache
+            from kernels.sample import sample_tokens
             from kernels.softcap_attention import softcap_attention
             from kernels.swiglu import swiglu, swiglu_backward, swiglu_forward
             self.rms_norm, self.rope, self.swiglu, self.geglu = rms_norm, apply_rope, swiglu, geglu
@@ -93,6 +95,7 @@ class Ops:
             self.dora = DoRAOps(dora_backward, dora_norms, NormsTable)
             self.softcap_attention = softcap_attention
             self.merge_table = MergeTable
+            self.sample_tokens = sample_tokens
         else:
             self.rms_norm, self.rope, self.swiglu, self.geglu = (rms_norm_reference, rope_reference,
                                                                  swiglu_reference, geglu_reference)

@@ -73,6 +73,7 @@ def kernel_cases():
     import kernels.rms_norm as rn
     import kernels.rope as rp
     import kernels.rope_cache as rc
+    import kernels.sample as smp
     import kernels.softcap_attention as sa
     import kernels.swiglu as sw
     from kernels.references import NF4_ABSMAX_BLOCK, NF4_BLOCK
@@ -117,6 +118,16 @@ def kernel_cases():
         "v_row_stride": "i32", "q_out_ptr": f"*{t}", "k_cache_ptr": f"*{t}", "v_cache_ptr": f"*{t}", "at_ptr": "*i64",
         "cos_ptr": f"*{t}", "sin_ptr": f"*{t}", "cs_row_stride": "i32", "S": "i32", "HQ": "i32", "HK": "i32",
         "HALF": "i32"}, {"BLOCK_HQ": block_hq, "BLOCK_HK": block_hk, "BLOCK_HALF": block_half}, [{}], warps))
+    block, _, _ = smp.launch_config(16, 151936, 2 * 132)  # a rollout's rows of Qwen2.5's vocabulary on an H100
+    specs.append((smp.__name__, "_sample_chunks_kernel", lambda t: {
+        "logits_ptr": f"*{t}", "logits_row_stride": "i32", "noise_ptr": "*fp32", "max_ptr": "*fp32", "sum_ptr": "*fp32",
+        "score_ptr": "*fp32", "index_ptr": "*i32", "V": "i32", "chunk": "i32", "inv_temperature": "fp32"},
+        {"BLOCK": block}, flags("SAMPLE"), smp.NUM_WARPS))
+    specs.append((smp.__name__, "_sample_rows_kernel", lambda t: {
+        "logits_ptr": f"*{t}", "logits_row_stride": "i32", "max_ptr": "*fp32", "sum_ptr": "*fp32", "score_ptr": "*fp32",
+        "index_ptr": "*i32", "tokens_ptr": "*i64", "logps_ptr": "*fp32", "V": "i32", "chunks": "i32",
+        "inv_temperature": "fp32"}, {"BLOCK_C": 16}, [{}], smp.ROWS_NUM_WARPS))
+
     for mod, name, approx in ((sw, "swiglu", ()), (gg, "geglu", ("APPROX_TANH",))):
         specs.append((mod.__name__, f"_{name}_forward_kernel", lambda t: {
             "gate_ptr": f"*{t}", "up_ptr": f"*{t}", "scale_ptr": f"*{t}", "bias_ptr": f"*{t}", "h_ptr": f"*{t}",
