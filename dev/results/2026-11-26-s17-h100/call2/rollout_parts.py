@@ -57,6 +57,12 @@ with s.merged:
         for t in range(N):
             sample_tokens(logits, 1.0, 1.0, 0, g)
     print(f"{N} sample_tokens alone: {timed(samples):.1f} ms")
+    kern = getattr(model.ops, "sample_tokens", None)
+    if kern is not None:
+        def ksamples():
+            for t in range(N):
+                sample_tokens(logits, 1.0, 1.0, 0, g, kern)
+        print(f"{N} sample_tokens alone, kernels: {timed(ksamples):.1f} ms")
     def both():
         for t in range(N):
             lg = s.decode(tokens, M + t, pos + t)
