@@ -187,8 +187,13 @@ class _RMSNorm(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
+        return _RMSNorm.gradients(ctx, dy)
+
+    @staticmethod
+    def gradients(ctx, dy, dres=None):
+        """(dx, dw, None, None, None) from what forward saved in ctx; dres, x's gradient from elsewhere, added to dx."""
         x, weight, rstd = ctx.saved_tensors
-        dx, dw = rms_norm_backward(dy, x, weight, rstd, ctx.offset, ctx.cast, compute_dw=ctx.needs_input_grad[1])
+        dx, dw = rms_norm_backward(dy, x, weight, rstd, ctx.offset, ctx.cast, ctx.needs_input_grad[1], dres)
         assert dx.dtype == x.dtype, f"rms_norm: dx must be {x.dtype}, got {dx.dtype}"
         assert dw is None or dw.dtype == weight.dtype, f"rms_norm: dweight must be {weight.dtype}, got {dw.dtype}"
         return dx, dw, None, None, None
@@ -213,14 +218,11 @@ class _RMSNormAndResidual(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy, dres):
-        x, weight, rstd = ctx.saved_tensors
-        assert dres is None or dres.dtype == x.dtype, f"rms_norm: the residual's gradient must be {x.dtype}"
+        dtype = ctx.saved_tensors[0].dtype
+        assert dres is None or dres.dtype == dtype, f"rms_norm: the residual's gradient must be {dtype}"
         if dy is None:
             return dres, None, None, None, None
-        dx, dw = rms_norm_backward(dy, x, weight, rstd, ctx.offset, ctx.cast, ctx.needs_input_grad[1], dres)
-        assert dx.dtype == x.dtype, f"rms_norm: dx must be {x.dtype}, got {dx.dtype}"
-        assert dw is None or dw.dtype == weight.dtype, f"rms_norm: dweight must be {weight.dtype}, got {dw.dtype}"
-        return dx, dw, None, None, None
+        return _RMSNorm.gradients(ctx, dy, dres)
 
 
 def rms_norm_and_residual(x, weight, eps=1e-6, offset=0.0, cast="llama"):
