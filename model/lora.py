@@ -119,7 +119,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from kernels.references import dora_backward_reference
+from kernels.references import dora_backward_reference, merged_weight_reference
 from model.fp8 import fp8_input_grad, fp8_linear
 
 ALL_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -382,10 +382,8 @@ def merged_weight(linear: LoRALinear, dtype=None):
     dtype = dtype or w.dtype
     if not linear.r:
         return w.to(dtype)
-    merged = w.float() + linear.scale * (linear.lora_B.float() @ linear.lora_A.float())  # (out, in)
-    if linear.dora:
-        merged *= (linear.lora_magnitude_vector.float() / torch.linalg.vector_norm(merged, dim=1))[:, None]
-    return merged.to(dtype)
+    m = linear.lora_magnitude_vector if linear.dora else None
+    return merged_weight_reference(w.float(), linear.lora_A, linear.lora_B, m, linear.scale, dtype)  # in fp32
 
 
 def quantization(model) -> str | None:
