@@ -17,7 +17,9 @@ point fusion off: a contracted D[c] · s + o (one FMA, one rounding) would diffe
 
 One program dequantizes BLOCKS blocks of 64 values: it reads each block's absmax code, scale and level
 once, and each packed byte once, and writes each value once, into `out`, which may be the rows of a
-larger buffer (the packed [W_q; W_k; W_v] of model/lora.py): no copy follows.
+larger buffer (the packed [W_q; W_k; W_v] of model/lora.py): no copy follows. `out` may also be the
+first K columns of a wider buffer (row stride > K, for K a multiple of 64, so that no block straddles
+two rows): the [W | B] of model/lora.py, whose last columns hold the adapters' B.
 
 Reference: kernels.references.nf4_dequantize_reference.
 """
@@ -36,7 +38,8 @@ OPTIONS = {"num_warps": 4, "enable_fp_fusion": False}
 
 @triton.jit
 def _nf4_dequantize_kernel(packed_ptr, absmax_ptr, absmax_scale_ptr, absmax_offset_ptr, absmax_code_ptr, levels_ptr,
-                           out_ptr, n, BLOCKS: tl.constexpr, BLOCK: tl.constexpr, ABSMAX_BLOCK: tl.constexpr):
+                           out_ptr, n, K, row_stride, BLOCKS: tl.constexpr, BLOCK: tl.constexpr,
+                           ABSMAX_BLOCK: tl.constexpr, STRIDED: tl.constexpr):
     HALF: tl.constexpr = BLOCK // 2  # bytes per block
     blocks = tl.program_id(0).to(tl.int64) * BLOCKS + tl.arange(0, BLOCKS)  # (BLOCKS,)
     in_range = blocks < tl.cdiv(n, BLOCK)
@@ -49,11 +52,15 @@ def _nf4_dequantize_kernel(packed_ptr, absmax_ptr, absmax_scale_ptr, absmax_offs
     high = tl.load(levels_ptr + (p >> 4)) * a[:, None]  # value 2j
     low = tl.load(levels_ptr + (p & 15)) * a[:, None]  # value 2j + 1
     w = tl.reshape(tl.join(high, low), (BLOCKS, BLOCK))  # (BLOCKS, HALF, 2) -> values in order
-    i = blocks[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
+    i = blocks[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]  # the value's index in the weight, row-major
+    dest = i
+    if STRIDED:  # a block lies in one row (K % BLOCK == 0): its row and first column, then row_stride per row
+        row = blocks * BLOCK // K
+        dest = (row * row_stride + blocks * BLOCK - row * K)[:, None] + tl.arange(0, BLOCK)[None, :]
     if out_ptr.dtype.element_ty == tl.bfloat16:
-        tl.store(out_ptr + i, _to_bf16(w), mask=i < n)
+        tl.store(out_ptr + dest, _to_bf16(w), mask=i < n)
     else:
-        tl.store(out_ptr + i, w.to(out_ptr.dtype.element_ty), mask=i < n)
+        tl.store(out_ptr + dest, w.to(out_ptr.dtype.element_ty), mask=i < n)
 
 
 @triton.jit
@@ -71,17 +78,26 @@ def _levels(device):
     return torch.tensor(NF4_LEVELS, dtype=torch.float32, device=device)
 
 
+def row_strided(out):
+    """Whether the kernel writes `out` as the first columns of a wider buffer: a 2-D view of rows of a multiple of
+    64 values, each contiguous, spaced further apart than their length."""
+    return out.dim() == 2 and out.stride(1) == 1 and out.stride(0) > out.shape[1] and out.shape[1] % NF4_BLOCK == 0
+
+
 def nf4_dequantize(q: NF4Data, out):
-    """Dequantize `q` into `out`, a contiguous fp32/bf16/fp16 tensor of the weight's shape (e.g. a row slice
-    of a larger buffer), and return `out`."""
-    if out.dtype not in DTYPES or not out.is_contiguous() or out.device != q.packed.device:
-        raise ValueError(f"NF4 dequantize: out must be a contiguous fp32/bf16/fp16 tensor on {q.packed.device}; "
-                         f"got {out.dtype}, contiguous={out.is_contiguous()}, on {out.device}")
+    """Dequantize `q` into `out`, an fp32/bf16/fp16 tensor of the weight's shape, contiguous (e.g. a row slice of
+    a larger buffer) or `row_strided` (its first columns), and return `out`."""
+    if out.dtype not in DTYPES or not (out.is_contiguous() or row_strided(out)) or out.device != q.packed.device:
+        raise ValueError(f"NF4 dequantize: out must be a contiguous (or row-strided, rows of a multiple of "
+                         f"{NF4_BLOCK} values) fp32/bf16/fp16 tensor on {q.packed.device}; got {out.dtype}, "
+                         f"strides {out.stride()}, on {out.device}")
     n = out.numel()
     check_nf4_args(q, n)
     if n > 0:
+        strided = not out.is_contiguous()
+        K, row_stride = (out.shape[1], out.stride(0)) if strided else (1, 1)
         grid = (triton.cdiv(triton.cdiv(n, NF4_BLOCK), BLOCKS),)
         _nf4_dequantize_kernel[grid](q.packed, q.absmax, q.absmax_scale, q.absmax_offset, q.absmax_code,
-                                     _levels(out.device), out, n, BLOCKS=BLOCKS, BLOCK=NF4_BLOCK,
-                                     ABSMAX_BLOCK=NF4_ABSMAX_BLOCK, **OPTIONS)
+                                     _levels(out.device), out, n, K, row_stride, BLOCKS=BLOCKS, BLOCK=NF4_BLOCK,
+                                     ABSMAX_BLOCK=NF4_ABSMAX_BLOCK, STRIDED=strided, **OPTIONS)
     return out

@@ -558,28 +558,41 @@ def _spans(projs):
     return [slice(e - p.out_features, e) for p, e in zip(projs, ends)]
 
 
-def _base_weights(projs, dtype):
+def _base_weights(projs, dtype, columns=None, rows=None):
     """[W_1; W_2; ...] (Σout, in) in `dtype`. NF4 weights are dequantized straight into the rows of one new buffer
-    (no concatenation after); full-precision ones are their packed view (`pack_weights_`) or concatenation."""
+    (no concatenation after); full-precision ones are their packed view (`pack_weights_`) or concatenation.
+    columns (Σout, c) or rows (c, in): set beside or below the NF4 weights in that buffer, [W | columns] or
+    [W; rows], so that one GEMM multiplies both (`_folded`); the weights are then written into its first columns
+    or rows."""
     nf4 = [p.nf4 for p in projs]
     if None in nf4:
+        assert columns is None and rows is None, "fused LoRA: adapters join the GEMM of NF4 weights only"
         return _packed([p.base_weight() for p in projs]).to(dtype)
-    w = nf4[0].packed.new_empty(sum(p.out_features for p in projs), projs[0].in_features, dtype=nf4[0].weight_dtype)
-    for q, rows in zip(nf4, _spans(projs)):
-        q.dequantize(out=w[rows])
-    return w.to(dtype)
+    n_out, n_in = sum(p.out_features for p in projs), projs[0].in_features
+    extra_rows, extra_cols = (0 if t is None else t.shape[i] for t, i in ((rows, 0), (columns, 1)))
+    w = nf4[0].packed.new_empty(n_out + extra_rows, n_in + extra_cols, dtype=nf4[0].weight_dtype)
+    for q, span in zip(nf4, _spans(projs)):
+        q.dequantize(out=w[span, :n_in])
+    w = w.to(dtype)
+    if columns is not None:
+        w[:n_out, n_in:] = columns
+    if rows is not None:
+        w[n_out:] = rows
+    return w
 
 
-def _base(projs, x, dtype, transposed=False, bias=True, residual=None):
+def _base(projs, x, dtype, transposed=False, bias=True, residual=None, adapter_b=None, out=None):
     """X [W_1; W_2; ...]ᵀ + [b_1 | b_2 | ...], the projections' outputs side by side (N, Σout) in `dtype`, as one
     GEMM. residual: R (N, Σout) added too, as the GEMM's C (R + X Wᵀ in its epilogue, no add of its own: the
     layer's residual add of o and down). transposed: computed as the contiguous (Σout, N) product [W_1; W_2; ...] Xᵀ
-    and returned transposed, so that each projection's output, transposed back, is contiguous (the MLP's G and U,
-    for the elementwise kernels). One row (a decoding step) is computed plainly: its plain product already has that
-    layout, and its transposed one would carry the row stride 1, which cuBLAS takes as the leading dimension of the
-    column slices that the adapters add into, and refuses. A dequantized, concatenated or cast weight is
-    freed on return. bias=False: without the biases (DoRA adds them after its scaling, `_dora_output`).
-    With --fp8 the GEMM runs in fp8 (model/fp8.py) and the biases and the residual are added after it."""
+    (into `out` when given: rows of a larger buffer) and returned transposed, so that each projection's output,
+    transposed back, is contiguous (the MLP's G and U, for the elementwise kernels). One row (a decoding step) is
+    computed plainly, unless `out` is given: its plain product already has that layout, and its transposed one
+    would carry the row stride 1, which cuBLAS takes as the leading dimension of the column slices that the
+    adapters add into, and refuses. A dequantized, concatenated or cast weight is freed on return. bias=False:
+    without the biases (DoRA adds them after its scaling, `_dora_output`). adapter_b: x is [X | s X Aᵀ] and the
+    weight [W | B] (`_folded`). With --fp8 the GEMM runs in fp8 (model/fp8.py) and the biases and the residual are
+    added after it."""
     assert len({p.bias is None for p in projs}) == 1, "fused LoRA: projections of one input all have a bias or none"
     assert residual is None or not transposed, "fused LoRA: a residual is added to a row-major output only"
     b = _bias(projs, dtype) if bias else None
@@ -587,13 +600,13 @@ def _base(projs, x, dtype, transposed=False, bias=True, residual=None):
         y = fp8_linear(projs, x, dtype, transposed)
         y = y if b is None else y.add_(b)
         return y if residual is None else y.add_(residual)
-    w = _base_weights(projs, dtype)
+    w = _base_weights(projs, dtype, columns=adapter_b)
     if residual is not None:
         y = torch.addmm(residual, x, w.t())
         return y if b is None else y.add_(b)
-    if not transposed or len(x) == 1:
+    if not transposed or (len(x) == 1 and out is None):
         return F.linear(x, w, b)
-    return (torch.mm(w, x.t()) if b is None else torch.addmm(b[:, None], w, x.t())).t()
+    return (torch.mm(w, x.t(), out=out) if b is None else torch.addmm(b[:, None], w, x.t(), out=out)).t()
 
 
 def _bias(projs, dtype):
@@ -720,15 +733,38 @@ def _dora_backward(fn, projs, m_dtypes, dy, pre, g, inv, need_m, dms, inplace=Fa
     return dp
 
 
-def _base_backward(projs, dy, transposed=False):
+def _base_backward(projs, dy, transposed=False, rows=None):
     """dY [W_1; W_2; ...] (N, in), the gradient of the projections' shared input through their base weights, from
     dY (N, Σout), as one GEMM; each W is dequantized again, and freed after it. transposed: computed as the
     contiguous (in, N) product and returned transposed (the MLP's dH, which meets Gᵀ and Uᵀ in the kernels).
-    With --fp8 the GEMM runs in fp8 with the weights' transposed copy (model/fp8.py)."""
+    rows: dY is [dY | s dY B] and the weight [W; A] (`_folded`). With --fp8 the GEMM runs in fp8 with the weights'
+    transposed copy (model/fp8.py)."""
     if projs[0].fp8 is not None:
         return fp8_input_grad(projs, dy, transposed)
-    w = _base_weights(projs, dy.dtype)
+    w = _base_weights(projs, dy.dtype, rows=rows)
     return torch.mm(w.t(), dy.t()).t() if transposed else torch.mm(dy, w)
+
+
+def _folded(projs, groups, x_loras, dora):
+    """Whether the adapters' second GEMM joins the base GEMM along K rather than adding its product to the base's
+    output in a pass of its own: forward X Wᵀ + s (X Aᵀ) Bᵀ = [X | s X Aᵀ] [W | B]ᵀ, backward dY W + s (dY B) A =
+    [dY | s dY B] [W; A], with A stacked and B the block B of one group that reads X (no dropout) and spans every
+    projection's columns, without DoRA. For NF4 weights only: they are dequantized into a new buffer anyway, so that
+    setting B or A beside them costs no copy of W. The products are then rounded once, and the copy of X or dY into
+    [X | s X Aᵀ] or [dY | s dY B] is cheaper than a read and a write of the output, where the output is wider than
+    the input (forward) or narrower (backward): the callers decide."""
+    return (len(groups) == 1 and groups[0][0] == 0 and groups[0][-1] == len(projs) - 1 and x_loras[0] is None
+            and not dora and all(p.nf4 is not None and p.fp8 is None for p in projs))
+
+
+def _base_folded(projs, group, x, a_masters, b_masters, dtype, bias=True, residual=None, out=None):
+    """`_base` and `_adapt` of a `_folded` group as one GEMM, [X | s X Aᵀ] [W | B]ᵀ (K = in + Σr), for x (N, in):
+    X is copied beside s X Aᵀ into one (N, in + Σr) buffer, freed on return. Returns (Y, what backward needs as
+    `_adapt` returns it)."""
+    saved = _adapt(None, projs, group, x, a_masters, b_masters, dtype)
+    y = _base(projs, torch.cat([x, saved[0]], dim=1), dtype, transposed=out is not None, bias=bias,
+              residual=residual, adapter_b=saved[2], out=out)
+    return y, saved
 
 
 def _adapter_groups(projs, x_loras):
@@ -868,9 +904,12 @@ class _LoRAProjections(torch.autograd.Function):
             xc = x.to(dtype)
             x_loras = [_to(t, dtype) for t in lora[0::3]]
             dora = any(m is not None for m in mags)
-            y = _base(projs, xc, dtype, bias=not dora, residual=None if dora else residual)
             groups = _adapter_groups(projs, x_loras)
-            saved = _adapt_groups(y, projs, groups, x_loras, xc, a_masters, b_masters, dtype)
+            if _folded(projs, groups, x_loras, dora) and sum(p.out_features for p in projs) >= xc.shape[1]:
+                y, saved = _base_folded(projs, groups[0], xc, a_masters, b_masters, dtype, residual=residual)
+            else:
+                y = _base(projs, xc, dtype, bias=not dora, residual=None if dora else residual)
+                saved = _adapt_groups(y, projs, groups, x_loras, xc, a_masters, b_masters, dtype)
             if dora:
                 scales = _dora_scales(projs, groups, saved, mags, (a_masters, b_masters), dtype, store, dora_ops.norms)
                 saved += [y, *scales]  # P, g, 1 / ‖W + s·B·A‖
@@ -943,10 +982,18 @@ class _LoRAMLP(torch.autograd.Function):
             xc = x.to(dtype)
             x_loras = [_to(x_gate, dtype), _to(x_up, dtype)]
             dora_gu, dora_d = (any(m is not None for m in ms) for ms in (mags[:2], mags[2:]))
-            gu = _base(projs[:2], xc, dtype, transposed=True, bias=not dora_gu)  # [G | U] (N, 2I)
-            groups = _adapter_groups(projs[:2], x_loras)
-            saved = _adapt_groups(gu, projs[:2], groups, x_loras, xc, a_masters, b_masters, dtype)
-            pre_gu = gu  # what is saved: [G | U], or DoRA's P before its scaling
+            groups, n_gu = _adapter_groups(projs[:2], x_loras), gate.out_features + up.out_features
+            if _folded(projs[:2], groups, x_loras, dora_gu):
+                # [G | U] in the first rows of a buffer whose last Σr rows take backward's s dY B, when the
+                # activation's backward writes [dG | dU] over [G | U] (its other rows)
+                spare = sum(projs[i].r for i in groups[0]) if glu.inplace else 0
+                gu_rows = xc.new_empty(n_gu + spare, len(xc))
+                gu, saved = _base_folded(projs[:2], groups[0], xc, a_masters, b_masters, dtype, out=gu_rows[:n_gu])
+            else:
+                gu = _base(projs[:2], xc, dtype, transposed=True, bias=not dora_gu)  # [G | U] (N, 2I)
+                saved = _adapt_groups(gu, projs[:2], groups, x_loras, xc, a_masters, b_masters, dtype)
+                gu_rows = gu.t()
+            pre_gu = gu_rows  # what is saved: [G | U] (2I rows, and any spare ones), or DoRA's P before its scaling
             dora = []  # g, 1 / ‖W + s·B·A‖ of gate/up; then P, g, 1 / ‖W + s·B·A‖ of down
             affine = {}  # DoRA's [G | U] = g ⊙ P + b, which the activation computes as it reads P
             if dora_gu:
@@ -989,10 +1036,12 @@ class _LoRAMLP(torch.autograd.Function):
                                    "but the first overwrote the saved gate/up activations with their gradients. "
                                    "Build the model with fused_lora=False to backpropagate twice")
             ctx.consumed = True
-        xc, x_gate, x_up, gu, keep, *saved = ctx.saved_tensors
+        xc, x_gate, x_up, gu_rows, keep, *saved = ctx.saved_tensors
         dora_gu, saved = (saved[:2], saved[2:]) if ctx.dora_gu else (None, saved)  # g, 1 / ‖W + s·B·A‖
         dora_d, saved = (saved[:3], saved[3:]) if ctx.dora_d else (None, saved)  # P, g, 1 / ‖W + s·B·A‖
         x_loras, projs, down = [x_gate, x_up], ctx.projs, ctx.projs[2]
+        n_gu = projs[0].out_features + projs[1].out_features
+        gu = gu_rows[:n_gu].t()  # [G | U] (N, 2I)
         need = ctx.needs_input_grad[5:]  # x, X̃_gate, X̃_up, A_g, B_g, A_u, B_u, A_d, B_d, m_g, m_u, m_d
         need_a, need_b, need_m = need[3:9:2], need[4:9:2], need[9:]  # of gate, up, down
         masters, m_dtypes = ctx.dtypes[3:9:2], ctx.dtypes[9:]  # lora_A's and m's dtypes of gate, up, down
@@ -1007,16 +1056,20 @@ class _LoRAMLP(torch.autograd.Function):
                 dy = _dora_backward(ctx.dora_ops.backward, (down,), m_dtypes[2:], dy, *dora_d, need_m[2:], dm_d)
                 dm[2] = dm_d[0]
             g, u = _halves(gu)
-            dh = _base_backward((down,), dy, transposed=True)  # (N, I), stored as (I, N) like Gᵀ and Uᵀ
-            mask = None if keep is None else keep.to(dh.dtype).div_(1 - ctx.p_drop)  # M_d, as F.dropout scales
+            mask = None if keep is None else keep.to(dy.dtype).div_(1 - ctx.p_drop)  # M_d, as F.dropout scales
             if down.r:  # dH gets s (dY B_d) A_d (⊙ M_d), and dB_d reads the saved s H̃ A_dᵀ: neither needs H
                 xa, a_d, b_d = saved[-3:]
                 db_d = [None]
                 dyb = _adapt_backward((down,), [0], dy, None, xa, b_d, [False], need_b[2:], masters[2:], None, db_d)
                 db[2] = db_d[0]
-                if mask is None:
+            if (down.r and mask is None and _folded((down,), [[0]], [None], ctx.dora_d)
+                    and down.in_features > down.out_features):  # dH = [dY | s dY B_d] [W_d; A_d]
+                dh = _base_backward((down,), torch.cat([dy, dyb], dim=1), transposed=True, rows=a_d)
+            else:
+                dh = _base_backward((down,), dy, transposed=True)  # (N, I), stored as (I, N) like Gᵀ and Uᵀ
+                if down.r and mask is None:
                     dh.addmm_(dyb, a_d)
-                else:
+                elif down.r:
                     dh.addcmul_(torch.mm(dyb, a_d), mask)
             # kernels, no DoRA: dG, dU written over Gᵀ and Uᵀ (into gu); H over dH
             dg, du, h = ctx.glu.backward(dh.t(), g, u, **affine)
@@ -1030,9 +1083,16 @@ class _LoRAMLP(torch.autograd.Function):
             else:
                 dgu = gu if ctx.glu.inplace else torch.cat([dg, du]).t()  # [dG | dU] (N, 2I)
             del gu, dg, du
-            dx = _base_backward(projs[:2], dgu) if need[0] else None
-            dx_loras = _adapt_groups_backward(projs[:2], ctx.groups, saved, dgu, x_loras, xc, dx, need[1:3], need_a,
-                                              need_b, masters, da, db)
+            if len(gu_rows) > n_gu:  # folded: [dG | dU | s dY B] [W_gate; W_up; A], s dY B in the spare rows
+                xa, a, b = saved[:3]
+                dyb = _adapt_backward(projs[:2], ctx.groups[0], dgu, xc, xa, b, need_a, need_b, masters, da, db)
+                gu_rows[n_gu:] = dyb.t()
+                dx = _base_backward(projs[:2], gu_rows.t(), rows=a) if need[0] else None
+                dx_loras = [None, None]
+            else:
+                dx = _base_backward(projs[:2], dgu) if need[0] else None
+                dx_loras = _adapt_groups_backward(projs[:2], ctx.groups, saved, dgu, x_loras, xc, dx, need[1:3],
+                                                  need_a, need_b, masters, da, db)
         x_dtype = ctx.dtypes[0]  # X's, and X̃_gate's and X̃_up's (asserted in forward)
         dxs = [_to(t, x_dtype) for t in (dx, *dx_loras)]
         return (None, None, None, None, None,

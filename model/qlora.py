@@ -88,25 +88,29 @@ class NF4Weight(nn.Module):
         return NF4Data(self.packed, self.absmax, self.absmax_scale, self.absmax_offset, absmax_code(self.packed.device))
 
     def dequantize(self, out=None, kernel=None):
-        """The weight [out, in] in its original dtype, written into `out` when given (a contiguous tensor of that
-        shape and dtype, e.g. rows of a larger buffer), else into a new tensor. kernel: dequantize with nanotune's
-        Triton kernel rather than bitsandbytes' (the same values, bit for bit); by default on CUDA only, where
-        Triton compiles (elsewhere it runs only in its interpreter, far slower than bitsandbytes' CPU code)."""
-        assert out is None or (out.shape == self.shape and out.dtype == self.weight_dtype), (
-            f"NF4 dequantize: out must be {tuple(self.shape)} {self.weight_dtype}, got {tuple(out.shape)} {out.dtype}")
+        """The weight [out, in] in its original dtype, written into `out` when given (a tensor of that shape and
+        dtype whose rows are contiguous: e.g. rows of a larger buffer, or its first columns), else into a new
+        tensor. kernel: dequantize with nanotune's Triton kernel rather than bitsandbytes' (the same values, bit for
+        bit); by default on CUDA only, where Triton compiles (elsewhere it runs only in its interpreter, far slower
+        than bitsandbytes' CPU code). Where neither writes `out` in place, the weight is copied into it."""
+        assert out is None or (out.shape == self.shape and out.dtype == self.weight_dtype and out.stride(-1) == 1), (
+            f"NF4 dequantize: out must be {tuple(self.shape)} {self.weight_dtype} with contiguous rows, got "
+            f"{tuple(out.shape)} {out.dtype} strides {out.stride()}")
         if self.packed.is_cuda if kernel is None else kernel:
-            from kernels.nf4_dequantize import nf4_dequantize  # Triton is imported only where the kernel runs
-            if out is None:
-                out = torch.empty(self.shape, dtype=self.weight_dtype, device=self.packed.device)
+            from kernels.nf4_dequantize import nf4_dequantize, row_strided  # Triton is imported only where it runs
+            if out is None or not (out.is_contiguous() or row_strided(out)):
+                w = torch.empty(self.shape, dtype=self.weight_dtype, device=self.packed.device)
+                w = nf4_dequantize(self.data(), w)
+                return w if out is None else out.copy_(w)
             return nf4_dequantize(self.data(), out)
         absmax_state = QuantState(absmax=self.absmax_scale, code=absmax_code(self.packed.device),
                                   blocksize=NF4_ABSMAX_BLOCK, dtype=torch.float32)
         state = QuantState(absmax=self.absmax, shape=self.shape, blocksize=NF4_BLOCK, quant_type="nf4",
                            dtype=self.weight_dtype, offset=self.absmax_offset, state2=absmax_state)
-        if out is not None and out.is_cuda:
+        if out is not None and out.is_cuda and out.is_contiguous():
             return dequantize_4bit(self.packed, state, out=out)
         w = dequantize_4bit(self.packed, state)
-        return w if out is None else out.copy_(w)  # bitsandbytes' CPU backend takes no out=
+        return w if out is None else out.copy_(w)  # bitsandbytes' CPU backend takes no out=, nor a strided one
 
     def extra_repr(self):
         return f"shape={tuple(self.shape)}, dtype={self.weight_dtype}"

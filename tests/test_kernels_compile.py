@@ -162,8 +162,9 @@ def kernel_cases():
 
     specs.append(("kernels.nf4_dequantize", "_nf4_dequantize_kernel", lambda t: {
         "packed_ptr": "*u8", "absmax_ptr": "*u8", "absmax_scale_ptr": "*fp32", "absmax_offset_ptr": "*fp32",
-        "absmax_code_ptr": "*fp32", "levels_ptr": "*fp32", "out_ptr": f"*{t}", "n": "i32"},
-        {"BLOCKS": nf4.BLOCKS, "BLOCK": NF4_BLOCK, "ABSMAX_BLOCK": NF4_ABSMAX_BLOCK}, [{}], nf4.OPTIONS["num_warps"]))
+        "absmax_code_ptr": "*fp32", "levels_ptr": "*fp32", "out_ptr": f"*{t}", "n": "i32", "K": "i32",
+        "row_stride": "i32"}, {"BLOCKS": nf4.BLOCKS, "BLOCK": NF4_BLOCK, "ABSMAX_BLOCK": NF4_ABSMAX_BLOCK},
+        [{"STRIDED": False}, {"STRIDED": True}], nf4.OPTIONS["num_warps"]))
 
     # e4m3 from the GPU's conversion (HARDWARE_E4M3) or from the fp32 bits, stored as uint8. Every launch
     # configuration: a row held in registers (the widest), a wide row read twice, a transposed x in tiles.

@@ -473,7 +473,7 @@ def test_fused_mlp_saves_no_weight_and_no_h():
         lora_mlp(x, projs, glu("silu"))
     assert not [s for s, _ in saved if s in ((I, H), (H, I), (2 * I, H))], f"a base weight was saved: {saved}"
     assert not [s for s, d in saved if s == (21, I) and d == torch.float32], f"H was saved: {saved}"
-    assert sum(s == (21, 2 * I) and d == torch.float32 for s, d in saved) == 1, saved  # [G | U]
+    assert sum(s == (2 * I, 21) and d == torch.float32 for s, d in saved) == 1, saved  # [G | U], stored transposed
     assert ((21, I), torch.bool) in saved  # the down-projection dropout mask
 
 

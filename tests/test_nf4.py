@@ -71,12 +71,37 @@ def test_kernel_writes_into_rows_of_a_buffer(dtype):
         assert weights[0].dequantize(out=out, kernel=kernel) is out
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_kernel_writes_into_the_first_columns_of_a_buffer(dtype):
+    """A weight of rows of 128 values into the first 128 columns of a (24, 150) buffer (the [W | B] of model/lora.py):
+    its values exactly, and the other columns untouched; by either path of NF4Weight.dequantize, and through a
+    copy where the rows are not a multiple of 64 values."""
+    nf4 = nf4_weight((24, 128), dtype)
+    expected = nf4.dequantize(kernel=False)
+    buffer = torch.full((24, 150), 7.0, dtype=dtype, device=DEVICE)
+    assert nf4_dequantize(nf4.data(), buffer[:, :128]).data_ptr() == buffer.data_ptr()
+    assert_bit_equal(buffer[:, :128], expected, "the weight's columns")
+    assert (buffer[:, 128:] == 7).all(), "columns after the weight were written"
+    for kernel in (False, True):
+        buffer.fill_(7.0)
+        nf4.dequantize(out=buffer[:, :128], kernel=kernel)
+        assert_bit_equal(buffer[:, :128], expected, f"NF4Weight.dequantize(kernel={kernel})")
+        assert (buffer[:, 128:] == 7).all()
+    odd = nf4_weight((6, 70), dtype)
+    buffer = torch.full((6, 80), 7.0, dtype=dtype, device=DEVICE)
+    odd.dequantize(out=buffer[:, :70], kernel=True)
+    assert_bit_equal(buffer[:, :70], odd.dequantize(kernel=False), "rows of 70 values, copied")
+    assert (buffer[:, 70:] == 7).all()
+
+
 def test_kernel_refuses_a_mismatched_output():
     nf4 = nf4_weight((8, 64), torch.float32)
     with pytest.raises(ValueError, match="packed must be 224 .* for a weight of 448 values; got 256"):
         nf4_dequantize(nf4.data(), torch.empty(8, 56, device=DEVICE))
     with pytest.raises(ValueError, match="contiguous"):
         nf4_dequantize(nf4.data(), torch.empty(64, 8, device=DEVICE).t())
+    with pytest.raises(ValueError, match="row-strided, rows of a multiple of 64"):
+        nf4_dequantize(nf4_weight((8, 70), torch.float32).data(), torch.empty(8, 80, device=DEVICE)[:, :70])
     with pytest.raises(ValueError, match="fp32/bf16/fp16"):
         nf4_dequantize(nf4.data(), torch.empty(8, 64, dtype=torch.float64, device=DEVICE))
 

@@ -12,7 +12,20 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from model import LoRAConfig, load_model
 from model.lora import LoRALinear, lora_mlp, lora_parameters, lora_projections
 from model.qlora import NF4Weight, quantize_linear_, quantize_model
-from tests.helpers import H, I, attention_projs, compare, glu, mlp_projs, randomize_lora_b, rel_err, run, unfused_mlp
+from tests.helpers import (
+    H,
+    I,
+    R,
+    attention_projs,
+    compare,
+    glu,
+    make_proj,
+    mlp_projs,
+    randomize_lora_b,
+    rel_err,
+    run,
+    unfused_mlp,
+)
 
 B, T = 2, 20
 
@@ -85,6 +98,55 @@ def test_fused_nf4_equals_fused_dequantized_weights(dtype, kernel, group, monkey
     quant, ref = nf4_pair(dtype, make)
     x = torch.randn(3, 7, H).to(dtype)
     equal_runs(run(lambda t: fn(t, quant), x, quant), run(lambda t: fn(t, ref), x, ref), group)
+
+
+def no_dropout(projs):
+    for p in projs:
+        p.dropout_p = 0.0
+    return projs
+
+
+FOLD_H, FOLD_I = 64, 128  # widths of 64: the Triton kernel writes W straight into [W | B]
+FOLDED = {  # (name, in, out, bias, adapted) of the projections of each case
+    "mlp": [("gate_proj", FOLD_H, FOLD_I, False, True), ("up_proj", FOLD_H, FOLD_I, False, True),
+            ("down_proj", FOLD_I, FOLD_H, False, True)],
+    "q/k/v": [("q_proj", FOLD_H, 64, True, True), ("k_proj", FOLD_H, 32, True, False),
+              ("v_proj", FOLD_H, 32, True, True)],
+    "o": [("o_proj", FOLD_H, FOLD_H, False, True)]}
+
+
+@pytest.mark.parametrize("case", ["mlp", "mlp-kernels", "q/k/v", "o"])
+@pytest.mark.parametrize("kernel", [False, True], ids=["bitsandbytes", "triton"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_folded_adapters_match_the_dequantized_reference(dtype, kernel, case, monkeypatch):
+    """Without dropout, the adapters of NF4 projections join the base GEMM along K ([X | s X Aᵀ] [W | B]ᵀ forward,
+    [dY | s dY B] [W; A] backward): outputs, dx and the LoRA gradients match the unfused reference on the
+    dequantized weights, for q/k/v (k without an adapter), o, and the MLP with the torch activation and with the
+    kernels' in-place one (whose buffer carries s dY B). The folds are seen to run: X (forward) and the MLP's dY
+    (down's backward) are concatenated with the adapters' products."""
+    monkeypatch.setattr(NF4Weight, "dequantize", partialmethod(NF4Weight.dequantize, kernel=kernel))
+    specs = FOLDED[case.removesuffix("-kernels")]
+
+    def make(dtype):
+        projs = [make_proj(a, b, bias, R if adapted else 0, dtype, name, seed)
+                 for seed, (name, a, b, bias, adapted) in enumerate(specs)]
+        for p in projs:
+            p.dropout_p = 0.0
+        return projs
+
+    quant, ref = nf4_pair(dtype, make)
+    x = torch.randn(3, 7, FOLD_H).to(dtype)
+    if case.startswith("mlp"):
+        silu = glu("silu", use_kernels=case == "mlp-kernels")
+        fused, unfused = (lambda t: lora_mlp(t, quant, silu)), (lambda t: unfused_mlp(t, ref, "silu"))
+        widths = {FOLD_H + 2 * R, FOLD_H + R}  # [X | s X Aᵀ] of gate/up; [dY | s dY B] of down
+    else:
+        fused, unfused = (lambda t: lora_projections(t, quant)), (lambda t: tuple(p(t) for p in ref))
+        widths = {FOLD_H + sum(p.r for p in quant)}
+    with OpShapes() as seen:
+        result = run(fused, x, quant)
+    compare(result, run(unfused, x, ref), dtype, f"folded {case}")
+    assert {(len(x.view(-1, FOLD_H)), w) for w in widths} <= seen[torch.ops.aten.cat.default], "not folded"
 
 
 def test_fused_nf4_concatenates_no_weights():
@@ -185,3 +247,30 @@ def test_nf4_decoding_replays_as_eager(llama_folder):
     model.eval()
     prompt = torch.randint(0, cfg.vocab_size, (7,), generator=torch.Generator().manual_seed(0)).tolist()
     assert generate(model, prompt, 12, cuda_graph=True) == generate(model, prompt, 12, cuda_graph=False)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("case", ["mlp", "q/k/v", "o"])
+def test_folded_adapters_on_gpu(case):
+    """The folds on CUDA in bf16 at a model's widths (the Triton kernel writing W into [W | B], cuBLAS on the
+    strided [X | s X Aᵀ] and [dY | s dY B], the kernels' activation), against the unfused reference."""
+    h, i = 1024, 2816
+    specs = {"mlp": [("gate_proj", h, i, False), ("up_proj", h, i, False), ("down_proj", i, h, False)],
+             "q/k/v": [("q_proj", h, 1024, True), ("k_proj", h, 256, True), ("v_proj", h, 256, True)],
+             "o": [("o_proj", h, h, False)]}[case]
+
+    def make(dtype):
+        projs = [make_proj(a, b, bias, 16, dtype, name, seed).cuda() for seed, (name, a, b, bias) in enumerate(specs)]
+        for p in projs:
+            p.dropout_p = 0.0
+        return projs
+
+    quant, ref = nf4_pair(torch.bfloat16, make)
+    x = torch.randn(2, 300, h, device="cuda").to(torch.bfloat16)
+    if case == "mlp":
+        silu = glu("silu", use_kernels=True)
+        fused, unfused = (lambda t: lora_mlp(t, quant, silu)), (lambda t: unfused_mlp(t, ref, "silu"))
+    else:
+        fused, unfused = (lambda t: lora_projections(t, quant)), (lambda t: tuple(p(t) for p in ref))
+    compare(run(fused, x, quant), run(unfused, x, ref), torch.bfloat16, f"folded {case} on CUDA")
