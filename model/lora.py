@@ -76,6 +76,17 @@ their fp32 masters are stored stacked too (`pack_adapters_`: A_q, A_k, A_v conse
 tensor, B_q, B_k, B_v likewise): each forward casts the stacked A as one view, and builds the block B
 in one multiply of the stacked B by a fixed 0/1 mask, written in the compute dtype.
 
+On NF4 weights, which are dequantized into a new buffer at every use anyway, the product with Bᵀ (or with A)
+joins the base GEMM along K instead of adding into its output in a pass of its own (`_folded`):
+
+    Y  = [X | s X Aᵀ] [W | B]ᵀ         (N, Σout), K = in + Σr: W dequantized into the first columns, B beside it
+    dX = [dY | s dY B] [W; A]          (N, in),   K = Σout + Σr: A stacked below W
+
+one rounding of the sum, and the output is written once and never read and written again. The price is a copy of
+X (or dY) beside the thin product, worth it where the output is wider than the input: forward for q|k|v, o and
+gate|up, backward for down; gate|up's backward needs no copy, as its [dG | dU] buffer carries Σr spare rows from
+the forward for s dY B. Dropout, DoRA, full-precision weights (W would be copied) and --fp8 keep the adds.
+
 The MLP, with act(g) = g·σ(g) (SwiGLU) or gelu(g) (GeGLU):
 
     G = X W_gᵀ + s_g (X̃_g A_gᵀ) B_gᵀ,   U likewise,   H = act(G) ⊙ U,   H̃ = H ⊙ M_d

@@ -16,7 +16,8 @@ bitsandbytes' `dequantize_4bit`, and straight into a given buffer); elsewhere
 see them) and replaces a LoRALinear's `weight`. `LoRALinear.base_weight()` dequantizes
 it; the fused LoRA Functions (model/lora.py) dequantize the weights of projections that
 share an input (q, k, v; gate, up) into the rows of one [Σout, in] buffer, in forward and
-again in backward, and free it right after each matmul, so a dequantized weight is never kept. (The
+again in backward (with the adapters' B set beside it or A below it, so that one GEMM computes both terms), and
+free it right after each matmul, so a dequantized weight is never kept. (The
 unfused reference path, fused_lora=False, lets autograd save each dequantized weight for
 backward: correct, but with full-precision weight memory.)
 
