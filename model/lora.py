@@ -1073,8 +1073,10 @@ class _LoRAMLP(torch.autograd.Function):
                 db_d = [None]
                 dyb = _adapt_backward((down,), [0], dy, None, xa, b_d, [False], need_b[2:], masters[2:], None, db_d)
                 db[2] = db_d[0]
-            if (down.r and mask is None and _folded((down,), [[0]], [None], ctx.dora_d)
-                    and down.in_features > down.out_features):  # dH = [dY | s dY B_d] [W_d; A_d]
+            # down's input (H) is wider than its output: dH = [dY | s dY B_d] [W_d; A_d] without dropout (whose
+            # mask M_d applies to the adapter's term alone), rather than a pass that adds s (dY B_d) A_d into dH
+            fold_down = down.r and mask is None and down.in_features > down.out_features
+            if fold_down and _folded((down,), [[0]], [None], ctx.dora_d):
                 dh = _base_backward((down,), torch.cat([dy, dyb], dim=1), transposed=True, rows=a_d)
             else:
                 dh = _base_backward((down,), dy, transposed=True)  # (N, I), stored as (I, N) like Gᵀ and Uᵀ
