@@ -580,7 +580,8 @@ def _base_weights(projs, dtype, columns=None, rows=None):
         assert columns is None and rows is None, "fused LoRA: adapters join the GEMM of NF4 weights only"
         return _packed([p.base_weight() for p in projs]).to(dtype)
     n_out, n_in = sum(p.out_features for p in projs), projs[0].in_features
-    extra_rows, extra_cols = (0 if t is None else t.shape[i] for t, i in ((rows, 0), (columns, 1)))
+    extra_rows = 0 if rows is None else rows.shape[0]
+    extra_cols = 0 if columns is None else columns.shape[1]
     w = nf4[0].packed.new_empty(n_out + extra_rows, n_in + extra_cols, dtype=nf4[0].weight_dtype)
     for q, span in zip(nf4, _spans(projs)):
         q.dequantize(out=w[span, :n_in])
@@ -1070,6 +1071,8 @@ class _LoRAMLP(torch.autograd.Function):
             mask = None if keep is None else keep.to(dy.dtype).div_(1 - ctx.p_drop)  # M_d, as F.dropout scales
             if down.r:  # dH gets s (dY B_d) A_d (⊙ M_d), and dB_d reads the saved s H̃ A_dᵀ: neither needs H
                 xa, a_d, b_d = saved[-3:]
+                _expect(a_d, xc.dtype, f"saved lora_A of {down.name}")
+                _expect(b_d, xc.dtype, f"saved lora_B of {down.name}")
                 db_d = [None]
                 dyb = _adapt_backward((down,), [0], dy, None, xa, b_d, [False], need_b[2:], masters[2:], None, db_d)
                 db[2] = db_d[0]
@@ -1098,6 +1101,8 @@ class _LoRAMLP(torch.autograd.Function):
             del gu, dg, du
             if len(gu_rows) > n_gu:  # folded: [dG | dU | s dY B] [W_gate; W_up; A], s dY B in the spare rows
                 xa, a, b = saved[:3]
+                _expect(a, xc.dtype, f"saved lora_A of {projs[0].name}")
+                _expect(b, xc.dtype, f"saved lora_B of {projs[0].name}")
                 dyb = _adapt_backward(projs[:2], ctx.groups[0], dgu, xc, xa, b, need_a, need_b, masters, da, db)
                 gu_rows[n_gu:] = dyb.t()
                 dx = _base_backward(projs[:2], gu_rows.t(), rows=a) if need[0] else None
