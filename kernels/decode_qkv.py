@@ -20,6 +20,7 @@ at the store. `at` is a device tensor (a CUDA-graphed step's slot). Forward only
 
 Reference: kernels.references.decode_qkv_reference.
 """
+import torch
 import triton
 import triton.language as tl
 
@@ -128,7 +129,7 @@ def decode_qkv(x, norm_weight, weight, bias, cos, sin, k_cache, v_cache, at, n_h
         raise ValueError(f"decode_qkv: the caches must be contiguous [{M}, Hk, S, {D}]; got {tuple(k_cache.shape)}, "
                          f"{tuple(v_cache.shape)}")
     assert k_cache.dtype == v_cache.dtype == cos.dtype == sin.dtype == x.dtype, (k_cache.dtype, cos.dtype, x.dtype)
-    assert at.shape == (1,) and at.dtype.is_floating_point is False, "decode_qkv: `at` must be one int64 slot"
+    assert at.shape == (1,) and at.dtype == torch.int64, "decode_qkv: `at` must be one int64 slot"
     x, weight, cos, sin = x.contiguous(), weight.contiguous(), cos.contiguous(), sin.contiguous()
     q = x.new_empty(M, n_heads, D)
     split, chunk, block_k = launch_config(heads, K, x)
