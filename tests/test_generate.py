@@ -148,6 +148,35 @@ def test_fused_decoding_layers(family, tmp_path, monkeypatch):
     assert_close(caches[0], caches[1], atol=2e-5, rtol=2e-5, name=f"{family} cache")
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_fused_decoding_layers_on_gpu(family, tmp_path):
+    """bf16 on a GPU with merged adapters (a rollout's sampler): a step's logits through the five-launch layers agree
+    with the nine-launch layers' within bf16's rounding, and CUDA-graphed greedy generation runs through both."""
+    from model.lora import MergedAdapters
+    save_tiny(family, str(tmp_path))
+    model, cfg = load_model(str(tmp_path), dtype=torch.bfloat16, device="cuda", use_kernels=True,
+                            lora=LoRAConfig(r=4, alpha=8))
+    randomize_lora_b(model)
+    model.eval()
+    fused = model.ops.fused_decode
+    prompt = torch.randint(0, cfg.vocab_size, (7,), generator=torch.Generator().manual_seed(2)).tolist()
+    ids = torch.tensor([prompt], device="cuda")
+    runs, logits = [], []
+    for path in (fused, None):
+        model.ops.fused_decode = path
+        runs.append(generate(model, prompt, max_new_tokens=8, temperature=0.0))
+        cache, at = KVCache(cfg, 1, 8, torch.bfloat16, "cuda"), torch.zeros(1, dtype=torch.long, device="cuda")
+        with torch.no_grad(), MergedAdapters(model):
+            model(ids[:, :6], cache=cache)
+            cache.make_static(at)
+            at.fill_(6)
+            logits.append(model(ids[:, 6:7], cache=cache).float())
+    assert [len(r) for r in runs] == [8, 8], runs
+    assert_close(logits[0], logits[1], atol=3e-2, rtol=3e-2, name=f"{family} bf16 logits")
+
+
 @pytest.mark.parametrize("family", ["qwen3", "gemma", "gemma2"])
 def test_fused_decoding_layers_leave_other_families_alone(family):
     """Qwen3 (q/k norms), Gemma (GeGLU) and Gemma 2 (sandwich norms) keep the nine-launch decoding layers."""
