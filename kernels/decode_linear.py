@@ -30,6 +30,9 @@ from kernels.rms_norm import _normalized
 from kernels.softcap_attention import TL_DTYPES, _dot
 
 NUM_WARPS = 4
+NUM_STAGES = 4  # tiles of W in flight a program: its loads are the chain a skinny GEMM waits on
+WAVES = 1  # programs a launch, in waves of the device's SMs (`launch_config`): with more, K is cut finer, and the
+# partials' round trip and sum cost more than the shorter chains of loads save (dev/perf-notes.md)
 MAX_ROWS = 64  # rows a launch takes (BLOCK_M up to 64): a decoding step's, not a prefill's
 
 
@@ -41,12 +44,12 @@ def block_m(M: int) -> int:
 def launch_config(tiles: int, K: int, x) -> tuple[int, int, int]:
     """(SPLIT, K_CHUNK, BLOCK_K) for inputs like x: weight tiles of BLOCK_K 128 bf16/fp16 elements a row (256 bytes:
     16 bytes a thread), or 32 fp32 ones (a head of 256's tiles then fit sm_80's shared memory); K cut into SPLIT
-    chunks of K_CHUNK (whole tiles) so that tiles × SPLIT programs make about two waves of the device's SMs (132 where
-    there is no GPU, as on an H100), none empty."""
+    chunks of K_CHUNK (whole tiles) so that tiles × SPLIT programs make about WAVES waves of the device's SMs (132
+    where there is no GPU, as on an H100), none empty."""
     sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 132
     block_k = 32 if x.dtype == torch.float32 else 128
     blocks = triton.cdiv(K, block_k)
-    want = max(1, min(blocks, triton.cdiv(2 * sms, tiles)))
+    want = max(1, min(blocks, triton.cdiv(WAVES * sms, tiles)))
     chunk = triton.cdiv(blocks, want) * block_k
     return triton.cdiv(K, chunk), chunk, block_k
 
@@ -184,6 +187,6 @@ def decode_linear(x, weight, bias, residual, workspace: Workspace, block_n: int 
     _decode_linear_kernel[(tiles, split)](
         x, weight, weight if bias is None else bias, residual, y, ws, counts, M, N, K, chunk,
         HAS_BIAS=bias is not None, SPLIT=split, **dot_constexprs(x),
-        BLOCK_M=bm, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=NUM_WARPS)
+        BLOCK_M=bm, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=NUM_WARPS, num_stages=NUM_STAGES)
     assert y.dtype == x.dtype, f"decode_linear: y must be {x.dtype}, got {y.dtype}"
     return y

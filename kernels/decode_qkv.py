@@ -25,6 +25,7 @@ import triton
 import triton.language as tl
 
 from kernels.decode_linear import (
+    NUM_STAGES,
     NUM_WARPS,
     Workspace,
     _arrive,
@@ -139,6 +140,6 @@ def decode_qkv(x, norm_weight, weight, bias, cos, sin, k_cache, v_cache, at, n_h
         x, norm_weight, weight, weight if bias is None else bias, cos, sin, q, k_cache, v_cache, at, ws, counts,
         M, K, chunk, S, n_heads, Hk, D // 2, eps, offset,
         GEMMA_CAST=cast == "gemma", HAS_BIAS=bias is not None, SPLIT=split, **dot_constexprs(x),
-        BLOCK_M=bm, BLOCK_HALF=half, BLOCK_K=block_k, num_warps=NUM_WARPS)
+        BLOCK_M=bm, BLOCK_HALF=half, BLOCK_K=block_k, num_warps=NUM_WARPS, num_stages=NUM_STAGES)
     assert q.dtype == x.dtype, f"decode_qkv: q must be {x.dtype}, got {q.dtype}"
     return q

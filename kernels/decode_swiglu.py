@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 
 from kernels.decode_linear import (
+    NUM_STAGES,
     NUM_WARPS,
     Workspace,
     _arrive,
@@ -102,6 +103,6 @@ def decode_swiglu(x, norm_weight, weight, bias, workspace: Workspace, eps=1e-6, 
     _decode_swiglu_kernel[(tiles, split)](
         x, norm_weight, weight, weight if bias is None else bias, h, ws, counts, M, N, K, chunk, eps, offset,
         GEMMA_CAST=cast == "gemma", HAS_BIAS=bias is not None, SPLIT=split, **dot_constexprs(x),
-        BLOCK_M=bm, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=NUM_WARPS)
+        BLOCK_M=bm, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=NUM_WARPS, num_stages=NUM_STAGES)
     assert h.dtype == x.dtype, f"decode_swiglu: h must be {x.dtype}, got {h.dtype}"
     return h

@@ -284,7 +284,7 @@ def decode_gemm_cases():
                    "ws_ptr": "*fp32", "count_ptr": "*i32", **dict.fromkeys(ints, "i32"),
                    **dict.fromkeys(floats.get(kernel, ()), "fp32"), **dict.fromkeys(constexprs, "constexpr")}
             cases.append(Case(f"{kernel}-{dtype}-sm{arch}", module, kernel, sig, constexprs,
-                              dl.NUM_WARPS, arch))
+                              dl.NUM_WARPS, arch, dl.NUM_STAGES))
     return cases
 
 
