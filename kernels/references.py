@@ -151,6 +151,53 @@ def decode_attention_reference(q, k_cache, v_cache, first, at, scale, window=Non
     return y.reshape(B, 1, Hq, D).to(q.dtype)
 
 
+# ----------------------------------------------------------------------------- a decoding step's GEMMs
+
+def check_decode_linear_args(x, weight, bias, residual):
+    M, K = x.shape
+    if weight.dim() != 2 or weight.shape[1] != K or residual.shape != (M, weight.shape[0]):
+        raise ValueError(f"x must be [M, K], weight [N, K] and residual [M, N]; got {tuple(x.shape)}, "
+                         f"{tuple(weight.shape)}, {tuple(residual.shape)}")
+    if bias is not None and bias.shape != (weight.shape[0],):
+        raise ValueError(f"bias must be [{weight.shape[0]}], got {tuple(bias.shape)}")
+    if M > 64 or len({t.dtype for t in (x, weight, residual) + (() if bias is None else (bias,))}) > 1:
+        raise ValueError(f"at most 64 rows of one dtype; got {M} rows, {x.dtype}, {weight.dtype}, {residual.dtype}")
+
+
+def decode_linear_reference(x, weight, bias, residual):
+    """Pure torch, as a layer adds its projection to the residual stream: residual + F.linear(x, weight, bias)."""
+    check_decode_linear_args(x, weight, bias, residual)
+    return residual + F.linear(x, weight, bias)
+
+
+def check_norm_linear_args(x, norm_weight, weight, bias, cast):
+    check_rms_norm_args(x, norm_weight, cast)
+    if weight.dim() != 2 or weight.shape[1] != x.shape[1] or (bias is not None and bias.shape != weight.shape[:1]):
+        raise ValueError(f"x must be [M, K], weight [N, K] and bias [N]; got {tuple(x.shape)}, {tuple(weight.shape)}, "
+                         f"{None if bias is None else tuple(bias.shape)}")
+    dtypes = {t.dtype for t in (x, norm_weight, weight) + (() if bias is None else (bias,))}
+    if x.shape[0] > 64 or len(dtypes) > 1:
+        raise ValueError(f"at most 64 rows of one dtype; got {x.shape[0]} rows, {sorted(map(str, dtypes))}")
+
+
+def decode_swiglu_reference(x, norm_weight, weight, bias=None, eps=1e-6, offset=0.0, cast="llama"):
+    """Pure torch: silu(G) ⊙ U of [G | U] = RMSNorm(x) Wᵀ + b, weight [2I, K] holding gate's rows, then up's."""
+    check_norm_linear_args(x, norm_weight, weight, bias, cast)
+    gate, up = F.linear(rms_norm_reference(x, norm_weight, eps, offset, cast), weight, bias).chunk(2, dim=-1)
+    return swiglu_reference(gate, up)
+
+
+def decode_qkv_reference(x, norm_weight, weight, bias, cos, sin, k_cache, v_cache, at, n_heads, eps=1e-6,
+                         offset=0.0, cast="llama"):
+    """Pure torch: q | k | v = RMSNorm(x) Wᵀ + b for x [M, K] (weight's rows: n_heads q heads, then the caches' Hk
+    k heads and Hk v heads), then `rope_into_cache_reference` with cos, sin [M, D]; returns the rotated q [M, Hq, D]."""
+    check_norm_linear_args(x, norm_weight, weight, bias, cast)
+    M, Hk, D = x.shape[0], k_cache.shape[1], k_cache.shape[3]
+    qkv = F.linear(rms_norm_reference(x, norm_weight, eps, offset, cast), weight, bias)
+    q, k, v = (t.view(M, 1, -1, D) for t in qkv.split([n_heads * D, Hk * D, Hk * D], dim=-1))
+    return rope_into_cache_reference(q, k, v, cos[:, None], sin[:, None], k_cache, v_cache, at)[:, 0]
+
+
 # ----------------------------------------------------------------------------- softcapped attention
 
 def softcap_attention_reference(q, k, v, mask, scale, softcap):

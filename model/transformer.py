@@ -65,11 +65,12 @@ class Ops:
     """The numerical building blocks, Triton or pure torch. Chosen once, when the model is built;
     the Triton kernels are imported only for a model that uses them."""
 
-    def __init__(self, use_kernels: bool, fused_lora: bool = True):
+    def __init__(self, use_kernels: bool, fused_lora: bool = True, fused_decode: bool = True):
         self.use_kernels = use_kernels
         self.fused_lora = fused_lora  # projections through model/lora.py's fused autograd Functions
         # a decoding step's kernels (`decode_attend`, `Transformer.decode_layers`)
         self.rope_into_cache = self.decode_attention = self.add_rms_norm = None
+        self.fused_decode = None  # fused_decode: a decoding step's layers in five launches each (model/decode.py)
         self.softcap_attention = None  # softcapped attention without a (T, T) tensor (`Transformer.layer_mask`)
         self.merge_table = None  # the merged weights of every adapter in one launch (`MergedAdapters`)
         self.sample_tokens = None  # a rollout's draw of each row's token in two launches (`GroupSampler`)
@@ -96,6 +97,9 @@ class Ops:
             self.softcap_attention = softcap_attention
             self.merge_table = MergeTable
             self.sample_tokens = sample_tokens
+            if fused_decode:
+                from model.decode import FusedDecode
+                self.fused_decode = FusedDecode()
         else:
             self.rms_norm, self.rope, self.swiglu, self.geglu = (rms_norm_reference, rope_reference,
                                                                  swiglu_reference, geglu_reference)
@@ -450,11 +454,12 @@ class Backbone(nn.Module):
 
 class Transformer(nn.Module):
     def __init__(self, cfg: ModelConfig, lora: LoRAConfig | None = None, use_kernels: bool = False,
-                 fused_lora: bool = True, gradient_checkpointing: bool = False, offload_activations: bool = False):
+                 fused_lora: bool = True, gradient_checkpointing: bool = False, offload_activations: bool = False,
+                 fused_decode: bool = True):
         super().__init__()
         self.config = cfg
         self.lora_config = lora  # written into adapter_config.json by model/adapters.py
-        self.ops = Ops(use_kernels, fused_lora)
+        self.ops = Ops(use_kernels, fused_lora, fused_decode)
         self.model = Backbone(cfg, self.ops, lora)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
@@ -585,7 +590,12 @@ class Transformer(nn.Module):
         """The layers of a decoding step (`hidden_states`) with each residual add and the norm after it in one
         kernel (`RMSNorm.after_add`): a layer's post-attention norm, then the next layer's input norm or the final
         norm. A small model's step costs its launches (model/generate.py); the values are the layers' own. Not for
-        sandwich norms (Gemma 2/3), whose adds follow a norm of the sublayer's output."""
+        sandwich norms (Gemma 2/3), whose adds follow a norm of the sublayer's output. Where its weights allow, the
+        layers run in five launches each instead (model/decode.py)."""
+        fused = self.ops.fused_decode
+        h = None if fused is None else fused(self, x, tables, masks, cache)  # None: it does not serve this step
+        if h is not None:
+            return h
         layers = self.model.layers
         h = layers[0].input_layernorm(x)
         for i, layer in enumerate(layers):

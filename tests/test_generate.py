@@ -95,6 +95,7 @@ def test_decoding_kernels_match_full_forward(family, tmp_path, monkeypatch):
     forward's logits, for grouped kv heads, q/k norms, and Gemma 2's softcap and window (8)."""
     save_tiny(family, str(tmp_path))
     model, cfg = load_model(str(tmp_path), use_kernels=True)
+    model.ops.fused_decode = None  # the nine-launch layers; test_fused_decoding_layers covers the five-launch ones
     plain, _ = load_model(str(tmp_path))  # the full forward and the prefill: Triton's interpreter is slow
     calls = []
     for name in ("decode_attention", "add_rms_norm"):
@@ -113,6 +114,80 @@ def test_decoding_kernels_match_full_forward(family, tmp_path, monkeypatch):
     assert calls.count("decode_attention") == 5 * cfg.n_layers
     assert calls.count("add_rms_norm") == (0 if cfg.sandwich_norm else 5 * 2 * cfg.n_layers)
     assert_close(torch.cat(pieces, dim=1), full, atol=1e-5, rtol=1e-5, name=f"{family} decoding-kernel logits")
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_fused_decoding_layers(family, tmp_path, monkeypatch):
+    """With the kernels, the one-token steps of Llama and Qwen2 (its q | k | v bias) run in five launches a layer
+    (norm + q | k | v + RoPE + cache write, attention, o + add, norm + gate | up + SwiGLU, down + add,
+    model/decode.py) and give the torch layers' logits and cache, for rows left-padded to different slots."""
+    import copy
+
+    import model.decode as decode
+    from kernels.decode_qkv import decode_qkv
+    save_tiny(family, str(tmp_path))
+    model, cfg = load_model(str(tmp_path), use_kernels=True)
+    plain, _ = load_model(str(tmp_path))  # the prefill and the reference: Triton's interpreter is slow
+    calls = []
+    monkeypatch.setattr(decode, "decode_qkv", lambda *a, **kw: calls.append(1) or decode_qkv(*a, **kw))
+    ids = torch.randint(0, cfg.vocab_size, (3, 8), generator=torch.Generator().manual_seed(1))
+    prefilled = KVCache(cfg, 3, 9, torch.float32, "cpu")
+    with torch.no_grad():
+        plain(ids[:, :6], cache=prefilled)
+    logits, caches = [], []
+    for run in (model, plain):
+        cache, at = copy.deepcopy(prefilled), torch.zeros(1, dtype=torch.long)
+        cache.make_static(at, torch.tensor([0, 2, 0]))
+        with torch.no_grad():
+            for t in range(6, 8):
+                at.fill_(t)
+                logits.append(run(ids[:, t:t + 1], cache=cache))
+        caches.append(torch.stack([torch.stack((c.k, c.v)) for c in cache.layers]))
+    assert len(calls) == 2 * cfg.n_layers
+    assert_close(torch.cat(logits[:2]), torch.cat(logits[2:]), atol=2e-5, rtol=2e-5, name=f"{family} logits")
+    assert_close(caches[0], caches[1], atol=2e-5, rtol=2e-5, name=f"{family} cache")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_fused_decoding_layers_on_gpu(family, tmp_path):
+    """bf16 on a GPU with merged adapters (a rollout's sampler): a step's logits through the five-launch layers agree
+    with the nine-launch layers' within bf16's rounding, and CUDA-graphed greedy generation runs through both."""
+    from model.lora import MergedAdapters
+    save_tiny(family, str(tmp_path))
+    model, cfg = load_model(str(tmp_path), dtype=torch.bfloat16, device="cuda", use_kernels=True,
+                            lora=LoRAConfig(r=4, alpha=8))
+    randomize_lora_b(model)
+    model.eval()
+    fused = model.ops.fused_decode
+    prompt = torch.randint(0, cfg.vocab_size, (7,), generator=torch.Generator().manual_seed(2)).tolist()
+    ids = torch.tensor([prompt], device="cuda")
+    runs, logits = [], []
+    for path in (fused, None):
+        model.ops.fused_decode = path
+        runs.append(generate(model, prompt, max_new_tokens=8, temperature=0.0))
+        cache, at = KVCache(cfg, 1, 8, torch.bfloat16, "cuda"), torch.zeros(1, dtype=torch.long, device="cuda")
+        with torch.no_grad(), MergedAdapters(model):
+            model(ids[:, :6], cache=cache)
+            cache.make_static(at)
+            at.fill_(6)
+            logits.append(model(ids[:, 6:7], cache=cache).float())
+    assert [len(r) for r in runs] == [8, 8], runs
+    assert_close(logits[0], logits[1], atol=3e-2, rtol=3e-2, name=f"{family} bf16 logits")
+
+
+@pytest.mark.parametrize("family", ["qwen3", "gemma", "gemma2"])
+def test_fused_decoding_layers_leave_other_families_alone(family):
+    """Qwen3 (q/k norms), Gemma (GeGLU) and Gemma 2 (sandwich norms) keep the nine-launch decoding layers."""
+    from model.config import from_hf_config
+    from model.decode import FusedDecode
+    from model.transformer import Transformer
+    from tests.tiny_models import hf_config
+    cfg = from_hf_config(hf_config(family).to_dict())
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    assert not FusedDecode().serves(model, torch.empty(2, 1, cfg.hidden_size))
 
 
 @pytest.mark.gpu

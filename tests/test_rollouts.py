@@ -125,20 +125,29 @@ def test_a_decoding_step_runs_plain_gemms_and_copies_no_kv_heads(llama_folder):
     assert "aten::repeat_interleave" not in ops
 
 
-def test_a_decoding_step_with_the_kernels_launches_nine_kernels_a_layer(tmp_path):
+NINE = {"aten::linear": 3, "aten::mm": 1, "triton::_rope_into_cache_kernel": 1, "triton::_decode_attention_kernel": 1,
+        "triton::_add_rms_norm_kernel": 2, "triton::_swiglu_forward_kernel": 1}
+FIVE = {"triton::_decode_qkv_kernel": 1, "triton::_decode_attention_kernel": 1, "triton::_decode_linear_kernel": 2,
+        "triton::_decode_swiglu_kernel": 1}
+
+
+@pytest.mark.parametrize("fused, want", [(True, FIVE), (False, NINE)], ids=["five", "nine"])
+def test_a_decoding_step_with_the_kernels_launches_five_or_nine_kernels_a_layer(tmp_path, fused, want):
     """The GPU's merged decoding step (kernels on), counted as scripts/bench/decode_ops.py counts it: a layer is
-    4 GEMMs, RoPE into the cache, the decode attention, 2 fused add + norms and SwiGLU, nothing else."""
+    the five fused kernels of model/decode.py (norm + q | k | v + RoPE + cache write, attention, o + add, norm +
+    gate | up + SwiGLU, down + add), or without them 4 GEMMs, RoPE into the cache, the decode attention, 2 fused
+    add + norms and SwiGLU; nothing else."""
     from scripts.bench.decode_ops import count, tiny_llama
     steps = []
     for layers in (1, 2):
         tiny_llama(str(tmp_path / str(layers)), layers)
         model, _ = load_model(str(tmp_path / str(layers)), dtype=torch.bfloat16, use_kernels=True,
                               lora=LoRAConfig(r=4, alpha=8))
+        if not fused:
+            model.ops.fused_decode = None
         steps.append(count(model.eval(), 2, MergedAdapters(model), kernels=True))
     layer = steps[1] - steps[0]
-    assert layer == {"aten::linear": 3, "aten::mm": 1, "triton::_rope_into_cache_kernel": 1,
-                     "triton::_decode_attention_kernel": 1, "triton::_add_rms_norm_kernel": 2,
-                     "triton::_swiglu_forward_kernel": 1}, layer
+    assert layer == want, layer
 
 
 def test_rows_stop_at_a_stop_id(tiny):

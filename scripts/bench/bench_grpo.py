@@ -105,6 +105,8 @@ def main():
                    "device name, " + ", ".join(f"{k} {v:.3g}" for k, v in BANDWIDTH.items()) + ")")
     p.add_argument("--profile", action="store_true", help="print the kernels of the last step's rollout "
                    "(torch.profiler): how many a decoding step launches, and the 25 that take the most time")
+    p.add_argument("--nine-kernel-decoding", action="store_true", help="decode through Transformer.decode_layers' "
+                   "nine kernels a layer, not model/decode.py's five (to compare the two)")
     a = p.parse_args()
 
     device = torch.device(a.device)
@@ -119,6 +121,8 @@ def main():
     stops = set() if a.ignore_eos else stop_ids(tokenizer, mcfg)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     model, mcfg = load_model(folder, dtype=dtype, device=device, lora=cfg.lora(), use_kernels=device.type == "cuda")
+    if a.nine_kernel_decoding:
+        model.ops.fused_decode = None
     params = [q for _, q in lora_parameters(model)]
     graphs = graphs_off_reason(cfg.cuda_graphs, device, 1) is None
     longest = max(len(q.ids) for q in prompts)

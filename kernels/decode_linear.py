@@ -1,0 +1,192 @@
+"""A decoding step's skinny GEMM with the residual add in its epilogue: y = r + (x Wᵀ + b) for M <= 64 rows, each
+weight read once. The o and down projections of `model/decode.py`'s layer.
+
+References: the split-K GEMM of CUTLASS and of Triton's matmul tutorials (partial sums of K chunks, summed by the
+last program to arrive: CUDA's "threadfence reduction" sample); model/transformer.py's `Attention.forward` and
+`MLP.forward` (`residual + y`, the values this reproduces).
+
+A decoding step multiplies a few rows (the rollout's M = 16) by a weight of N × K: the weight's bytes are the cost.
+Each program owns BLOCK_N output columns and one chunk of K, and streams its (BLOCK_N, BLOCK_K) tiles of W along K
+(rows contiguous along K: 16-byte vector loads); x's rows are padded to BLOCK_M = 16 for tl.dot. Where the column
+tiles are too few to fill about two waves of the GPU's SMs, K is cut into SPLIT chunks (`launch_config`):
+
+    P_s = x[:, K_s] W[n, K_s]ᵀ                          (fp32, one program per column tile n and chunk s)
+    y   = round(r + round(Σ_{s=0}^{SPLIT-1} P_s + b))    summed by the tile's last program to arrive, in the order
+                                                        s = 0, 1, ...: the same sum at every launch (deterministic)
+
+The partials go to a fp32 workspace; each program then adds one to its tile's arrival count (after a barrier, so
+that the count's release covers every thread's stores), and the program that reads SPLIT - 1 sums the partials,
+applies the epilogue and sets the count back to 0 for the next launch. y is rounded as torch rounds `r + y`: the
+GEMM's output first, then the add. Forward only.
+
+Reference: kernels.references.decode_linear_reference.
+"""
+import torch
+import triton
+import triton.language as tl
+
+from kernels.references import DTYPES, check_decode_linear_args
+from kernels.rms_norm import _normalized
+from kernels.softcap_attention import TL_DTYPES, _dot
+
+NUM_WARPS = 4
+NUM_STAGES = 4  # tiles of W in flight a program: its loads are the chain a skinny GEMM waits on
+WAVES = 1  # programs a launch, in waves of the device's SMs (`launch_config`): with more, K is cut finer, and the
+# partials' round trip and sum cost more than the shorter chains of loads save (dev/perf-notes.md)
+MAX_ROWS = 64  # rows a launch takes (BLOCK_M up to 64): a decoding step's, not a prefill's
+
+
+def block_m(M: int) -> int:
+    """x's rows padded to a power of two of at least 16, what tl.dot takes."""
+    return max(16, triton.next_power_of_2(M))
+
+
+def launch_config(tiles: int, K: int, x) -> tuple[int, int, int]:
+    """(SPLIT, K_CHUNK, BLOCK_K) for inputs like x: weight tiles of BLOCK_K 128 bf16/fp16 elements a row (256 bytes:
+    16 bytes a thread), or 32 fp32 ones (a head of 256's tiles then fit sm_80's shared memory); K cut into SPLIT
+    chunks of K_CHUNK (whole tiles) so that tiles × SPLIT programs make about WAVES waves of the device's SMs (132
+    where there is no GPU, as on an H100), none empty."""
+    sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 132
+    block_k = 32 if x.dtype == torch.float32 else 128
+    blocks = triton.cdiv(K, block_k)
+    want = max(1, min(blocks, triton.cdiv(WAVES * sms, tiles)))
+    chunk = triton.cdiv(blocks, want) * block_k
+    return triton.cdiv(K, chunk), chunk, block_k
+
+
+class Workspace:
+    """The fp32 partial sums and int32 arrival counts of the split-K decoding kernels, made on first use and grown
+    when a launch needs more. Every launch leaves its counts at 0 (each tile's last program resets its own), so one
+    workspace serves every launch of a stream in turn; a CUDA graph captured with it reads the same buffers."""
+
+    def __init__(self):
+        self.partials = self.counts = None
+
+    def get(self, partials: int, tiles: int, device):
+        """(partials, counts): at least `partials` fp32 and `tiles` int32 (zeros) on `device`."""
+        if self.partials is None or self.partials.device != device or self.partials.numel() < partials:
+            self.partials = torch.empty(max(partials, 1), dtype=torch.float32, device=device)
+        if self.counts is None or self.counts.device != device or self.counts.numel() < tiles:
+            self.counts = torch.zeros(max(tiles, 1), dtype=torch.int32, device=device)
+        return self.partials, self.counts
+
+
+@triton.jit
+def _store_partial(acc, ws_ptr, slot, split, n_slots, BLOCK_M: tl.constexpr, BLOCK_W: tl.constexpr):
+    """Write this program's (BLOCK_M, BLOCK_W) partial sum into the workspace at [split, slot]."""
+    i = tl.arange(0, BLOCK_M)[:, None] * BLOCK_W + tl.arange(0, BLOCK_W)[None, :]
+    tl.store(ws_ptr + (split * n_slots + slot) * (BLOCK_M * BLOCK_W) + i, acc)
+
+
+@triton.jit
+def _arrive(count_ptr, tile, SPLIT: tl.constexpr):
+    """Count this program in for its tile, after all its threads stored their partials; True for the last of the
+    tile's SPLIT programs, which also sets the count back to 0."""
+    tl.debug_barrier()
+    last = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel") == SPLIT - 1
+    tl.atomic_xchg(count_ptr + tile, 0, mask=last, sem="relaxed")
+    return last
+
+
+@triton.jit
+def _sum_partials(ws_ptr, slot, n_slots, last, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_W: tl.constexpr):
+    """Σ_s of the partials at [s, slot], in the order s = 0, 1, ... (read only by the last program: `last`),
+    through L2 (.cg): the other programs wrote them."""
+    i = tl.arange(0, BLOCK_M)[:, None] * BLOCK_W + tl.arange(0, BLOCK_W)[None, :]
+    total = tl.zeros([BLOCK_M, BLOCK_W], tl.float32)
+    mask = i < BLOCK_M * BLOCK_W * last.to(tl.int32)  # every element for the last program, none for the others
+    for s in tl.static_range(SPLIT):
+        total += tl.load(ws_ptr + (s * n_slots + slot) * (BLOCK_M * BLOCK_W) + i, mask=mask, other=0.0,
+                         cache_modifier=".cg")
+    return total
+
+
+@triton.jit
+def _rstd(x_ptr, rows, M, K, eps, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+    """rsqrt(mean(x²) + eps) of x's rows [M, K] (BLOCK_M,), fp32: every program of a normalizing GEMM computes it
+    for itself (M × K is a few KB), where a separate norm would cost a launch and a round trip of its output."""
+    sq = tl.zeros([BLOCK_M], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        x = tl.load(x_ptr + rows[:, None] * K + ks[None, :], mask=(rows[:, None] < M) & (ks[None, :] < K),
+                    other=0.0).to(tl.float32)
+        sq += tl.sum(x * x, 1)
+    return tl.rsqrt(sq / K + eps)
+
+
+@triton.jit
+def _normed_tile(x_ptr, nw_ptr, rows, M, ks, k_hi, K, rstd, offset, GEMMA_CAST: tl.constexpr):
+    """The (rows, ks) tile of RMSNorm(x) in x's dtype, rounded as kernels/rms_norm.py rounds it (`_normalized`);
+    0 outside x and past k_hi."""
+    mask = (rows[:, None] < M) & (ks[None, :] < k_hi)
+    x = tl.load(x_ptr + rows[:, None] * K + ks[None, :], mask=mask, other=0.0).to(tl.float32)
+    w = tl.load(nw_ptr + ks, mask=ks < k_hi, other=0.0).to(tl.float32)
+    return _normalized(x, w[None, :], rstd[:, None], offset, x_ptr, nw_ptr, GEMMA_CAST).to(x_ptr.dtype.element_ty)
+
+
+@triton.jit
+def _decode_linear_kernel(
+    x_ptr, w_ptr, b_ptr, r_ptr, y_ptr,  # x [M, K], w [N, K], b [N], r and y [M, N]: contiguous
+    ws_ptr, count_ptr,  # fp32 [SPLIT, tiles, BLOCK_M, BLOCK_N]; int32 [tiles], zeros
+    M, N, K, K_CHUNK,
+    HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
+    DTYPE: tl.constexpr, OPERAND: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    tile = tl.program_id(0)
+    split = tl.program_id(1)
+    rows = tl.arange(0, BLOCK_M)
+    cols = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    k_lo = split * K_CHUNK
+    k_hi = tl.minimum(k_lo + K_CHUNK, K)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        x = tl.load(x_ptr + rows[:, None] * K + ks[None, :], mask=(rows[:, None] < M) & (ks[None, :] < k_hi),
+                    other=0.0)
+        w = tl.load(w_ptr + cols[:, None] * K + ks[None, :], mask=(cols[:, None] < N) & (ks[None, :] < k_hi),
+                    other=0.0)
+        acc += _dot(x, tl.trans(w), DTYPE, OPERAND, PRECISION)
+    if SPLIT > 1:
+        _store_partial(acc, ws_ptr, tile, split, tl.num_programs(0), BLOCK_M, BLOCK_N)
+        last = _arrive(count_ptr, tile, SPLIT)
+        acc = _sum_partials(ws_ptr, tile, tl.num_programs(0), last, SPLIT, BLOCK_M, BLOCK_N)
+    else:
+        last = True
+    if last:
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
+        y = acc.to(y_ptr.dtype.element_ty).to(tl.float32)
+        offs = rows[:, None] * N + cols[None, :]
+        mask = (rows[:, None] < M) & (cols[None, :] < N)
+        r = tl.load(r_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        tl.store(y_ptr + offs, (r + y).to(y_ptr.dtype.element_ty), mask=mask)
+
+
+def dot_constexprs(x) -> dict:
+    """DTYPE, OPERAND, PRECISION of kernels/softcap_attention.py's `_dot` for tiles of x's dtype: fp32 multiplied as
+    fp32 (not TF32), as torch's reference multiplies it; fp32 operands in Triton's interpreter (CPU)."""
+    dtype = TL_DTYPES[x.dtype]
+    return dict(DTYPE=dtype, OPERAND=dtype if x.is_cuda else tl.float32,
+                PRECISION="ieee" if x.dtype == torch.float32 else "tf32")
+
+
+def decode_linear(x, weight, bias, residual, workspace: Workspace, block_n: int = 32):
+    """residual + (x Wᵀ + b): x [M, K], weight [N, K], bias [N] or None, residual [M, N], one dtype, M <= 64; a new
+    [M, N] tensor. workspace: the split-K buffers (`Workspace`). No gradients."""
+    check_decode_linear_args(x, weight, bias, residual)
+    assert x.dtype in DTYPES, f"decode_linear: fp32/bf16/fp16, got {x.dtype}"
+    M, K = x.shape
+    N = weight.shape[0]
+    x, weight, residual = x.contiguous(), weight.contiguous(), residual.contiguous()
+    y = torch.empty_like(residual)
+    tiles = triton.cdiv(N, block_n)
+    split, chunk, block_k = launch_config(tiles, K, x)
+    bm = block_m(M)
+    ws, counts = workspace.get(split * tiles * bm * block_n if split > 1 else 0, tiles, x.device)
+    _decode_linear_kernel[(tiles, split)](
+        x, weight, weight if bias is None else bias, residual, y, ws, counts, M, N, K, chunk,
+        HAS_BIAS=bias is not None, SPLIT=split, **dot_constexprs(x),
+        BLOCK_M=bm, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+    assert y.dtype == x.dtype, f"decode_linear: y must be {x.dtype}, got {y.dtype}"
+    return y

@@ -1,0 +1,108 @@
+"""A decoding step's MLP input: RMSNorm in the prologue of the gate | up GEMM and SwiGLU in its epilogue, so that
+the norm's output and G, U never leave the program: one launch where a norm, a GEMM and an activation ran.
+
+References: kernels/decode_linear.py (the skinny GEMM, its split-K and its norm prologue); kernels/rms_norm.py
+(the norm, rounded as it rounds); kernels/swiglu.py (the activation, operation for operation); Hugging Face
+LlamaMLP (`down_proj(act_fn(gate_proj(x)) * up_proj(x))` after `post_attention_layernorm`).
+
+For rows x [M, K] (the residual stream after the attention's add), W [2I, K] holding gate's rows, then up's (the
+layout `pack_weights_` stores), and each program's BLOCK_N columns n of G and the same columns of U (two dots,
+one x tile):
+
+    x̂ = RMSNorm(x)                                  each program computes the rms of the M rows itself
+    G = round(x̂ W[n]ᵀ + b[n]),  U = round(x̂ W[I + n]ᵀ + b[I + n])      fp32 sums (split-K as in decode_linear)
+    H = round(G σ(G) U)
+
+G and U are rounded to x's dtype as the GEMM's output is before the activation reads it. Forward only.
+
+Reference: kernels.references.decode_swiglu_reference.
+"""
+import triton
+import triton.language as tl
+
+from kernels.decode_linear import (
+    NUM_STAGES,
+    NUM_WARPS,
+    Workspace,
+    _arrive,
+    _normed_tile,
+    _rstd,
+    _store_partial,
+    _sum_partials,
+    block_m,
+    dot_constexprs,
+    launch_config,
+)
+from kernels.references import DTYPES, check_norm_linear_args
+from kernels.softcap_attention import _dot
+
+
+@triton.jit
+def _decode_swiglu_kernel(
+    x_ptr, nw_ptr, w_ptr, b_ptr, h_ptr,  # x [M, K]; nw [K]; w [2N, K]; b [2N]; h [M, N]: contiguous
+    ws_ptr, count_ptr,  # fp32 [SPLIT, 2 · tiles, BLOCK_M, BLOCK_N]; int32 [tiles], zeros
+    M, N, K, K_CHUNK, eps, offset,
+    GEMMA_CAST: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
+    DTYPE: tl.constexpr, OPERAND: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    tile = tl.program_id(0)
+    split = tl.program_id(1)
+    rows = tl.arange(0, BLOCK_M)
+    cols = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    rstd = _rstd(x_ptr, rows, M, K, eps, BLOCK_M, BLOCK_K)
+    k_lo = split * K_CHUNK
+    k_hi = tl.minimum(k_lo + K_CHUNK, K)
+    acc_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        x = _normed_tile(x_ptr, nw_ptr, rows, M, ks, k_hi, K, rstd, offset, GEMMA_CAST)
+        w_mask = (cols[:, None] < N) & (ks[None, :] < k_hi)
+        w_gate = tl.load(w_ptr + cols[:, None] * K + ks[None, :], mask=w_mask, other=0.0)
+        w_up = tl.load(w_ptr + (N + cols[:, None]) * K + ks[None, :], mask=w_mask, other=0.0)
+        acc_g += _dot(x, tl.trans(w_gate), DTYPE, OPERAND, PRECISION)
+        acc_u += _dot(x, tl.trans(w_up), DTYPE, OPERAND, PRECISION)
+    if SPLIT > 1:
+        slots = 2 * tl.num_programs(0)
+        _store_partial(acc_g, ws_ptr, 2 * tile, split, slots, BLOCK_M, BLOCK_N)
+        _store_partial(acc_u, ws_ptr, 2 * tile + 1, split, slots, BLOCK_M, BLOCK_N)
+        last = _arrive(count_ptr, tile, SPLIT)
+        acc_g = _sum_partials(ws_ptr, 2 * tile, slots, last, SPLIT, BLOCK_M, BLOCK_N)
+        acc_u = _sum_partials(ws_ptr, 2 * tile + 1, slots, last, SPLIT, BLOCK_M, BLOCK_N)
+    else:
+        last = True
+    if last:
+        if HAS_BIAS:
+            acc_g += tl.load(b_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
+            acc_u += tl.load(b_ptr + N + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
+        g = acc_g.to(h_ptr.dtype.element_ty).to(tl.float32)
+        u = acc_u.to(h_ptr.dtype.element_ty).to(tl.float32)
+        h = g * tl.sigmoid(g) * u
+        mask = (rows[:, None] < M) & (cols[None, :] < N)
+        tl.store(h_ptr + rows[:, None] * N + cols[None, :], h.to(h_ptr.dtype.element_ty), mask=mask)
+
+
+def decode_swiglu(x, norm_weight, weight, bias, workspace: Workspace, eps=1e-6, offset=0.0, cast="llama",
+                  block_n: int = 32):
+    """H = silu(G) ⊙ U, [G | U] = RMSNorm(x) Wᵀ + b: x [M, K] (M <= 64), norm_weight [K] (offset and cast as in
+    kernels/rms_norm.py), weight [2I, K] (gate's rows, then up's), bias [2I] or None, one dtype; a new [M, I]
+    tensor. workspace: the split-K buffers (kernels/decode_linear.py). No gradients."""
+    check_norm_linear_args(x, norm_weight, weight, bias, cast)
+    assert x.dtype in DTYPES, f"decode_swiglu: fp32/bf16/fp16, got {x.dtype}"
+    if weight.shape[0] % 2:
+        raise ValueError(f"decode_swiglu: weight must hold gate's rows and up's, an even count; got {weight.shape[0]}")
+    M, K = x.shape
+    N = weight.shape[0] // 2
+    x, weight = x.contiguous(), weight.contiguous()
+    h = x.new_empty(M, N)
+    tiles = triton.cdiv(N, block_n)
+    split, chunk, block_k = launch_config(tiles, K, x)
+    bm = block_m(M)
+    ws, counts = workspace.get(split * 2 * tiles * bm * block_n if split > 1 else 0, tiles, x.device)
+    _decode_swiglu_kernel[(tiles, split)](
+        x, norm_weight, weight, weight if bias is None else bias, h, ws, counts, M, N, K, chunk, eps, offset,
+        GEMMA_CAST=cast == "gemma", HAS_BIAS=bias is not None, SPLIT=split, **dot_constexprs(x),
+        BLOCK_M=bm, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+    assert h.dtype == x.dtype, f"decode_swiglu: h must be {x.dtype}, got {h.dtype}"
+    return h

@@ -1,0 +1,88 @@
+"""A decoding step's layers in five kernel launches each (kernels/decode_*.py), where `Transformer.decode_layers`
+launches nine and more: each weight is read by one skinny GEMM with the small ops around it fused into its prologue
+and epilogue. For the residual stream x (M, H) of M rows of one token each:
+
+    q = decode_qkv(x, input_layernorm, W_qkv, b_qkv, cos, sin, cache)   norm, q | k | v, bias, RoPE, cache write
+    y = decode_attention(q, cache)                                        kernels/decode_attention.py
+    x = decode_linear(y, W_o, b_o, residual=x)                            o, the residual add
+    h = decode_swiglu(x, post_attention_layernorm, W_gate_up, b_gate_up)  norm, gate | up, silu(G) ⊙ U
+    x = decode_linear(h, W_down, b_down, residual=x)                      down, the residual add
+
+so each norm is computed by the GEMM that reads it, the next layer's input norm by the next layer's first kernel,
+and the final norm by one rms_norm launch after the last layer. The values are the layers' own, within the
+rounding of the GEMMs' sums (tests/test_generate.py compares the logits with `decode_layers`').
+
+Taken (`FusedDecode.serves`) where every projection computes with a plain weight of the activations' dtype, packed
+as `pack_weights_` packs q | k | v and gate | up (adapters merged: `MergedAdapters`, whose block a rollout's
+sampler opens), with at most 64 rows, SwiGLU, and no q/k norms (Qwen3) or sandwich norms (Gemma 2/3). Elsewhere
+(NF4 and fp8 bases, unmerged adapters, Gemma's GeGLU, Qwen3) a step keeps `decode_layers`."""
+from kernels.decode_linear import MAX_ROWS, Workspace, decode_linear
+from kernels.decode_qkv import decode_qkv
+from kernels.decode_swiglu import decode_swiglu
+from model.lora import _rows_view
+
+
+def packed(projs):
+    """(W, b) of projections that read one input: [W_1; W_2; ...] (Σout, in) and their biases (or None), each one
+    view of the rows `pack_weights_` stored one after the other, where every projection computes with a plain
+    weight (no NF4 or fp8 base, no adapter outside `MergedAdapters`); else None."""
+    if any(p.r or p.nf4 is not None or p.fp8 is not None or p.weight is None for p in projs):
+        return None
+    w = _rows_view([p.base_weight() for p in projs])
+    biases = [p.bias for p in projs]
+    if all(b is None for b in biases):
+        return None if w is None else (w, None)
+    b = None if any(b is None for b in biases) else _rows_view(biases)
+    return None if w is None or b is None else (w, b)
+
+
+class FusedDecode:
+    """The five-launch decoding layers, with the split-K workspace its GEMMs share (kernels/decode_linear.py)."""
+
+    def __init__(self):
+        self.workspace = Workspace()
+
+    def weights(self, model, dtype):
+        """Each layer's ((W_qkv, b), (W_o, b), (W_gate_up, b), (W_down, b)), or None where one is not a packed plain
+        weight of `dtype`."""
+        layers = []
+        for layer in model.model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            groups = [packed(g) for g in ((attn.q_proj, attn.k_proj, attn.v_proj), (attn.o_proj,),
+                                          (mlp.gate_proj, mlp.up_proj), (mlp.down_proj,))]
+            if any(g is None or g[0].dtype != dtype for g in groups):
+                return None
+            layers.append(groups)
+        return layers
+
+    def serves(self, model, x) -> bool:
+        """Whether this path takes a decoding step of x (B, 1, H) (the module docstring says which)."""
+        cfg = model.config
+        norms = [n.weight for layer in model.model.layers for n in (layer.input_layernorm,
+                                                                   layer.post_attention_layernorm)]
+        return (cfg.act == "silu" and not cfg.qk_norm and not cfg.sandwich_norm and x.shape[0] <= MAX_ROWS
+                and all(w.dtype == x.dtype for w in norms))
+
+    def __call__(self, model, x, tables, masks, cache):
+        """Final-norm hidden states (B, 1, H) after the layers, from the embeddings x (B, 1, H) of a decoding step
+        (`Transformer.decode_layers`' arguments), or None where this path does not serve the step."""
+        layers = self.weights(model, x.dtype) if self.serves(model, x) else None
+        if layers is None:
+            return None
+        B, _, H = x.shape
+        x = x.view(B, H)
+        ws = self.workspace
+        for i, (layer, ((w_qkv, b_qkv), (w_o, b_o), (w_gu, b_gu), (w_down, b_down))) in enumerate(
+                zip(model.model.layers, layers)):
+            attn, c, mask = layer.self_attn, cache.layers[i], masks[layer.layer_type]
+            cos, sin = tables[layer.layer_type]  # (B, 1, D)
+            norm = layer.input_layernorm
+            q = decode_qkv(x, norm.weight, w_qkv, b_qkv, cos[:, 0], sin[:, 0], c.k, c.v, mask.at, attn.nh, ws,
+                           eps=norm.eps, offset=norm.offset, cast=norm.cast)  # (B, nh, D)
+            y = model.ops.decode_attention(q[:, None], c.k, c.v, mask.first, mask.at, attn.scale, mask.window,
+                                           attn.softcap)  # (B, 1, nh, D)
+            x = decode_linear(y.view(B, -1), w_o, b_o, x, ws)
+            norm = layer.post_attention_layernorm
+            h = decode_swiglu(x, norm.weight, w_gu, b_gu, ws, eps=norm.eps, offset=norm.offset, cast=norm.cast)
+            x = decode_linear(h, w_down, b_down, x, ws)
+        return model.model.norm(x).view(B, 1, H)

@@ -1,0 +1,120 @@
+"""A decoding step's GEMMs with their fused prologues and epilogues (kernels/decode_linear.py, decode_swiglu.py,
+decode_qkv.py) against their torch references: odd shapes, with and without bias, K split into chunks (summed by
+the last program to arrive) and whole, Llama's and Gemma's norm roundings; every launch leaves the workspace's
+arrival counts at 0 for the next. On CPU in Triton's interpreter; `-m gpu` at Qwen2.5-0.5B's and SmolLM2-135M's
+shapes."""
+import pytest
+import torch
+
+from kernels.decode_linear import Workspace, decode_linear, launch_config
+from kernels.decode_qkv import decode_qkv
+from kernels.decode_swiglu import decode_swiglu
+from kernels.references import decode_linear_reference, decode_qkv_reference, decode_swiglu_reference
+from model.transformer import rope_cos_sin
+from tests.helpers import assert_close
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+# fp32 sums in another order than torch's GEMM, and one rounding where torch rounds between ops (and Triton's
+# interpreter truncates to bf16): within a few ulps of the reference's output.
+TOL = {torch.float32: (2e-5, 2e-5), torch.bfloat16: (6e-2, 3e-2), torch.float16: (8e-3, 8e-3)}
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)
+
+
+def weights(rows, K, dtype, bias):
+    w = (torch.randn(rows, K, device=DEVICE) / K ** 0.5).to(dtype)
+    return w, (torch.randn(rows, device=DEVICE).to(dtype) if bias else None)
+
+
+def test_launch_config_splits_k_only_where_the_tiles_are_few():
+    """Many column tiles: K whole; few: K in chunks of whole blocks, none empty, covering K."""
+    x = torch.empty(0, dtype=torch.bfloat16)
+    assert launch_config(300, 4096, x) == (1, 4096, 128)
+    for tiles, K in ((28, 4864), (18, 896), (3, 300)):
+        split, chunk, block_k = launch_config(tiles, K, x)
+        assert split > 1 and chunk % block_k == 0 and (split - 1) * chunk < K <= split * chunk
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("M, K, N, bias", [(3, 300, 70, True), (16, 64, 40, False), (1, 520, 33, False)])
+def test_decode_linear(dtype, M, K, N, bias):
+    """residual + x Wᵀ + b; K = 300 and 520 run split, K = 64 whole."""
+    x, r = torch.randn(M, K, device=DEVICE).to(dtype), torch.randn(M, N, device=DEVICE).to(dtype)
+    w, b = weights(N, K, dtype, bias)
+    ws = Workspace()
+    y = decode_linear(x, w, b, r, ws)
+    assert y.dtype == dtype and not ws.counts.any()
+    assert_close(y, decode_linear_reference(x, w, b, r), *TOL[dtype], name="y")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("M, K, N, bias, cast, offset", [(3, 300, 70, True, "llama", 0.0),
+                                                         (16, 64, 40, False, "llama", 0.0),
+                                                         (5, 200, 24, False, "gemma", 1.0)])
+def test_decode_swiglu(dtype, M, K, N, bias, cast, offset):
+    """silu(G) ⊙ U of RMSNorm(x) [W_gate; W_up]ᵀ + b, Llama's and Gemma's norm roundings."""
+    x = torch.randn(M, K, device=DEVICE).to(dtype)
+    nw = (1 + 0.1 * torch.randn(K, device=DEVICE)).to(dtype)
+    w, b = weights(2 * N, K, dtype, bias)
+    ws = Workspace()
+    h = decode_swiglu(x, nw, w, b, ws, eps=1e-5, offset=offset, cast=cast)
+    assert h.dtype == dtype and not ws.counts.any()
+    assert_close(h, decode_swiglu_reference(x, nw, w, b, 1e-5, offset, cast), *TOL[dtype], name="h")
+
+
+def check_qkv(dtype, M, K, Hq, Hk, D, bias, S=9, slot=5):
+    x = torch.randn(M, K, device=DEVICE).to(dtype)
+    nw = (1 + 0.1 * torch.randn(K, device=DEVICE)).to(dtype)
+    w, b = weights((Hq + 2 * Hk) * D, K, dtype, bias)
+    inv_freq = 1.0 / 10000 ** (torch.arange(0, D, 2, device=DEVICE).float() / D)
+    cos, sin = (t[:, 0] for t in rope_cos_sin(torch.randint(0, 4096, (M, 1), device=DEVICE), inv_freq, dtype))
+    at = torch.tensor([slot], device=DEVICE)
+    caches = [torch.randn(M, Hk, S, D, device=DEVICE).to(dtype) for _ in range(2)]
+    want = [c.clone() for c in caches]
+    ws = Workspace()
+    q = decode_qkv(x, nw, w, b, cos, sin, *caches, at, Hq, ws, eps=1e-5)
+    q_want = decode_qkv_reference(x, nw, w, b, cos, sin, *want, at, Hq, eps=1e-5)
+    assert q.shape == (M, Hq, D) and q.dtype == dtype and not ws.counts.any()
+    assert_close(q, q_want, *TOL[dtype], name="q")
+    for name, c, c_want in zip(("k_cache", "v_cache"), caches, want):
+        others = torch.arange(S, device=DEVICE) != slot
+        assert torch.equal(c[:, :, others], c_want[:, :, others]), f"{name}: a slot other than `at` was written"
+        assert_close(c[:, :, slot], c_want[:, :, slot], *TOL[dtype], name=name)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("M, K, Hq, Hk, D, bias", [(3, 300, 6, 2, 32, True), (5, 64, 4, 4, 48, False)])
+def test_decode_qkv(dtype, M, K, Hq, Hk, D, bias):
+    """q rotated, k rotated and v into the cache slot `at` (no other slot written), of RMSNorm(x) Wᵀ + b: grouped
+    and plain kv heads, a head of 48 (half a head not a power of two), split and whole K."""
+    check_qkv(dtype, M, K, Hq, Hk, D, bias)
+
+
+SHAPES = {  # hidden, intermediate, q heads, kv heads, head_dim, qkv bias
+    "qwen2.5-0.5b": (896, 4864, 14, 2, 64, True),
+    "smollm2-135m": (576, 1536, 9, 3, 64, False),
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("shape", SHAPES)
+def test_decode_gemms_at_model_shapes(shape):
+    """The three kernels at a rollout's 16 rows and the model's shapes, bf16, against their references."""
+    H, inter, Hq, Hk, D, bias = SHAPES[shape]
+    M, dtype = 16, torch.bfloat16
+    check_qkv(dtype, M, H, Hq, Hk, D, bias, S=128, slot=100)
+    ws = Workspace()
+    x, nw = torch.randn(M, H, device=DEVICE).to(dtype), (1 + 0.1 * torch.randn(H, device=DEVICE)).to(dtype)
+    w, _ = weights(2 * inter, H, dtype, False)
+    h = decode_swiglu(x, nw, w, None, ws)
+    assert_close(h, decode_swiglu_reference(x, nw, w), *TOL[dtype], name="h")
+    for K in (Hq * D, inter):  # o, down
+        y, r = torch.randn(M, K, device=DEVICE).to(dtype), torch.randn(M, H, device=DEVICE).to(dtype)
+        w, _ = weights(H, K, dtype, False)
+        assert_close(decode_linear(y, w, None, r, ws), decode_linear_reference(y, w, None, r), *TOL[dtype], name="y")
+    assert not ws.counts.any()
