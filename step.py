@@ -192,7 +192,23 @@ class GraphStep:
                 return g
             self._warm_up(g)
             self.pool = torch.cuda.graph_pool_handle()
-        self._record(g)
+            self._record(g)
+            return g
+        try:
+            self._record(g)
+        except torch.OutOfMemoryError:
+            raise
+        except Exception as e:
+            # Something this shape starts lazily started inside the capture (a kernel's first launch at new sizes,
+            # a library's handle on a new stream). The failed capture ran nothing and released its pool: the step
+            # is warmed up as before a run's first capture and captured once more, into a new pool. A second
+            # failure goes to the caller, which goes on eagerly.
+            self.log(f"note: CUDA graph capture of a new batch shape failed ({type(e).__name__}: {str(e)[:120]}); "
+                     "warmed up and captured again")
+            g.graph = torch.cuda.CUDAGraph()
+            self._warm_up(g)
+            self.pool = torch.cuda.graph_pool_handle()
+            self._record(g)
         return g
 
     def _record(self, g):

@@ -320,6 +320,40 @@ def test_graph_step_goes_on_eagerly_when_the_capture_fails(llama_folder):
 
 @pytest.mark.gpu
 @gpu
+def test_graph_step_captures_a_new_shape_again_after_a_failed_capture(llama_folder):
+    """A later shape whose first capture fails (here: a host sync in its first forward only, as a kernel's first
+    launch inside a capture would fail it) is warmed up and captured again: the run stays on graphs, with one note
+    line, and the replays give the eager step's losses and gradients, LoRA dropout included."""
+    dev = torch.device("cuda")
+    model, params = _model(llama_folder, dev, dtype=torch.bfloat16, kernels=True, dropout=0.1)
+    first = _padded(model.config.vocab_size, [37, 50, 21])
+    second = _padded(model.config.vocab_size, [300, 20])
+    synced = []
+
+    def syncing_once(input_ids, *args, **kwargs):
+        loss = model(input_ids, *args, **kwargs)
+        if input_ids.shape[1] > 128 and not synced:  # the second shape (320 tokens) until a forward has synced
+            synced.append(float(loss))
+        return loss
+    lines = []
+    graph = step.GraphStep(syncing_once, dev, params, max_len=2048, warmed=True, log=lines.append)
+    eager = step.EagerStep(model, dev)
+    for rows in (first, second, second):
+        batch = step.pad_to_bucket(rows, 2048)
+        runs = []
+        for run_step in (graph, eager):
+            torch.cuda.manual_seed(7)  # the same dropout masks in both
+            runs.append(_run(run_step, params, batch))
+        (loss_g, grads_g), (loss_e, grads_e) = runs
+        assert loss_g == loss_e
+        for ge, gg in zip(grads_e, grads_g):
+            assert rel_err(gg, ge) < TOL[torch.bfloat16]
+    assert synced and not graph.failed and len(graph.graphs) == 2, (synced, graph.failed, len(graph.graphs))
+    assert len(lines) == 1 and lines[0].startswith("note: CUDA graph capture of a new batch shape failed"), lines
+
+
+@pytest.mark.gpu
+@gpu
 def test_graph_step_dropout_draws_new_masks(llama_folder):
     """With LoRA dropout, every replay draws new masks (never the captured ones again)."""
     dev = torch.device("cuda")
