@@ -57,18 +57,27 @@ def launch_config(tiles: int, K: int, x) -> tuple[int, int, int]:
 class Workspace:
     """The fp32 partial sums and int32 arrival counts of the split-K decoding kernels, made on first use and grown
     when a launch needs more. Every launch leaves its counts at 0 (each tile's last program resets its own), so one
-    workspace serves every launch of a stream in turn; a CUDA graph captured with it reads the same buffers."""
+    workspace serves every launch of a stream in turn; a CUDA graph captured with it reads the same buffers. A
+    grown workspace keeps its earlier buffers alive (`retired`): a graph captured before reads and resets those at
+    each replay, and memory freed under it would be another tensor's."""
 
     def __init__(self):
         self.partials = self.counts = None
+        self.retired = []
 
     def get(self, partials: int, tiles: int, device):
         """(partials, counts): at least `partials` fp32 and `tiles` int32 (zeros) on `device`."""
         if self.partials is None or self.partials.device != device or self.partials.numel() < partials:
+            self._retire(self.partials)
             self.partials = torch.empty(max(partials, 1), dtype=torch.float32, device=device)
         if self.counts is None or self.counts.device != device or self.counts.numel() < tiles:
+            self._retire(self.counts)
             self.counts = torch.zeros(max(tiles, 1), dtype=torch.int32, device=device)
         return self.partials, self.counts
+
+    def _retire(self, buffer):
+        if buffer is not None:
+            self.retired.append(buffer)
 
 
 @triton.jit

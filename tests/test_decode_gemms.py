@@ -30,6 +30,18 @@ def weights(rows, K, dtype, bias):
     return w, (torch.randn(rows, device=DEVICE).to(dtype) if bias else None)
 
 
+def test_a_grown_workspace_keeps_the_buffers_a_graph_may_hold():
+    """Growing the workspace replaces its buffers but keeps the old ones alive: a graph captured with them reads
+    them at every replay. A request that fits returns the same buffers."""
+    ws = Workspace()
+    partials, counts = ws.get(100, 4, torch.device(DEVICE))
+    same = ws.get(50, 2, torch.device(DEVICE))
+    assert same[0] is partials and same[1] is counts and ws.retired == []
+    bigger, more = ws.get(1000, 40, torch.device(DEVICE))
+    assert bigger.numel() == 1000 and more.numel() == 40 and not more.any()
+    assert ws.retired[0] is partials and ws.retired[1] is counts
+
+
 def test_launch_config_splits_k_only_where_the_tiles_are_few():
     """Many column tiles: K whole; few: K in chunks of whole blocks, none empty, covering K."""
     x = torch.empty(0, dtype=torch.bfloat16)
