@@ -65,12 +65,12 @@ class Ops:
     """The numerical building blocks, Triton or pure torch. Chosen once, when the model is built;
     the Triton kernels are imported only for a model that uses them."""
 
-    def __init__(self, use_kernels: bool, fused_lora: bool = True, fused_decode: bool = True):
+    def __init__(self, use_kernels: bool, fused_lora: bool = True):
         self.use_kernels = use_kernels
         self.fused_lora = fused_lora  # projections through model/lora.py's fused autograd Functions
         # a decoding step's kernels (`decode_attend`, `Transformer.decode_layers`)
         self.rope_into_cache = self.decode_attention = self.add_rms_norm = None
-        self.fused_decode = None  # fused_decode: a decoding step's layers in five launches each (model/decode.py)
+        self.fused_decode = None  # a decoding step's layers in five launches each (model/decode.py)
         self.softcap_attention = None  # softcapped attention without a (T, T) tensor (`Transformer.layer_mask`)
         self.merge_table = None  # the merged weights of every adapter in one launch (`MergedAdapters`)
         self.sample_tokens = None  # a rollout's draw of each row's token in two launches (`GroupSampler`)
@@ -97,9 +97,8 @@ class Ops:
             self.softcap_attention = softcap_attention
             self.merge_table = MergeTable
             self.sample_tokens = sample_tokens
-            if fused_decode:
-                from model.decode import FusedDecode
-                self.fused_decode = FusedDecode()
+            from model.decode import FusedDecode
+            self.fused_decode = FusedDecode()
         else:
             self.rms_norm, self.rope, self.swiglu, self.geglu = (rms_norm_reference, rope_reference,
                                                                  swiglu_reference, geglu_reference)
@@ -454,12 +453,11 @@ class Backbone(nn.Module):
 
 class Transformer(nn.Module):
     def __init__(self, cfg: ModelConfig, lora: LoRAConfig | None = None, use_kernels: bool = False,
-                 fused_lora: bool = True, gradient_checkpointing: bool = False, offload_activations: bool = False,
-                 fused_decode: bool = True):
+                 fused_lora: bool = True, gradient_checkpointing: bool = False, offload_activations: bool = False):
         super().__init__()
         self.config = cfg
         self.lora_config = lora  # written into adapter_config.json by model/adapters.py
-        self.ops = Ops(use_kernels, fused_lora, fused_decode)
+        self.ops = Ops(use_kernels, fused_lora)
         self.model = Backbone(cfg, self.ops, lora)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
