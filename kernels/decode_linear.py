@@ -5,10 +5,11 @@ References: the split-K GEMM of CUTLASS and of Triton's matmul tutorials (partia
 last program to arrive: CUDA's "threadfence reduction" sample); model/transformer.py's `Attention.forward` and
 `MLP.forward` (`residual + y`, the values this reproduces).
 
-A decoding step multiplies a few rows (the rollout's M = 16) by a weight of N × K: the weight's bytes are the cost.
-Each program owns BLOCK_N output columns and one chunk of K, and streams its (BLOCK_N, BLOCK_K) tiles of W along K
-(rows contiguous along K: 16-byte vector loads); x's rows are padded to BLOCK_M = 16 for tl.dot. Where the column
-tiles are too few to fill about two waves of the GPU's SMs, K is cut into SPLIT chunks (`launch_config`):
+A decoding step multiplies a few rows (the rollout's M = 16) by a weight of N × K: reading the weight, and the chain
+of its loads, is the cost. Each program owns BLOCK_N output columns and one chunk of K, and streams its (BLOCK_N,
+BLOCK_K) tiles of W along K (rows contiguous along K: 16-byte vector loads); x's rows are padded to BLOCK_M = 16 for
+tl.dot. Where the column tiles are too few to fill the GPU's SMs (WAVES waves of them), K is cut into SPLIT chunks
+(`launch_config`):
 
     P_s = x[:, K_s] W[n, K_s]ᵀ                          (fp32, one program per column tile n and chunk s)
     y   = round(r + round(Σ_{s=0}^{SPLIT-1} P_s + b))    summed by the tile's last program to arrive, in the order
