@@ -112,6 +112,25 @@ def _sum_partials(ws_ptr, slot, n_slots, last, SPLIT: tl.constexpr, BLOCK_M: tl.
 
 
 @triton.jit
+def _sum_pair(acc1, acc2, ws_ptr, count_ptr, tile, split, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr,
+              BLOCK_W: tl.constexpr):
+    """(acc1, acc2, last) for a program that holds two accumulators of one tile (q | k | v's two halves of a head,
+    gate | up's gate and up columns): their sums over the tile's SPLIT chunks of K, held by the tile's last program
+    (`last`), as `_store_partial`, `_arrive` and `_sum_partials` give them for one; the pair takes the workspace
+    slots 2·tile and 2·tile + 1. Without a split, this program's own."""
+    if SPLIT > 1:
+        slots = 2 * tl.num_programs(0)
+        _store_partial(acc1, ws_ptr, 2 * tile, split, slots, BLOCK_M, BLOCK_W)
+        _store_partial(acc2, ws_ptr, 2 * tile + 1, split, slots, BLOCK_M, BLOCK_W)
+        last = _arrive(count_ptr, tile, SPLIT)
+        acc1 = _sum_partials(ws_ptr, 2 * tile, slots, last, SPLIT, BLOCK_M, BLOCK_W)
+        acc2 = _sum_partials(ws_ptr, 2 * tile + 1, slots, last, SPLIT, BLOCK_M, BLOCK_W)
+    else:
+        last = True
+    return acc1, acc2, last
+
+
+@triton.jit
 def _rstd(x_ptr, rows, M, K, eps, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
     """rsqrt(mean(x²) + eps) of x's rows [M, K] (BLOCK_M,), fp32: every program of a normalizing GEMM computes it
     for itself (M × K is a few KB), where a separate norm would cost a launch and a round trip of its output."""
@@ -132,6 +151,25 @@ def _normed_tile(x_ptr, nw_ptr, rows, M, ks, k_hi, K, rstd, offset, GEMMA_CAST: 
     x = tl.load(x_ptr + rows[:, None] * K + ks[None, :], mask=mask, other=0.0).to(tl.float32)
     w = tl.load(nw_ptr + ks, mask=ks < k_hi, other=0.0).to(tl.float32)
     return _normalized(x, w[None, :], rstd[:, None], offset, x_ptr, nw_ptr, GEMMA_CAST).to(x_ptr.dtype.element_ty)
+
+
+@triton.jit
+def _normed_pair(x_ptr, nw_ptr, w_ptr, rows, M, K, k_lo, k_hi, rstd, offset, n1, n2, n_mask,
+                 GEMMA_CAST: tl.constexpr, DTYPE: tl.constexpr, OPERAND: tl.constexpr, PRECISION: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_K: tl.constexpr):
+    """RMSNorm(x) W[n1]ᵀ and RMSNorm(x) W[n2]ᵀ over K's chunk [k_lo, k_hi), fp32 (BLOCK_M, BLOCK_W) each: two blocks
+    of W's rows (n_mask: those that exist) multiplied in one pass over the normalized tiles of x."""
+    acc1 = tl.zeros([BLOCK_M, BLOCK_W], tl.float32)
+    acc2 = tl.zeros([BLOCK_M, BLOCK_W], tl.float32)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        x = _normed_tile(x_ptr, nw_ptr, rows, M, ks, k_hi, K, rstd, offset, GEMMA_CAST)
+        w_mask = n_mask[:, None] & (ks[None, :] < k_hi)
+        w1 = tl.load(w_ptr + n1[:, None] * K + ks[None, :], mask=w_mask, other=0.0)
+        w2 = tl.load(w_ptr + n2[:, None] * K + ks[None, :], mask=w_mask, other=0.0)
+        acc1 += _dot(x, tl.trans(w1), DTYPE, OPERAND, PRECISION)
+        acc2 += _dot(x, tl.trans(w2), DTYPE, OPERAND, PRECISION)
+    return acc1, acc2
 
 
 @triton.jit

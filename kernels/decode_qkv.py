@@ -28,17 +28,14 @@ from kernels.decode_linear import (
     NUM_STAGES,
     NUM_WARPS,
     Workspace,
-    _arrive,
-    _normed_tile,
+    _normed_pair,
     _rstd,
-    _store_partial,
-    _sum_partials,
+    _sum_pair,
     block_m,
     dot_constexprs,
     launch_config,
 )
 from kernels.references import DTYPES, check_norm_linear_args
-from kernels.softcap_attention import _dot
 
 
 @triton.jit
@@ -60,26 +57,10 @@ def _decode_qkv_kernel(
     n1 = head * D + d  # the head's first half of columns; n1 + HALF its second
     rstd = _rstd(x_ptr, rows, M, K, eps, BLOCK_M, BLOCK_K)
     k_lo = split * K_CHUNK
-    k_hi = tl.minimum(k_lo + K_CHUNK, K)
-    acc1 = tl.zeros([BLOCK_M, BLOCK_HALF], tl.float32)
-    acc2 = tl.zeros([BLOCK_M, BLOCK_HALF], tl.float32)
-    for k0 in range(k_lo, k_hi, BLOCK_K):
-        ks = k0 + tl.arange(0, BLOCK_K)
-        x = _normed_tile(x_ptr, nw_ptr, rows, M, ks, k_hi, K, rstd, offset, GEMMA_CAST)
-        w_mask = (d[:, None] < HALF) & (ks[None, :] < k_hi)
-        w1 = tl.load(w_ptr + n1[:, None] * K + ks[None, :], mask=w_mask, other=0.0)
-        w2 = tl.load(w_ptr + (n1[:, None] + HALF) * K + ks[None, :], mask=w_mask, other=0.0)
-        acc1 += _dot(x, tl.trans(w1), DTYPE, OPERAND, PRECISION)
-        acc2 += _dot(x, tl.trans(w2), DTYPE, OPERAND, PRECISION)
-    if SPLIT > 1:
-        slots = 2 * tl.num_programs(0)
-        _store_partial(acc1, ws_ptr, 2 * head, split, slots, BLOCK_M, BLOCK_HALF)
-        _store_partial(acc2, ws_ptr, 2 * head + 1, split, slots, BLOCK_M, BLOCK_HALF)
-        last = _arrive(count_ptr, head, SPLIT)
-        acc1 = _sum_partials(ws_ptr, 2 * head, slots, last, SPLIT, BLOCK_M, BLOCK_HALF)
-        acc2 = _sum_partials(ws_ptr, 2 * head + 1, slots, last, SPLIT, BLOCK_M, BLOCK_HALF)
-    else:
-        last = True
+    acc1, acc2 = _normed_pair(x_ptr, nw_ptr, w_ptr, rows, M, K, k_lo, tl.minimum(k_lo + K_CHUNK, K), rstd, offset,
+                              n1, n1 + HALF, d < HALF, GEMMA_CAST, DTYPE, OPERAND, PRECISION,
+                              BLOCK_M, BLOCK_HALF, BLOCK_K)
+    acc1, acc2, last = _sum_pair(acc1, acc2, ws_ptr, count_ptr, head, split, SPLIT, BLOCK_M, BLOCK_HALF)
     if last:
         dmask = d < HALF
         if HAS_BIAS:

@@ -24,17 +24,14 @@ from kernels.decode_linear import (
     NUM_STAGES,
     NUM_WARPS,
     Workspace,
-    _arrive,
-    _normed_tile,
+    _normed_pair,
     _rstd,
-    _store_partial,
-    _sum_partials,
+    _sum_pair,
     block_m,
     dot_constexprs,
     launch_config,
 )
 from kernels.references import DTYPES, check_norm_linear_args
-from kernels.softcap_attention import _dot
 
 
 @triton.jit
@@ -52,26 +49,10 @@ def _decode_swiglu_kernel(
     cols = tile * BLOCK_N + tl.arange(0, BLOCK_N)
     rstd = _rstd(x_ptr, rows, M, K, eps, BLOCK_M, BLOCK_K)
     k_lo = split * K_CHUNK
-    k_hi = tl.minimum(k_lo + K_CHUNK, K)
-    acc_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for k0 in range(k_lo, k_hi, BLOCK_K):
-        ks = k0 + tl.arange(0, BLOCK_K)
-        x = _normed_tile(x_ptr, nw_ptr, rows, M, ks, k_hi, K, rstd, offset, GEMMA_CAST)
-        w_mask = (cols[:, None] < N) & (ks[None, :] < k_hi)
-        w_gate = tl.load(w_ptr + cols[:, None] * K + ks[None, :], mask=w_mask, other=0.0)
-        w_up = tl.load(w_ptr + (N + cols[:, None]) * K + ks[None, :], mask=w_mask, other=0.0)
-        acc_g += _dot(x, tl.trans(w_gate), DTYPE, OPERAND, PRECISION)
-        acc_u += _dot(x, tl.trans(w_up), DTYPE, OPERAND, PRECISION)
-    if SPLIT > 1:
-        slots = 2 * tl.num_programs(0)
-        _store_partial(acc_g, ws_ptr, 2 * tile, split, slots, BLOCK_M, BLOCK_N)
-        _store_partial(acc_u, ws_ptr, 2 * tile + 1, split, slots, BLOCK_M, BLOCK_N)
-        last = _arrive(count_ptr, tile, SPLIT)
-        acc_g = _sum_partials(ws_ptr, 2 * tile, slots, last, SPLIT, BLOCK_M, BLOCK_N)
-        acc_u = _sum_partials(ws_ptr, 2 * tile + 1, slots, last, SPLIT, BLOCK_M, BLOCK_N)
-    else:
-        last = True
+    acc_g, acc_u = _normed_pair(x_ptr, nw_ptr, w_ptr, rows, M, K, k_lo, tl.minimum(k_lo + K_CHUNK, K), rstd, offset,
+                                cols, N + cols, cols < N, GEMMA_CAST, DTYPE, OPERAND, PRECISION,
+                                BLOCK_M, BLOCK_N, BLOCK_K)
+    acc_g, acc_u, last = _sum_pair(acc_g, acc_u, ws_ptr, count_ptr, tile, split, SPLIT, BLOCK_M, BLOCK_N)
     if last:
         if HAS_BIAS:
             acc_g += tl.load(b_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
