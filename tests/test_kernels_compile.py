@@ -261,8 +261,8 @@ def softcap_attention_cases(sa):
 
 def decode_gemm_cases():
     """A decoding step's three GEMM kernels at their largest tiles (64 rows; a head of 256 for q | k | v), with the
-    bias and K split (the workspace's sums and arrival counts): bf16 on both architectures, and q | k | v's in fp32
-    on sm_80 too (twice the bytes an element), whose shared memory is the smaller."""
+    bias, whole (SPLIT 1) and with K split (the workspace's sums and arrival counts): bf16 on both architectures,
+    and q | k | v's split in fp32 on sm_80 too (twice the bytes an element), whose shared memory is the smaller."""
     import kernels.decode_linear as dl
     gemm = {"_decode_linear_kernel": ("kernels.decode_linear", ("x", "w", "b", "r", "y"), ("M", "N", "K", "K_CHUNK"),
                                       {"BLOCK_N": 32}),
@@ -275,15 +275,16 @@ def decode_gemm_cases():
     floats = {"_decode_swiglu_kernel": ("eps", "offset"), "_decode_qkv_kernel": ("eps", "offset")}
     cases = []
     for kernel, (module, pointers, ints, shape) in gemm.items():
-        for dtype, arch in (("bf16", 80), ("bf16", 90)) + ((("fp32", 80),) if kernel == "_decode_qkv_kernel" else ()):
+        fp32 = (("fp32", 80, 4),) if kernel == "_decode_qkv_kernel" else ()
+        for dtype, arch, split in tuple(product(("bf16",), (80, 90), (1, 4))) + fp32:
             operand = getattr(tl, {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}[dtype])
-            constexprs = dict(HAS_BIAS=True, SPLIT=4, DTYPE=operand, OPERAND=operand,
+            constexprs = dict(HAS_BIAS=True, SPLIT=split, DTYPE=operand, OPERAND=operand,
                               PRECISION="ieee" if dtype == "fp32" else "tf32", BLOCK_M=dl.MAX_ROWS,
                               BLOCK_K=32 if dtype == "fp32" else 128, **shape)
             sig = {**{f"{a}_ptr": f"*{dtype}" for a in pointers}, **({"at_ptr": "*i64"} if "q" in pointers else {}),
                    "ws_ptr": "*fp32", "count_ptr": "*i32", **dict.fromkeys(ints, "i32"),
                    **dict.fromkeys(floats.get(kernel, ()), "fp32"), **dict.fromkeys(constexprs, "constexpr")}
-            cases.append(Case(f"{kernel}-{dtype}-sm{arch}", module, kernel, sig, constexprs,
+            cases.append(Case(f"{kernel}-{dtype}-split{split}-sm{arch}", module, kernel, sig, constexprs,
                               dl.NUM_WARPS, arch, dl.NUM_STAGES))
     return cases
 
