@@ -43,7 +43,7 @@ import math
 import os
 import sys
 from dataclasses import dataclass, field, replace
-from functools import cache
+from functools import cache, lru_cache
 
 import numpy as np
 import torch
@@ -173,8 +173,18 @@ _PRE_TOKENIZER_PROBE = "Hello world's WE'LL $foo  bar\n\n\t baz 12345 3.14 ¼ na
 
 
 def _open(path):
+    """The file's reader. A run reads one file three times (its config, weights and tokenizer), and parsing the
+    metadata is most of a small model's load on a CPU (its vocabulary and merges are ~10^5 fields, ~5 s for
+    SmolLM2), so the last two files read are kept, each under its inode, size and modification time: a file
+    rewritten in place is read again."""
     if not os.path.isfile(path):
         raise FileNotFoundError(f"no GGUF file at {path!r}")
+    st = os.stat(path)
+    return _reader(os.path.realpath(path), st.st_ino, st.st_size, st.st_mtime_ns)
+
+
+@lru_cache(maxsize=2)
+def _reader(path, inode, size, mtime_ns):
     try:
         return gguf.GGUFReader(path)
     except (ValueError, OSError) as e:

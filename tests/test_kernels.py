@@ -329,7 +329,7 @@ def check_rms_norm(device, dtype, shape, cast, offset, w_dtype=None):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("shape", [(3, 423, 96), (2, 3, 2304)])
+@pytest.mark.parametrize("shape", [(3, 41, 96), (2, 3, 2304)])
 @pytest.mark.parametrize("cast, offset", [("llama", 0.0), ("gemma", 1.0)])
 def test_rms_norm(dtype, shape, cast, offset):
     check_rms_norm(DEVICE, dtype, shape, cast, offset)
