@@ -29,7 +29,9 @@ combines the parts; a row that sees thousands of slots walks them all, NUM_STAGE
 Rounding: q, k and v enter the products in their dtype (bf16/fp16: tensor-core products accumulated in fp32;
 fp32: IEEE fp32 products, not tf32); P is rounded to that dtype before P V, as FlashAttention-2 and SDPA's
 kernels do, while l sums the fp32 P; every elementwise value is fp32, and Y is rounded once, at the store.
-`first` and `at` are device tensors, so a CUDA graph of the step replays at every position. Forward only.
+`first` and `at` are device tensors, so a CUDA graph of the step replays at every position. On Hopper the launch
+is a programmatic dependent one, as the decoding GEMMs' (kernels/decode_linear.py): the program waits for the
+previous kernel before its first load. Forward only.
 
 Reference: kernels.references.decode_attention_reference.
 """
@@ -37,6 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.decode_linear import _after_previous, pdl_constexprs
 from kernels.references import DTYPES, check_decode_attention_args
 from kernels.softcap_attention import TL_DTYPES, _dot
 from kernels.tanh import tanh
@@ -66,8 +69,9 @@ def _decode_attention_kernel(
     D: tl.constexpr,  # one compile per head size: the compiler knows a row of k's length and alignment, and vectorizes
     REP: tl.constexpr, HAS_FIRST: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     BLOCK_REP: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
-    DTYPE: tl.constexpr, OPERAND: tl.constexpr, PRECISION: tl.constexpr,
+    DTYPE: tl.constexpr, OPERAND: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr,
 ):
+    _after_previous(PDL)
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
     r = tl.arange(0, BLOCK_REP)[:, None]  # the query heads of kv head h; rows from REP on are padding
@@ -124,6 +128,7 @@ def decode_attention(q, k_cache, v_cache, first, at, scale, window=None, softcap
             D=D, REP=rep, HAS_FIRST=first is not None, HAS_WINDOW=window is not None, HAS_SOFTCAP=softcap is not None,
             BLOCK_REP=block_rep, BLOCK_S=block_s, BLOCK_D=block_d,
             DTYPE=dtype, OPERAND=dtype if q.is_cuda else tl.float32,  # fp32 in the interpreter: see `_dot`
-            PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+            PRECISION="ieee" if q.dtype == torch.float32 else "tf32", **pdl_constexprs(q), num_warps=NUM_WARPS,
+            num_stages=NUM_STAGES)
     assert y.dtype == q.dtype, f"decode_attention: y must be {q.dtype}, got {y.dtype}"
     return y

@@ -20,11 +20,23 @@ that the count's release covers every thread's stores), and the program that rea
 applies the epilogue and sets the count back to 0 for the next launch. y is rounded as torch rounds `r + y`: the
 GEMM's output first, then the add. Forward only.
 
+A decoding step is a chain of such launches, each a few µs, and on Hopper (sm_90 and later) they are launched with
+programmatic dependent launch (`pdl_constexprs`, NVIDIA's "Programmatic Dependent Launch and Synchronization"): a
+launch may start while the one before it runs, its programs first ask L2 for their own weight rows
+(`_prefetch_rows`), then wait for the previous kernel to finish with its writes visible (`griddepcontrol.wait`),
+and only then load anything (`_after_previous`). Every
+kernel that takes part waits before it finishes, so each one's wait also covers the kernels before the previous
+one. The launch's gap and the first weight loads overlap the kernel before it; the arithmetic and the values are
+the same as without it.
+
 Reference: kernels.references.decode_linear_reference.
 """
+from functools import lru_cache
+
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from kernels.references import DTYPES, check_decode_linear_args
 from kernels.rms_norm import _normalized
@@ -32,14 +44,37 @@ from kernels.softcap_attention import TL_DTYPES, _dot
 
 NUM_WARPS = 4
 NUM_STAGES = 4  # tiles of W in flight a program: its loads are the chain a skinny GEMM waits on
+STAGE_BYTES = 160 * 1024  # at most these bytes of tiles in flight a program (`num_stages`)
 WAVES = 1  # programs a launch, in waves of the device's SMs (`launch_config`): with more, K is cut finer, and the
 # partials' round trip and sum cost more than the shorter chains of loads save (dev/perf-notes.md)
 MAX_ROWS = 64  # rows a launch takes (BLOCK_M up to 64): a decoding step's, not a prefill's
+RSTD_TILES = tl.constexpr(8)  # x's tiles whose loads `_rstd` issues together
+
+
+@lru_cache
+def _dependent_launch(index: int) -> bool:
+    """Whether CUDA device `index` has programmatic dependent launch (sm_90 and later)."""
+    return torch.cuda.get_device_capability(index)[0] >= 9
+
+
+def pdl_constexprs(x) -> dict:
+    """PDL (the kernel waits for the previous one with `_after_previous`) and the launch option launch_pdl, both on
+    for a CUDA device with programmatic dependent launch, for a decoding kernel reading x."""
+    on = x.is_cuda and _dependent_launch(x.device.index if x.device.index is not None else torch.cuda.current_device())
+    return dict(PDL=on, launch_pdl=on)
 
 
 def block_m(M: int) -> int:
     """x's rows padded to a power of two of at least 16, what tl.dot takes."""
     return max(16, triton.next_power_of_2(M))
+
+
+def num_stages(stage_elements: int, x) -> int:
+    """The pipeline's depth for a launch whose one stage holds `stage_elements` elements of x's dtype (x's tile and
+    the weight tiles of one BLOCK_K step): NUM_STAGES, fewer where those would pass STAGE_BYTES, at least 2. Triton
+    keeps the stages in shared memory, and at the largest tiles (64 rows, a head of 256) four would pass even
+    sm_90's 227 KiB; within STAGE_BYTES they fit sm_80's 163 KiB (tests/test_kernels_compile.py)."""
+    return max(2, min(NUM_STAGES, STAGE_BYTES // (stage_elements * x.element_size())))
 
 
 def launch_config(tiles: int, K: int, x) -> tuple[int, int, int]:
@@ -79,6 +114,30 @@ class Workspace:
     def _retire(self, buffer):
         if buffer is not None:
             self.retired.append(buffer)
+
+
+@triton.jit
+def _prefetch_rows(w_ptr, n, n_mask, K, k_lo, k_hi, BLOCK_K: tl.constexpr):
+    """Ask L2 for W[n, k_lo:k_hi] (rows n where n_mask), one prefetch a 128-byte line; the program goes on at once.
+    (Lines outside the mask ask for W's first line instead.) L2 is the one cache that every SM reads through, so a
+    prefetch cannot make a later load see an older value: values come only from the loads after the wait."""
+    LINE: tl.constexpr = 128 // (w_ptr.dtype.element_ty.primitive_bitwidth // 8)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K // LINE) * LINE
+        ptrs = w_ptr + n[:, None] * K + ks[None, :]
+        ptrs = tl.where(n_mask[:, None] & (ks[None, :] < k_hi), ptrs, w_ptr)
+        tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n mov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
+                                  is_pure=False, pack=1)
+
+
+@triton.jit
+def _after_previous(PDL: tl.constexpr):
+    """With programmatic dependent launch (PDL): wait until the previous kernel has finished and its writes are
+    visible, then let the next launch start (its programs take the SMs' room left beside this kernel's). Nothing
+    before this reads memory that another kernel writes."""
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
 
 
 @triton.jit
@@ -133,14 +192,18 @@ def _sum_pair(acc1, acc2, ws_ptr, count_ptr, tile, split, SPLIT: tl.constexpr, B
 @triton.jit
 def _rstd(x_ptr, rows, M, K, eps, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
     """rsqrt(mean(x²) + eps) of x's rows [M, K] (BLOCK_M,), fp32: every program of a normalizing GEMM computes it
-    for itself (M × K is a few KB), where a separate norm would cost a launch and a round trip of its output."""
-    sq = tl.zeros([BLOCK_M], tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        ks = k0 + tl.arange(0, BLOCK_K)
-        x = tl.load(x_ptr + rows[:, None] * K + ks[None, :], mask=(rows[:, None] < M) & (ks[None, :] < K),
-                    other=0.0).to(tl.float32)
-        sq += tl.sum(x * x, 1)
-    return tl.rsqrt(sq / K + eps)
+    for itself (M × K is a few KB), where a separate norm would cost a launch and a round trip of its output.
+    RSTD_TILES tiles of x at a time, unrolled, their squares summed elementwise and across columns once at the end:
+    their loads are then in flight together. (Summed across columns tile by tile in a rolled loop, each tile's
+    load waited for the sum before it: a chain of round trips that the GEMM's weight loads, issued after, wait on.)"""
+    sq = tl.zeros([BLOCK_M, BLOCK_K], tl.float32)
+    for k0 in range(0, K, RSTD_TILES * BLOCK_K):
+        for j in tl.static_range(RSTD_TILES):
+            ks = k0 + j * BLOCK_K + tl.arange(0, BLOCK_K)
+            x = tl.load(x_ptr + rows[:, None] * K + ks[None, :], mask=(rows[:, None] < M) & (ks[None, :] < K),
+                        other=0.0).to(tl.float32)
+            sq += x * x
+    return tl.rsqrt(tl.sum(sq, 1) / K + eps)
 
 
 @triton.jit
@@ -180,6 +243,7 @@ def _decode_linear_kernel(
     HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
     DTYPE: tl.constexpr, OPERAND: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     tile = tl.program_id(0)
     split = tl.program_id(1)
@@ -187,6 +251,15 @@ def _decode_linear_kernel(
     cols = tile * BLOCK_N + tl.arange(0, BLOCK_N)
     k_lo = split * K_CHUNK
     k_hi = tl.minimum(k_lo + K_CHUNK, K)
+    if PDL:  # the weight rows on their way to L2 while the previous kernel runs
+        _prefetch_rows(w_ptr, cols, cols < N, K, k_lo, k_hi, BLOCK_K)
+    _after_previous(PDL)
+    # the epilogue's inputs, loaded before the GEMM so that the tile's last program does not wait for them after it
+    offs = rows[:, None] * N + cols[None, :]
+    mask = (rows[:, None] < M) & (cols[None, :] < N)
+    r = tl.load(r_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    if HAS_BIAS:
+        b = tl.load(b_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(k_lo, k_hi, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
@@ -203,11 +276,8 @@ def _decode_linear_kernel(
         last = True
     if last:
         if HAS_BIAS:
-            acc += tl.load(b_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
+            acc += b[None, :]
         y = acc.to(y_ptr.dtype.element_ty).to(tl.float32)
-        offs = rows[:, None] * N + cols[None, :]
-        mask = (rows[:, None] < M) & (cols[None, :] < N)
-        r = tl.load(r_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         tl.store(y_ptr + offs, (r + y).to(y_ptr.dtype.element_ty), mask=mask)
 
 
@@ -235,6 +305,7 @@ def decode_linear(x, weight, bias, residual, workspace: Workspace, block_n: int 
     _decode_linear_kernel[(tiles, split)](
         x, weight, weight if bias is None else bias, residual, y, ws, counts, M, N, K, chunk,
         HAS_BIAS=bias is not None, SPLIT=split, **dot_constexprs(x),
-        BLOCK_M=bm, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+        BLOCK_M=bm, BLOCK_N=block_n, BLOCK_K=block_k, **pdl_constexprs(x), num_warps=NUM_WARPS,
+        num_stages=num_stages((bm + block_n) * block_k, x))
     assert y.dtype == x.dtype, f"decode_linear: y must be {x.dtype}, got {y.dtype}"
     return y

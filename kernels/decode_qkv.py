@@ -25,15 +25,18 @@ import triton
 import triton.language as tl
 
 from kernels.decode_linear import (
-    NUM_STAGES,
     NUM_WARPS,
     Workspace,
+    _after_previous,
     _normed_pair,
+    _prefetch_rows,
     _rstd,
     _sum_pair,
     block_m,
     dot_constexprs,
     launch_config,
+    num_stages,
+    pdl_constexprs,
 )
 from kernels.references import DTYPES, check_norm_linear_args
 
@@ -48,6 +51,7 @@ def _decode_qkv_kernel(
     GEMMA_CAST: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
     DTYPE: tl.constexpr, OPERAND: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     head = tl.program_id(0)  # q heads, then k heads, then v heads
     split = tl.program_id(1)
@@ -55,25 +59,34 @@ def _decode_qkv_kernel(
     rows = tl.arange(0, BLOCK_M)
     d = tl.arange(0, BLOCK_HALF)
     n1 = head * D + d  # the head's first half of columns; n1 + HALF its second
-    rstd = _rstd(x_ptr, rows, M, K, eps, BLOCK_M, BLOCK_K)
     k_lo = split * K_CHUNK
+    if PDL:  # the weight rows on their way to L2 while the previous kernel runs
+        _prefetch_rows(w_ptr, n1, d < HALF, K, k_lo, tl.minimum(k_lo + K_CHUNK, K), BLOCK_K)
+        _prefetch_rows(w_ptr, n1 + HALF, d < HALF, K, k_lo, tl.minimum(k_lo + K_CHUNK, K), BLOCK_K)
+    _after_previous(PDL)
+    # the epilogue's inputs, loaded before the GEMM so that the head's last program does not wait for them after it
+    dmask = d < HALF
+    mask = (rows[:, None] < M) & dmask[None, :]
+    cs = rows[:, None] * D + d[None, :]
+    c1 = tl.load(cos_ptr + cs, mask=mask, other=0.0).to(tl.float32)
+    c2 = tl.load(cos_ptr + cs + HALF, mask=mask, other=0.0).to(tl.float32)
+    s1 = tl.load(sin_ptr + cs, mask=mask, other=0.0).to(tl.float32)
+    s2 = tl.load(sin_ptr + cs + HALF, mask=mask, other=0.0).to(tl.float32)
+    if HAS_BIAS:
+        b1 = tl.load(b_ptr + n1, mask=dmask, other=0.0).to(tl.float32)
+        b2 = tl.load(b_ptr + n1 + HALF, mask=dmask, other=0.0).to(tl.float32)
+    at = tl.load(at_ptr)
+    rstd = _rstd(x_ptr, rows, M, K, eps, BLOCK_M, BLOCK_K)
     acc1, acc2 = _normed_pair(x_ptr, nw_ptr, w_ptr, rows, M, K, k_lo, tl.minimum(k_lo + K_CHUNK, K), rstd, offset,
                               n1, n1 + HALF, d < HALF, GEMMA_CAST, DTYPE, OPERAND, PRECISION,
                               BLOCK_M, BLOCK_HALF, BLOCK_K)
     acc1, acc2, last = _sum_pair(acc1, acc2, ws_ptr, count_ptr, head, split, SPLIT, BLOCK_M, BLOCK_HALF)
     if last:
-        dmask = d < HALF
         if HAS_BIAS:
-            acc1 += tl.load(b_ptr + n1, mask=dmask, other=0.0).to(tl.float32)[None, :]
-            acc2 += tl.load(b_ptr + n1 + HALF, mask=dmask, other=0.0).to(tl.float32)[None, :]
+            acc1 += b1[None, :]
+            acc2 += b2[None, :]
         y1 = acc1.to(q_ptr.dtype.element_ty).to(tl.float32)
         y2 = acc2.to(q_ptr.dtype.element_ty).to(tl.float32)
-        mask = (rows[:, None] < M) & dmask[None, :]
-        cs = rows[:, None] * D + d[None, :]
-        c1 = tl.load(cos_ptr + cs, mask=mask, other=0.0).to(tl.float32)
-        c2 = tl.load(cos_ptr + cs + HALF, mask=mask, other=0.0).to(tl.float32)
-        s1 = tl.load(sin_ptr + cs, mask=mask, other=0.0).to(tl.float32)
-        s2 = tl.load(sin_ptr + cs + HALF, mask=mask, other=0.0).to(tl.float32)
         col_head = head + 0 * d  # the head as a vector: the interpreter mishandles a tensor mask & a scalar one
         rotated = col_head[None, :] < HQ + HK  # q and k heads; v heads go to the cache as they are
         o1 = tl.where(rotated, y1 * c1 - y2 * s1, y1)
@@ -83,7 +96,7 @@ def _decode_qkv_kernel(
         tl.store(q_ptr + q_offs, o1.to(q_ptr.dtype.element_ty), mask=is_q)
         tl.store(q_ptr + q_offs + HALF, o2.to(q_ptr.dtype.element_ty), mask=is_q)
         kv_head = tl.where(head < HQ + HK, head - HQ, head - HQ - HK)
-        slot = (rows[:, None].to(tl.int64) * HK + kv_head) * S * D + tl.load(at_ptr) * D + d[None, :]
+        slot = (rows[:, None].to(tl.int64) * HK + kv_head) * S * D + at * D + d[None, :]
         is_k = mask & rotated & (col_head[None, :] >= HQ)
         is_v = mask & (col_head[None, :] >= HQ + HK)
         tl.store(k_cache_ptr + slot, o1.to(k_cache_ptr.dtype.element_ty), mask=is_k)
@@ -121,6 +134,7 @@ def decode_qkv(x, norm_weight, weight, bias, cos, sin, k_cache, v_cache, at, n_h
         x, norm_weight, weight, weight if bias is None else bias, cos, sin, q, k_cache, v_cache, at, ws, counts,
         M, K, chunk, S, n_heads, Hk, D // 2, eps, offset,
         GEMMA_CAST=cast == "gemma", HAS_BIAS=bias is not None, SPLIT=split, **dot_constexprs(x),
-        BLOCK_M=bm, BLOCK_HALF=half, BLOCK_K=block_k, num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+        BLOCK_M=bm, BLOCK_HALF=half, BLOCK_K=block_k, **pdl_constexprs(x), num_warps=NUM_WARPS,
+        num_stages=num_stages((bm + 2 * half) * block_k, x))
     assert q.dtype == x.dtype, f"decode_qkv: q must be {x.dtype}, got {q.dtype}"
     return q

@@ -21,15 +21,18 @@ import triton
 import triton.language as tl
 
 from kernels.decode_linear import (
-    NUM_STAGES,
     NUM_WARPS,
     Workspace,
+    _after_previous,
     _normed_pair,
+    _prefetch_rows,
     _rstd,
     _sum_pair,
     block_m,
     dot_constexprs,
     launch_config,
+    num_stages,
+    pdl_constexprs,
 )
 from kernels.references import DTYPES, check_norm_linear_args
 
@@ -42,13 +45,18 @@ def _decode_swiglu_kernel(
     GEMMA_CAST: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
     DTYPE: tl.constexpr, OPERAND: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     tile = tl.program_id(0)
     split = tl.program_id(1)
     rows = tl.arange(0, BLOCK_M)
     cols = tile * BLOCK_N + tl.arange(0, BLOCK_N)
-    rstd = _rstd(x_ptr, rows, M, K, eps, BLOCK_M, BLOCK_K)
     k_lo = split * K_CHUNK
+    if PDL:  # the weight rows on their way to L2 while the previous kernel runs
+        _prefetch_rows(w_ptr, cols, cols < N, K, k_lo, tl.minimum(k_lo + K_CHUNK, K), BLOCK_K)
+        _prefetch_rows(w_ptr, N + cols, cols < N, K, k_lo, tl.minimum(k_lo + K_CHUNK, K), BLOCK_K)
+    _after_previous(PDL)
+    rstd = _rstd(x_ptr, rows, M, K, eps, BLOCK_M, BLOCK_K)
     acc_g, acc_u = _normed_pair(x_ptr, nw_ptr, w_ptr, rows, M, K, k_lo, tl.minimum(k_lo + K_CHUNK, K), rstd, offset,
                                 cols, N + cols, cols < N, GEMMA_CAST, DTYPE, OPERAND, PRECISION,
                                 BLOCK_M, BLOCK_N, BLOCK_K)
@@ -84,6 +92,7 @@ def decode_swiglu(x, norm_weight, weight, bias, workspace: Workspace, eps=1e-6, 
     _decode_swiglu_kernel[(tiles, split)](
         x, norm_weight, weight, weight if bias is None else bias, h, ws, counts, M, N, K, chunk, eps, offset,
         GEMMA_CAST=cast == "gemma", HAS_BIAS=bias is not None, SPLIT=split, **dot_constexprs(x),
-        BLOCK_M=bm, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+        BLOCK_M=bm, BLOCK_N=block_n, BLOCK_K=block_k, **pdl_constexprs(x), num_warps=NUM_WARPS,
+        num_stages=num_stages((bm + 2 * block_n) * block_k, x))
     assert h.dtype == x.dtype, f"decode_swiglu: h must be {x.dtype}, got {h.dtype}"
     return h

@@ -44,7 +44,8 @@ class Case:
     num_warps: int
     arch: int
     num_stages: int = 3  # Triton's default on NVIDIA GPUs
-    aligned: tuple = ()  # pointer arguments known 16-byte aligned, as the launcher specializes them at run time
+    aligned: tuple = ()  # pointers known 16-byte aligned and integers multiples of 16, as the launcher specializes
+    # them at run time (for the model shapes): the loads then vectorize and pipeline through shared memory
 
 
 def flags(*names):
@@ -222,7 +223,7 @@ def decode_attention_cases(da):
         block_rep, block_s, block_d = da.launch_config(rep, D, names[dtype])
         operand = getattr(tl, {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}[dtype])
         constexprs = dict(D=D, REP=rep, BLOCK_REP=block_rep, BLOCK_S=block_s, BLOCK_D=block_d, DTYPE=operand,
-                          OPERAND=operand, PRECISION="ieee" if dtype == "fp32" else "tf32", **combo)
+                          OPERAND=operand, PRECISION="ieee" if dtype == "fp32" else "tf32", PDL=arch >= 90, **combo)
         sig = {**{f"{a}_ptr": f"*{dtype}" for a in ("q", "k", "v", "y")}, "first_ptr": "*i64", "at_ptr": "*i64",
                "S": "i32", "HK": "i32", "window": "i32", "scale": "fp32", "softcap": "fp32",
                **dict.fromkeys(constexprs, "constexpr")}
@@ -262,8 +263,13 @@ def softcap_attention_cases(sa):
 def decode_gemm_cases():
     """A decoding step's three GEMM kernels at their largest tiles (64 rows; a head of 256 for q | k | v), with the
     bias, whole (SPLIT 1) and with K split (the workspace's sums and arrival counts): bf16 on both architectures,
-    and q | k | v's split in fp32 on sm_80 too (twice the bytes an element), whose shared memory is the smaller."""
+    and q | k | v's split in fp32 on sm_80 too (twice the bytes an element), whose shared memory is the smaller.
+    Aligned as at the model shapes (the loads pipeline), and on sm_90 with programmatic dependent launch (PDL), as
+    their launchers compile them there."""
+    import torch
+
     import kernels.decode_linear as dl
+    names = {"bf16": torch.bfloat16, "fp32": torch.float32}
     gemm = {"_decode_linear_kernel": ("kernels.decode_linear", ("x", "w", "b", "r", "y"), ("M", "N", "K", "K_CHUNK"),
                                       {"BLOCK_N": 32}),
             "_decode_swiglu_kernel": ("kernels.decode_swiglu", ("x", "nw", "w", "b", "h"),
@@ -280,12 +286,16 @@ def decode_gemm_cases():
             operand = getattr(tl, {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}[dtype])
             constexprs = dict(HAS_BIAS=True, SPLIT=split, DTYPE=operand, OPERAND=operand,
                               PRECISION="ieee" if dtype == "fp32" else "tf32", BLOCK_M=dl.MAX_ROWS,
-                              BLOCK_K=32 if dtype == "fp32" else 128, **shape)
+                              BLOCK_K=32 if dtype == "fp32" else 128, PDL=arch >= 90, **shape)
             sig = {**{f"{a}_ptr": f"*{dtype}" for a in pointers}, **({"at_ptr": "*i64"} if "q" in pointers else {}),
                    "ws_ptr": "*fp32", "count_ptr": "*i32", **dict.fromkeys(ints, "i32"),
                    **dict.fromkeys(floats.get(kernel, ()), "fp32"), **dict.fromkeys(constexprs, "constexpr")}
+            width = {"_decode_linear_kernel": shape.get("BLOCK_N", 0)}.get(kernel, 2 * shape.get("BLOCK_N", 0)
+                                                                               + 2 * shape.get("BLOCK_HALF", 0))
+            stages = dl.num_stages((dl.MAX_ROWS + width) * constexprs["BLOCK_K"], torch.empty(0, dtype=names[dtype]))
             cases.append(Case(f"{kernel}-{dtype}-split{split}-sm{arch}", module, kernel, sig, constexprs,
-                              dl.NUM_WARPS, arch, dl.NUM_STAGES))
+                              dl.NUM_WARPS, arch, stages,
+                              aligned=tuple(f"{a}_ptr" for a in pointers) + ("K", "K_CHUNK")))
     return cases
 
 
@@ -352,6 +362,32 @@ def e4m3_conversions(kernel) -> str:
     return ", ".join(sorted(set(re.findall(r"\bcvt\.\S*e4m3\S*", ptx))))
 
 
+def loads_before_wait(case_id) -> str:
+    """'' if the PTX of a case compiled with PDL reads or writes global memory only after its `griddepcontrol.wait`
+    (before it: L2 prefetches of weights and the kernel's parameters), else the first such instruction: a load
+    there could read what the previous kernel has not written yet, and a store overwrite what it still reads."""
+    import re
+
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    case = next(c for c in kernel_cases() if c.id == case_id)
+    fn = getattr(importlib.import_module(case.module), case.kernel)
+    attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name in case.aligned}
+    ptx = triton.compile(ASTSource(fn=fn, signature=case.signature, constexprs=case.constexprs, attrs=attrs),
+                         target=GPUTarget("cuda", case.arch, 32),
+                         options={"num_warps": case.num_warps, "num_stages": case.num_stages}).asm["ptx"]
+    wait = ptx.find("griddepcontrol.wait")
+    if wait < 0:
+        return "no griddepcontrol.wait"
+    early = re.search(r"\b((ld|st|atom|red)\.global|cp\.async)\S*", ptx[:wait])
+    return "" if early is None else early.group(0)
+
+
+PDL_CASES = ("_decode_linear_kernel-bf16-split4-sm90", "_decode_swiglu_kernel-bf16-split4-sm90",
+             "_decode_qkv_kernel-bf16-split4-sm90", "_decode_attention_kernel-qwen-bf16-HAS_FIRST=1-HAS_WINDOW=1-"
+             "HAS_SOFTCAP=1-sm90")
+
+
 def compile_all() -> dict:
     cases = kernel_cases() + bug_cases()
     with ProcessPoolExecutor(max_workers=os.cpu_count()) as pool:
@@ -359,7 +395,8 @@ def compile_all() -> dict:
         fma = {f"{name}-sm{arch}": pool.submit(nf4_fma, arch, kernel).result() for arch in ARCHS
                for name, kernel in NF4_KERNELS.items()}
         cvt = {f"e4m3_cvt-{kernel}": pool.submit(e4m3_conversions, kernel).result() for kernel in E4M3_KERNELS}
-        return {**compiled, **fma, **cvt}
+        pdl = {f"pdl-{case}": pool.submit(loads_before_wait, case).result() for case in PDL_CASES}
+        return {**compiled, **fma, **cvt, **pdl}
 
 
 if __name__ == "__main__":
@@ -394,6 +431,11 @@ def test_nf4_kernels_compile_without_fma(compiled, arch, name):
 @pytest.mark.parametrize("kernel", E4M3_KERNELS)
 def test_e4m3_kernels_use_the_saturating_conversion_on_sm90(compiled, kernel):
     assert compiled[f"e4m3_cvt-{kernel}"] == "cvt.rn.satfinite.e4m3x2.f32", compiled[f"e4m3_cvt-{kernel}"]
+
+
+@pytest.mark.parametrize("case_id", PDL_CASES)
+def test_dependent_launches_touch_memory_only_after_their_wait(compiled, case_id):
+    assert compiled[f"pdl-{case_id}"] == "", f"{case_id} before griddepcontrol.wait: {compiled[f'pdl-{case_id}']}"
 
 
 @pytest.mark.parametrize("arch", ARCHS)
