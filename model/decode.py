@@ -10,8 +10,9 @@ and epilogue. For the residual stream x (M, H) of M rows of one token each:
 
 so each norm is computed by the GEMM that reads it, the next layer's input norm by the next layer's first kernel,
 and the final norm by one rms_norm launch after the last layer. On Hopper each of these kernels starts while the
-one before it runs and waits for it before its first load (programmatic dependent launch, kernels/decode_linear.py). The values are the layers' own, within the
-rounding of the GEMMs' sums (tests/test_generate.py compares the logits with `decode_layers`').
+one before it runs and waits for it before its first load (programmatic dependent launch, kernels/decode_linear.py).
+The values are the layers' own, within the rounding of the GEMMs' sums (tests/test_generate.py compares the logits
+with `decode_layers`').
 
 Taken (`FusedDecode.serves`) where every projection computes with a plain weight of the activations' dtype, packed
 as `pack_weights_` packs q | k | v and gate | up (adapters merged: `MergedAdapters`, whose block a rollout's
