@@ -21,13 +21,13 @@ applies the epilogue and sets the count back to 0 for the next launch. y is roun
 GEMM's output first, then the add. Forward only.
 
 A decoding step is a chain of such launches, each a few µs, and on Hopper (sm_90 and later) they are launched with
-programmatic dependent launch (`pdl_constexprs`, NVIDIA's "Programmatic Dependent Launch and Synchronization"): a
-launch may start while the one before it runs, its programs first ask L2 for their own weight rows
-(`_prefetch_rows`), then wait for the previous kernel to finish with its writes visible (`griddepcontrol.wait`),
-and only then load anything (`_after_previous`). Every
-kernel that takes part waits before it finishes, so each one's wait also covers the kernels before the previous
-one. The launch's gap and the first weight loads overlap the kernel before it; the arithmetic and the values are
-the same as without it.
+programmatic dependent launch (`pdl_constexprs`; the CUDA Programming Guide's "Programmatic Dependent Launch and
+Synchronization"): a launch may start while the one before it runs, its programs first ask L2 for their own weight
+rows (`_prefetch_rows`), then wait for the previous kernel to finish with its writes visible
+(`griddepcontrol.wait`, in `_after_previous`), and only then load or store anything. Every kernel that takes part
+waits before it finishes, so each one's wait also covers the kernels before the previous one. The launch's gap and
+the first weight loads overlap the kernel before it; the arithmetic and the values are the same as without it
+(tests/test_kernels_compile.py checks in the PTX that no load or store comes before the wait).
 
 Reference: kernels.references.decode_linear_reference.
 """
@@ -133,8 +133,8 @@ def _prefetch_rows(w_ptr, n, n_mask, K, k_lo, k_hi, BLOCK_K: tl.constexpr):
 @triton.jit
 def _after_previous(PDL: tl.constexpr):
     """With programmatic dependent launch (PDL): wait until the previous kernel has finished and its writes are
-    visible, then let the next launch start (its programs take the SMs' room left beside this kernel's). Nothing
-    before this reads memory that another kernel writes."""
+    visible, then let the next launch start (its programs take the SMs' room left beside this kernel's). A kernel
+    calls it before its first load or store."""
     if PDL:
         gdc_wait()
         gdc_launch_dependents()

@@ -174,9 +174,9 @@ _PRE_TOKENIZER_PROBE = "Hello world's WE'LL $foo  bar\n\n\t baz 12345 3.14 ¼ na
 
 def _open(path):
     """The file's reader. A run reads one file three times (its config, weights and tokenizer), and parsing the
-    metadata is most of a small model's load on a CPU (its vocabulary and merges are ~10^5 fields, ~5 s for
-    SmolLM2), so the last two files read are kept, each under its inode, size and modification time: a file
-    rewritten in place is read again."""
+    metadata is most of a small model's load on a CPU (a vocabulary and its merges are ~10^5 fields, parsed in
+    Python), so the last two files read are kept, each under its inode, size and modification time: a file
+    written again at its path is read again."""
     if not os.path.isfile(path):
         raise FileNotFoundError(f"no GGUF file at {path!r}")
     st = os.stat(path)

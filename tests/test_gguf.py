@@ -333,6 +333,20 @@ def _gguf_base(folder, path, metadata=None):
     return save_gguf(base, load_tokenizer(folder), path, ftype="f32")
 
 
+def test_a_file_written_again_is_read_again(tiny_lora, tmp_path):
+    """A run's reads of one GGUF file (config, weights, tokenizer) share one parse of it, kept per version of the
+    file: the same file gives the same reader, a file written again at that path a new one with its new contents."""
+    from model.gguf import _open, general_metadata
+    path = str(tmp_path / "m.gguf")
+    folder, _ = tiny_lora("llama")
+    _gguf_base(folder, path, {"general.name": ("first", V.STRING, None)})
+    reader = _open(path)
+    assert _open(path) is reader and general_metadata(reader)["general.name"][0] == "first"
+    _gguf_base(folder, path, {"general.name": ("second", V.STRING, None)})
+    again = _open(path)
+    assert again is not reader and general_metadata(again)["general.name"][0] == "second"
+
+
 def test_export_keeps_the_source_metadata(tiny_lora, tmp_path, hub, monkeypatch):
     """A model loaded from a .gguf is exported with that file's general.* metadata (name, license,
     tags, ...); --push-to-hub uploads the file and a GGUF model card."""
