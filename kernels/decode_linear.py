@@ -53,8 +53,9 @@ RSTD_TILES = tl.constexpr(8)  # x's tiles whose loads `_rstd` issues together
 
 @lru_cache
 def _dependent_launch(index: int) -> bool:
-    """Whether CUDA device `index` has programmatic dependent launch (sm_90 and later)."""
-    return torch.cuda.get_device_capability(index)[0] >= 9
+    """Whether CUDA device `index` has programmatic dependent launch: an NVIDIA GPU of sm_90 or later (ROCm's torch
+    reports its own GPUs' versions as capabilities, and has no griddepcontrol)."""
+    return torch.version.hip is None and torch.cuda.get_device_capability(index)[0] >= 9
 
 
 def pdl_constexprs(x) -> dict:

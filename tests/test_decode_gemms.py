@@ -42,6 +42,22 @@ def test_a_grown_workspace_keeps_the_buffers_a_graph_may_hold():
     assert ws.retired[0] is partials and ws.retired[1] is counts
 
 
+@pytest.mark.parametrize("hip, capability, on", [(None, (9, 0), True), (None, (10, 0), True), (None, (8, 0), False),
+                                                 ("6.4", (9, 4), False)])
+def test_dependent_launches_only_on_nvidia_hopper_and_later(monkeypatch, hip, capability, on):
+    """Programmatic dependent launch (griddepcontrol) is on for NVIDIA GPUs of sm_90 and later only: not on
+    Ampere, not under ROCm (whose torch reports gfx9 GPUs as capability 9.x), not for CPU tensors."""
+    import kernels.decode_linear as dl
+    monkeypatch.setattr(torch.version, "hip", hip)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index: capability)
+    dl._dependent_launch.cache_clear()
+    try:
+        assert dl._dependent_launch(0) is on
+    finally:
+        dl._dependent_launch.cache_clear()
+    assert dl.pdl_constexprs(torch.zeros(1)) == dict(PDL=False, launch_pdl=False)
+
+
 def test_launch_config_splits_k_only_where_the_tiles_are_few():
     """Many column tiles: K whole; few: K in chunks of whole blocks, none empty, covering K."""
     x = torch.empty(0, dtype=torch.bfloat16)
