@@ -188,11 +188,8 @@ class GraphStep:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
         if self.pool is None:  # the run's first capture
-            if self._record_first(g):  # a step has run in this process (see __call__)
-                return g
-            self._warm_up(g)
-            self.pool = torch.cuda.graph_pool_handle()
-            self._record(g)
+            if not self._record_first(g):  # a step has run in this process (see __call__)
+                self._warm_up_and_record(g)
             return g
         try:
             self._record(g)
@@ -201,18 +198,23 @@ class GraphStep:
         except Exception as e:
             # Something this shape starts lazily started inside the capture (a kernel's first launch at new sizes,
             # a library's handle on a new stream). The failed capture ran nothing and released its pool: the step
-            # is warmed up as before a run's first capture and captured once more, into a new pool. A second
-            # failure goes to the caller, which goes on eagerly.
+            # is warmed up as before a run's first capture and captured once more. A second failure goes to the
+            # caller, which goes on eagerly.
             self.log(f"note: CUDA graph capture of a new batch shape failed ({type(e).__name__}: {str(e)[:120]}); "
                      "warmed up and captured again")
-            g.graph = torch.cuda.CUDAGraph()
-            self._warm_up(g)
-            self.pool = torch.cuda.graph_pool_handle()
-            self._record(g)
+            self._warm_up_and_record(g)
         return g
 
     def _record(self, g):
         g.loss = capture(g.graph, lambda: self._step(g), self.pool)
+
+    def _warm_up_and_record(self, g):
+        """g's step warmed up (`_warm_up`), then captured into a new graph and a new pool: after a failed capture,
+        which left its graph unusable and released its pool."""
+        g.graph = torch.cuda.CUDAGraph()
+        self._warm_up(g)
+        self.pool = torch.cuda.graph_pool_handle()
+        self._record(g)
 
     def _record_first(self, g):
         """The first capture without the warm-up, after a WarmStart's step or the run's first (eager) step: that
@@ -229,7 +231,7 @@ class GraphStep:
         except torch.OutOfMemoryError:
             raise
         except Exception:
-            g.graph, self.pool = torch.cuda.CUDAGraph(), None
+            self.pool = None  # the failed capture released it
             return False
 
     def _warm_up(self, g):

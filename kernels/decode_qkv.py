@@ -59,13 +59,14 @@ def _decode_qkv_kernel(
     rows = tl.arange(0, BLOCK_M)
     d = tl.arange(0, BLOCK_HALF)
     n1 = head * D + d  # the head's first half of columns; n1 + HALF its second
+    dmask = d < HALF
     k_lo = split * K_CHUNK
+    k_hi = tl.minimum(k_lo + K_CHUNK, K)
     if PDL:  # the weight rows on their way to L2 while the previous kernel runs
-        _prefetch_rows(w_ptr, n1, d < HALF, K, k_lo, tl.minimum(k_lo + K_CHUNK, K), BLOCK_K)
-        _prefetch_rows(w_ptr, n1 + HALF, d < HALF, K, k_lo, tl.minimum(k_lo + K_CHUNK, K), BLOCK_K)
+        _prefetch_rows(w_ptr, n1, dmask, K, k_lo, k_hi, BLOCK_K)
+        _prefetch_rows(w_ptr, n1 + HALF, dmask, K, k_lo, k_hi, BLOCK_K)
     _after_previous(PDL)
     # the epilogue's inputs, loaded before the GEMM so that the head's last program does not wait for them after it
-    dmask = d < HALF
     mask = (rows[:, None] < M) & dmask[None, :]
     cs = rows[:, None] * D + d[None, :]
     c1 = tl.load(cos_ptr + cs, mask=mask, other=0.0).to(tl.float32)
@@ -77,8 +78,8 @@ def _decode_qkv_kernel(
         b2 = tl.load(b_ptr + n1 + HALF, mask=dmask, other=0.0).to(tl.float32)
     at = tl.load(at_ptr)
     rstd = _rstd(x_ptr, rows, M, K, eps, BLOCK_M, BLOCK_K)
-    acc1, acc2 = _normed_pair(x_ptr, nw_ptr, w_ptr, rows, M, K, k_lo, tl.minimum(k_lo + K_CHUNK, K), rstd, offset,
-                              n1, n1 + HALF, d < HALF, GEMMA_CAST, DTYPE, OPERAND, PRECISION,
+    acc1, acc2 = _normed_pair(x_ptr, nw_ptr, w_ptr, rows, M, K, k_lo, k_hi, rstd, offset, n1, n1 + HALF, dmask,
+                              GEMMA_CAST, DTYPE, OPERAND, PRECISION,
                               BLOCK_M, BLOCK_HALF, BLOCK_K)
     acc1, acc2, last = _sum_pair(acc1, acc2, ws_ptr, count_ptr, head, split, SPLIT, BLOCK_M, BLOCK_HALF)
     if last:

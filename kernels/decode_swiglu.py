@@ -52,13 +52,14 @@ def _decode_swiglu_kernel(
     rows = tl.arange(0, BLOCK_M)
     cols = tile * BLOCK_N + tl.arange(0, BLOCK_N)
     k_lo = split * K_CHUNK
+    k_hi = tl.minimum(k_lo + K_CHUNK, K)
     if PDL:  # the weight rows on their way to L2 while the previous kernel runs
-        _prefetch_rows(w_ptr, cols, cols < N, K, k_lo, tl.minimum(k_lo + K_CHUNK, K), BLOCK_K)
-        _prefetch_rows(w_ptr, N + cols, cols < N, K, k_lo, tl.minimum(k_lo + K_CHUNK, K), BLOCK_K)
+        _prefetch_rows(w_ptr, cols, cols < N, K, k_lo, k_hi, BLOCK_K)
+        _prefetch_rows(w_ptr, N + cols, cols < N, K, k_lo, k_hi, BLOCK_K)
     _after_previous(PDL)
     rstd = _rstd(x_ptr, rows, M, K, eps, BLOCK_M, BLOCK_K)
-    acc_g, acc_u = _normed_pair(x_ptr, nw_ptr, w_ptr, rows, M, K, k_lo, tl.minimum(k_lo + K_CHUNK, K), rstd, offset,
-                                cols, N + cols, cols < N, GEMMA_CAST, DTYPE, OPERAND, PRECISION,
+    acc_g, acc_u = _normed_pair(x_ptr, nw_ptr, w_ptr, rows, M, K, k_lo, k_hi, rstd, offset, cols, N + cols, cols < N,
+                                GEMMA_CAST, DTYPE, OPERAND, PRECISION,
                                 BLOCK_M, BLOCK_N, BLOCK_K)
     acc_g, acc_u, last = _sum_pair(acc_g, acc_u, ws_ptr, count_ptr, tile, split, SPLIT, BLOCK_M, BLOCK_N)
     if last:
