@@ -20,6 +20,12 @@ that the count's release covers every thread's stores), and the program that rea
 applies the epilogue and sets the count back to 0 for the next launch. y is rounded as torch rounds `r + y`: the
 GEMM's output first, then the add. Forward only.
 
+Where an RMSNorm reads y next (the MLP's norm after o, the next layer's input norm after down), the epilogue also
+writes y's `Scaled` rows for it: y ⊙ (offset + w) and, per column tile, y's sums of squares. Each tile's last program
+writes its own columns, so the norm's work is spread over the tiles as the GEMM's is, and the normalizing GEMM that
+reads them (kernels/decode_swiglu.py, decode_qkv.py) multiplies them as they are and scales its fp32 sums by rstd
+in its epilogue: no rstd pass over x after its wait, no normalization of x's tiles in its loop.
+
 A decoding step is a chain of such launches, each a few µs, and on Hopper (sm_90 and later) they are launched with
 programmatic dependent launch (`pdl_constexprs`; the CUDA Programming Guide's "Programmatic Dependent Launch and
 Synchronization"): a launch may start while the one before it runs, its programs first ask L2 for their own weight
@@ -32,6 +38,7 @@ the first weight loads overlap the kernel before it; the arithmetic and the valu
 Reference: kernels.references.decode_linear_reference.
 """
 from functools import lru_cache
+from typing import NamedTuple
 
 import torch
 import triton
@@ -115,6 +122,21 @@ class Workspace:
     def _retire(self, buffer):
         if buffer is not None:
             self.retired.append(buffer)
+
+
+class Scaled(NamedTuple):
+    """Rows x [M, K] of the residual stream made ready for the RMSNorm in a GEMM's prologue by the kernel that wrote
+    them: xs = round(x ⊙ (offset + w)) in x's dtype (w the norm's weight) and ss [T, M] fp32, the sums of x's
+    squares over T blocks of columns, so that
+
+        RMSNorm(x) Wᵀ = rstd ⊙ (xs Wᵀ),    rstd = rsqrt(Σ_t ss[t] / K + eps)    (per row)
+
+    and the GEMM multiplies xs as it is and scales its fp32 sums once, in its epilogue (`_scaled_rstd`), where it
+    would compute rstd from x in its prologue and normalize each of x's tiles in its loop. One rounding of the
+    normalized input (x ⊙ w) where the norm rounds x̂ and then x̂ ⊙ w (kernels/rms_norm.py): the same output within
+    the GEMM's rounding."""
+    xs: torch.Tensor
+    ss: torch.Tensor
 
 
 @triton.jit
@@ -208,6 +230,44 @@ def _rstd(x_ptr, rows, M, K, eps, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
 
 
 @triton.jit
+def _scaled_squares(ss_ptr, rows, M, T, BLOCK_M: tl.constexpr, T_STEPS: tl.constexpr):
+    """A `Scaled`'s sums of squares ss [T, M] as a (32, BLOCK_M) fp32 tile, T_STEPS blocks of 32 of its T rows added
+    elementwise (unrolled: their loads in flight together). Loaded before a GEMM's loop and reduced after it
+    (`_scaled_rstd`), so that the loop does not wait for them."""
+    t = tl.arange(0, 32)
+    ss = tl.zeros([32, BLOCK_M], tl.float32)
+    for j in tl.static_range(T_STEPS):
+        ss += tl.load(ss_ptr + (j * 32 + t[:, None]) * M + rows[None, :],
+                      mask=(j * 32 + t[:, None] < T) & (rows[None, :] < M), other=0.0)
+    return ss
+
+
+@triton.jit
+def _scaled_rstd(ss, K, eps):
+    """rsqrt(mean(x²) + eps) of x's rows (BLOCK_M,), from `_scaled_squares`' tile."""
+    return tl.rsqrt(tl.sum(ss, 0) / K + eps)
+
+
+def scaled_input(x):
+    """A normalizing GEMM's input x: a `Scaled`'s xs (its ss checked against it), or x itself."""
+    if not isinstance(x, Scaled):
+        return x
+    xs, ss = x
+    if ss.dim() != 2 or ss.shape[1] != xs.shape[0] or ss.dtype != torch.float32 or not ss.is_contiguous():
+        raise ValueError(f"Scaled: ss must be contiguous fp32 [T, {xs.shape[0]}]; got {tuple(ss.shape)} {ss.dtype}")
+    return xs
+
+
+def scaled_args(x, workspace_partials) -> tuple:
+    """(ss, T, constexprs) of a normalizing GEMM's input x: a `Scaled`'s sums of squares, their count of blocks and
+    NORMALIZE False with its T_STEPS (`_scaled_squares`); for a plain x (the workspace's partials, unread, 0) and
+    NORMALIZE True (the kernel normalizes x's rows itself)."""
+    if isinstance(x, Scaled):
+        return x.ss, x.ss.shape[0], dict(NORMALIZE=False, T_STEPS=triton.cdiv(x.ss.shape[0], 32))
+    return workspace_partials, 0, dict(NORMALIZE=True, T_STEPS=1)
+
+
+@triton.jit
 def _normed_tile(x_ptr, nw_ptr, rows, M, ks, k_hi, K, rstd, offset, GEMMA_CAST: tl.constexpr):
     """The (rows, ks) tile of RMSNorm(x) in x's dtype, rounded as kernels/rms_norm.py rounds it (`_normalized`);
     0 outside x and past k_hi."""
@@ -219,15 +279,20 @@ def _normed_tile(x_ptr, nw_ptr, rows, M, ks, k_hi, K, rstd, offset, GEMMA_CAST: 
 
 @triton.jit
 def _normed_pair(x_ptr, nw_ptr, w_ptr, rows, M, K, k_lo, k_hi, rstd, offset, n1, n2, n_mask,
-                 GEMMA_CAST: tl.constexpr, DTYPE: tl.constexpr, OPERAND: tl.constexpr, PRECISION: tl.constexpr,
-                 BLOCK_M: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_K: tl.constexpr):
+                 NORMALIZE: tl.constexpr, GEMMA_CAST: tl.constexpr, DTYPE: tl.constexpr, OPERAND: tl.constexpr,
+                 PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_K: tl.constexpr):
     """RMSNorm(x) W[n1]ᵀ and RMSNorm(x) W[n2]ᵀ over K's chunk [k_lo, k_hi), fp32 (BLOCK_M, BLOCK_W) each: two blocks
-    of W's rows (n_mask: those that exist) multiplied in one pass over the normalized tiles of x."""
+    of W's rows (n_mask: those that exist) multiplied in one pass over the normalized tiles of x. NORMALIZE False:
+    x is a `Scaled`'s xs, multiplied as it is (the caller scales the sums by rstd)."""
     acc1 = tl.zeros([BLOCK_M, BLOCK_W], tl.float32)
     acc2 = tl.zeros([BLOCK_M, BLOCK_W], tl.float32)
     for k0 in range(k_lo, k_hi, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
-        x = _normed_tile(x_ptr, nw_ptr, rows, M, ks, k_hi, K, rstd, offset, GEMMA_CAST)
+        if NORMALIZE:
+            x = _normed_tile(x_ptr, nw_ptr, rows, M, ks, k_hi, K, rstd, offset, GEMMA_CAST)
+        else:
+            x = tl.load(x_ptr + rows[:, None] * K + ks[None, :], mask=(rows[:, None] < M) & (ks[None, :] < k_hi),
+                        other=0.0)
         w_mask = n_mask[:, None] & (ks[None, :] < k_hi)
         w1 = tl.load(w_ptr + n1[:, None] * K + ks[None, :], mask=w_mask, other=0.0)
         w2 = tl.load(w_ptr + n2[:, None] * K + ks[None, :], mask=w_mask, other=0.0)
@@ -239,9 +304,10 @@ def _normed_pair(x_ptr, nw_ptr, w_ptr, rows, M, K, k_lo, k_hi, rstd, offset, n1,
 @triton.jit
 def _decode_linear_kernel(
     x_ptr, w_ptr, b_ptr, r_ptr, y_ptr,  # x [M, K], w [N, K], b [N], r and y [M, N]: contiguous
+    nw_ptr, xs_ptr, ss_ptr,  # the next norm's weight [N]; xs [M, N] and ss [tiles, M] fp32 (SCALE_NEXT)
     ws_ptr, count_ptr,  # fp32 [SPLIT, tiles, BLOCK_M, BLOCK_N]; int32 [tiles], zeros
-    M, N, K, K_CHUNK,
-    HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
+    M, N, K, K_CHUNK, offset,
+    HAS_BIAS: tl.constexpr, SCALE_NEXT: tl.constexpr, SPLIT: tl.constexpr,
     DTYPE: tl.constexpr, OPERAND: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     PDL: tl.constexpr,
@@ -261,6 +327,8 @@ def _decode_linear_kernel(
     r = tl.load(r_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     if HAS_BIAS:
         b = tl.load(b_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)
+    if SCALE_NEXT:
+        nw = offset + tl.load(nw_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(k_lo, k_hi, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
@@ -279,7 +347,12 @@ def _decode_linear_kernel(
         if HAS_BIAS:
             acc += b[None, :]
         y = acc.to(y_ptr.dtype.element_ty).to(tl.float32)
-        tl.store(y_ptr + offs, (r + y).to(y_ptr.dtype.element_ty), mask=mask)
+        out = (r + y).to(y_ptr.dtype.element_ty)
+        tl.store(y_ptr + offs, out, mask=mask)
+        if SCALE_NEXT:  # the next norm's share of this tile: its columns' squares, and the rows times its weight
+            out = tl.where(mask, out.to(tl.float32), 0.0)
+            tl.store(ss_ptr + tile * M + rows, tl.sum(out * out, 1), mask=rows < M)
+            tl.store(xs_ptr + offs, (out * nw[None, :]).to(xs_ptr.dtype.element_ty), mask=mask)
 
 
 def dot_constexprs(x) -> dict:
@@ -290,9 +363,10 @@ def dot_constexprs(x) -> dict:
                 PRECISION="ieee" if x.dtype == torch.float32 else "tf32")
 
 
-def decode_linear(x, weight, bias, residual, workspace: Workspace, block_n: int = 32):
+def decode_linear(x, weight, bias, residual, workspace: Workspace, block_n: int = 32, next_norm=None):
     """residual + (x Wᵀ + b): x [M, K], weight [N, K], bias [N] or None, residual [M, N], one dtype, M <= 64; a new
-    [M, N] tensor. workspace: the split-K buffers (`Workspace`). No gradients."""
+    [M, N] tensor y. workspace: the split-K buffers (`Workspace`). With next_norm = (w [N], offset), the RMSNorm
+    that reads y next: (y, `Scaled` of y for that norm). No gradients."""
     check_decode_linear_args(x, weight, bias, residual)
     assert x.dtype in DTYPES, f"decode_linear: fp32/bf16/fp16, got {x.dtype}"
     M, K = x.shape
@@ -303,10 +377,16 @@ def decode_linear(x, weight, bias, residual, workspace: Workspace, block_n: int 
     split, chunk, block_k = launch_config(tiles, K, x)
     bm = block_m(M)
     ws, counts = workspace.get(split * tiles * bm * block_n if split > 1 else 0, tiles, x.device)
+    nw, offset = next_norm if next_norm is not None else (weight, 0.0)
+    if next_norm is not None and (nw.shape != (N,) or nw.dtype != x.dtype):
+        raise ValueError(f"decode_linear: the next norm's weight must be [{N}] of {x.dtype}; got {tuple(nw.shape)}, "
+                         f"{nw.dtype}")
+    scaled = Scaled(torch.empty_like(y), torch.empty(tiles, M, dtype=torch.float32, device=y.device)) \
+        if next_norm is not None else Scaled(y, ws)
     _decode_linear_kernel[(tiles, split)](
-        x, weight, weight if bias is None else bias, residual, y, ws, counts, M, N, K, chunk,
-        HAS_BIAS=bias is not None, SPLIT=split, **dot_constexprs(x),
-        BLOCK_M=bm, BLOCK_N=block_n, BLOCK_K=block_k, **pdl_constexprs(x), num_warps=NUM_WARPS,
-        num_stages=num_stages((bm + block_n) * block_k, x))
-    assert y.dtype == x.dtype, f"decode_linear: y must be {x.dtype}, got {y.dtype}"
-    return y
+        x, weight, weight if bias is None else bias, residual, y, nw, scaled.xs, scaled.ss, ws, counts,
+        M, N, K, chunk, offset, HAS_BIAS=bias is not None, SCALE_NEXT=next_norm is not None, SPLIT=split,
+        **dot_constexprs(x), BLOCK_M=bm, BLOCK_N=block_n, BLOCK_K=block_k, **pdl_constexprs(x),
+        num_warps=NUM_WARPS, num_stages=num_stages((bm + block_n) * block_k, x))
+    assert y.dtype == scaled.xs.dtype == x.dtype, f"decode_linear: y must be {x.dtype}, got {y.dtype}"
+    return y if next_norm is None else (y, scaled)

@@ -16,7 +16,9 @@ rotate-half pairs (d, d + D/2) sit in one program. For rows x [M, K]:
     v head:   v_cache[:, h', at]   = (y1, y2)
 
 y1, y2 are rounded to x's dtype as the GEMM's output is before RoPE reads it; the rotated values are rounded once,
-at the store. `at` is a device tensor (a CUDA-graphed step's slot). Forward only.
+at the store. Given x's `Scaled` rows (written by the previous layer's down projection, kernels/decode_linear.py),
+the loop multiplies xs as it is and the sums are scaled by rstd (from ss) before the bias. `at` is a device tensor
+(a CUDA-graphed step's slot). Forward only.
 
 Reference: kernels.references.decode_qkv_reference.
 """
@@ -31,12 +33,16 @@ from kernels.decode_linear import (
     _normed_pair,
     _prefetch_rows,
     _rstd,
+    _scaled_rstd,
+    _scaled_squares,
     _sum_pair,
     block_m,
     dot_constexprs,
     launch_config,
     num_stages,
     pdl_constexprs,
+    scaled_args,
+    scaled_input,
 )
 from kernels.references import DTYPES, check_norm_linear_args
 
@@ -46,8 +52,10 @@ def _decode_qkv_kernel(
     x_ptr, nw_ptr, w_ptr, b_ptr,  # x [M, K]; nw [K]; w [(HQ + 2 HK) D, K]; b [(HQ + 2 HK) D]: contiguous
     cos_ptr, sin_ptr,  # [M, D] contiguous
     q_ptr, k_cache_ptr, v_cache_ptr, at_ptr,  # q [M, HQ, D]; caches [M, HK, S, D]; at: the slot, int64 [1]
+    ss_ptr,  # a `Scaled` x's sums of squares [T, M] fp32 (NORMALIZE False)
     ws_ptr, count_ptr,  # fp32 [SPLIT, 2 · heads, BLOCK_M, BLOCK_HALF]; int32 [heads], zeros
-    M, K, K_CHUNK, S, HQ, HK, HALF, eps, offset,
+    M, K, K_CHUNK, S, HQ, HK, HALF, T, eps, offset,
+    NORMALIZE: tl.constexpr, T_STEPS: tl.constexpr,
     GEMMA_CAST: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
     DTYPE: tl.constexpr, OPERAND: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -77,12 +85,20 @@ def _decode_qkv_kernel(
         b1 = tl.load(b_ptr + n1, mask=dmask, other=0.0).to(tl.float32)
         b2 = tl.load(b_ptr + n1 + HALF, mask=dmask, other=0.0).to(tl.float32)
     at = tl.load(at_ptr)
-    rstd = _rstd(x_ptr, rows, M, K, eps, BLOCK_M, BLOCK_K)
+    if NORMALIZE:
+        rstd = _rstd(x_ptr, rows, M, K, eps, BLOCK_M, BLOCK_K)
+    else:
+        ss = _scaled_squares(ss_ptr, rows, M, T, BLOCK_M, T_STEPS)
+        rstd = tl.zeros([BLOCK_M], tl.float32)  # unread: the sums are scaled after the loop
     acc1, acc2 = _normed_pair(x_ptr, nw_ptr, w_ptr, rows, M, K, k_lo, k_hi, rstd, offset, n1, n1 + HALF, dmask,
-                              GEMMA_CAST, DTYPE, OPERAND, PRECISION,
+                              NORMALIZE, GEMMA_CAST, DTYPE, OPERAND, PRECISION,
                               BLOCK_M, BLOCK_HALF, BLOCK_K)
     acc1, acc2, last = _sum_pair(acc1, acc2, ws_ptr, count_ptr, head, split, SPLIT, BLOCK_M, BLOCK_HALF)
     if last:
+        if not NORMALIZE:
+            rstd = _scaled_rstd(ss, K, eps)
+            acc1 *= rstd[:, None]
+            acc2 *= rstd[:, None]
         if HAS_BIAS:
             acc1 += b1[None, :]
             acc2 += b2[None, :]
@@ -111,7 +127,9 @@ def decode_qkv(x, norm_weight, weight, bias, cos, sin, k_cache, v_cache, at, n_h
     """q | k | v = RMSNorm(x) Wᵀ + b for x [M, K] (M <= 64), norm_weight [K] (offset and cast as in
     kernels/rms_norm.py), weight [(n_heads + 2 Hk) · D, K], bias or None, one dtype; q and k rotated by cos, sin
     [M, D], k and v written into k_cache, v_cache [M, Hk, S, D] at slot at[0] (int64 [1] on the device). Returns the
-    rotated q [M, n_heads, D]. workspace: the split-K buffers (kernels/decode_linear.py). No gradients."""
+    rotated q [M, n_heads, D]. x may be a `Scaled` (kernels/decode_linear.py) of the rows for this norm, which the
+    kernel multiplies as they are. workspace: the split-K buffers (kernels/decode_linear.py). No gradients."""
+    scaled, x = x, scaled_input(x)
     check_norm_linear_args(x, norm_weight, weight, bias, cast)
     assert x.dtype in DTYPES, f"decode_qkv: fp32/bf16/fp16, got {x.dtype}"
     M, K = x.shape
@@ -131,9 +149,10 @@ def decode_qkv(x, norm_weight, weight, bias, cos, sin, k_cache, v_cache, at, n_h
     split, chunk, block_k = launch_config(heads, K, x)
     bm, half = block_m(M), max(16, triton.next_power_of_2(D // 2))
     ws, counts = workspace.get(split * 2 * heads * bm * half if split > 1 else 0, heads, x.device)
+    ss, T, constexprs = scaled_args(scaled, ws)
     _decode_qkv_kernel[(heads, split)](
-        x, norm_weight, weight, weight if bias is None else bias, cos, sin, q, k_cache, v_cache, at, ws, counts,
-        M, K, chunk, S, n_heads, Hk, D // 2, eps, offset,
+        x, norm_weight, weight, weight if bias is None else bias, cos, sin, q, k_cache, v_cache, at, ss, ws, counts,
+        M, K, chunk, S, n_heads, Hk, D // 2, T, eps, offset, **constexprs,
         GEMMA_CAST=cast == "gemma", HAS_BIAS=bias is not None, SPLIT=split, **dot_constexprs(x),
         BLOCK_M=bm, BLOCK_HALF=half, BLOCK_K=block_k, **pdl_constexprs(x), num_warps=NUM_WARPS,
         num_stages=num_stages((bm + 2 * half) * block_k, x))

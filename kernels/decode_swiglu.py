@@ -13,7 +13,9 @@ one x tile):
     G = round(x̂ W[n]ᵀ + b[n]),  U = round(x̂ W[I + n]ᵀ + b[I + n])      fp32 sums (split-K as in decode_linear)
     H = round(G σ(G) U)
 
-G and U are rounded to x's dtype as the GEMM's output is before the activation reads it. Forward only.
+G and U are rounded to x's dtype as the GEMM's output is before the activation reads it. Given x's `Scaled` rows
+(written by the o projection's launch, kernels/decode_linear.py), the loop multiplies xs as it is, and the sums are
+scaled by rstd (from ss) before the bias: G = round(rstd · xs W[n]ᵀ + b[n]). Forward only.
 
 Reference: kernels.references.decode_swiglu_reference.
 """
@@ -27,12 +29,16 @@ from kernels.decode_linear import (
     _normed_pair,
     _prefetch_rows,
     _rstd,
+    _scaled_rstd,
+    _scaled_squares,
     _sum_pair,
     block_m,
     dot_constexprs,
     launch_config,
     num_stages,
     pdl_constexprs,
+    scaled_args,
+    scaled_input,
 )
 from kernels.references import DTYPES, check_norm_linear_args
 
@@ -40,8 +46,10 @@ from kernels.references import DTYPES, check_norm_linear_args
 @triton.jit
 def _decode_swiglu_kernel(
     x_ptr, nw_ptr, w_ptr, b_ptr, h_ptr,  # x [M, K]; nw [K]; w [2N, K]; b [2N]; h [M, N]: contiguous
+    ss_ptr,  # a `Scaled` x's sums of squares [T, M] fp32 (NORMALIZE False)
     ws_ptr, count_ptr,  # fp32 [SPLIT, 2 · tiles, BLOCK_M, BLOCK_N]; int32 [tiles], zeros
-    M, N, K, K_CHUNK, eps, offset,
+    M, N, K, K_CHUNK, T, eps, offset,
+    NORMALIZE: tl.constexpr, T_STEPS: tl.constexpr,
     GEMMA_CAST: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
     DTYPE: tl.constexpr, OPERAND: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -57,12 +65,20 @@ def _decode_swiglu_kernel(
         _prefetch_rows(w_ptr, cols, cols < N, K, k_lo, k_hi, BLOCK_K)
         _prefetch_rows(w_ptr, N + cols, cols < N, K, k_lo, k_hi, BLOCK_K)
     _after_previous(PDL)
-    rstd = _rstd(x_ptr, rows, M, K, eps, BLOCK_M, BLOCK_K)
+    if NORMALIZE:
+        rstd = _rstd(x_ptr, rows, M, K, eps, BLOCK_M, BLOCK_K)
+    else:
+        ss = _scaled_squares(ss_ptr, rows, M, T, BLOCK_M, T_STEPS)
+        rstd = tl.zeros([BLOCK_M], tl.float32)  # unread: the sums are scaled after the loop
     acc_g, acc_u = _normed_pair(x_ptr, nw_ptr, w_ptr, rows, M, K, k_lo, k_hi, rstd, offset, cols, N + cols, cols < N,
-                                GEMMA_CAST, DTYPE, OPERAND, PRECISION,
+                                NORMALIZE, GEMMA_CAST, DTYPE, OPERAND, PRECISION,
                                 BLOCK_M, BLOCK_N, BLOCK_K)
     acc_g, acc_u, last = _sum_pair(acc_g, acc_u, ws_ptr, count_ptr, tile, split, SPLIT, BLOCK_M, BLOCK_N)
     if last:
+        if not NORMALIZE:
+            rstd = _scaled_rstd(ss, K, eps)
+            acc_g *= rstd[:, None]
+            acc_u *= rstd[:, None]
         if HAS_BIAS:
             acc_g += tl.load(b_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
             acc_u += tl.load(b_ptr + N + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
@@ -77,7 +93,9 @@ def decode_swiglu(x, norm_weight, weight, bias, workspace: Workspace, eps=1e-6, 
                   block_n: int = 32):
     """H = silu(G) ⊙ U, [G | U] = RMSNorm(x) Wᵀ + b: x [M, K] (M <= 64), norm_weight [K] (offset and cast as in
     kernels/rms_norm.py), weight [2I, K] (gate's rows, then up's), bias [2I] or None, one dtype; a new [M, I]
-    tensor. workspace: the split-K buffers (kernels/decode_linear.py). No gradients."""
+    tensor. x may be a `Scaled` (kernels/decode_linear.py) of the rows for this norm, which the kernel multiplies as
+    they are. workspace: the split-K buffers (kernels/decode_linear.py). No gradients."""
+    scaled, x = x, scaled_input(x)
     check_norm_linear_args(x, norm_weight, weight, bias, cast)
     assert x.dtype in DTYPES, f"decode_swiglu: fp32/bf16/fp16, got {x.dtype}"
     if weight.shape[0] % 2:
@@ -90,9 +108,10 @@ def decode_swiglu(x, norm_weight, weight, bias, workspace: Workspace, eps=1e-6, 
     split, chunk, block_k = launch_config(tiles, K, x)
     bm = block_m(M)
     ws, counts = workspace.get(split * 2 * tiles * bm * block_n if split > 1 else 0, tiles, x.device)
+    ss, T, constexprs = scaled_args(scaled, ws)
     _decode_swiglu_kernel[(tiles, split)](
-        x, norm_weight, weight, weight if bias is None else bias, h, ws, counts, M, N, K, chunk, eps, offset,
-        GEMMA_CAST=cast == "gemma", HAS_BIAS=bias is not None, SPLIT=split, **dot_constexprs(x),
+        x, norm_weight, weight, weight if bias is None else bias, h, ss, ws, counts, M, N, K, chunk, T, eps, offset,
+        **constexprs, GEMMA_CAST=cast == "gemma", HAS_BIAS=bias is not None, SPLIT=split, **dot_constexprs(x),
         BLOCK_M=bm, BLOCK_N=block_n, BLOCK_K=block_k, **pdl_constexprs(x), num_warps=NUM_WARPS,
         num_stages=num_stages((bm + 2 * block_n) * block_k, x))
     assert h.dtype == x.dtype, f"decode_swiglu: h must be {x.dtype}, got {h.dtype}"

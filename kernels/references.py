@@ -170,6 +170,15 @@ def decode_linear_reference(x, weight, bias, residual):
     return residual + F.linear(x, weight, bias)
 
 
+def scaled_rows_reference(x, norm_weight, offset=0.0, blocks=1):
+    """Pure torch: (xs, ss) of rows x [M, K] for the RMSNorm of weight w that reads them next (kernels/decode_linear.py
+    `Scaled`): xs = x ⊙ (offset + w) in fp32, rounded once to x's dtype; ss [blocks, M] fp32, the sums of x's squares
+    over `blocks` blocks of its columns."""
+    xf = x.float()
+    xs = (xf * (offset + norm_weight.float())).to(x.dtype)
+    return xs, torch.stack([part.pow(2).sum(1) for part in xf.tensor_split(blocks, dim=1)]).contiguous()
+
+
 def check_norm_linear_args(x, norm_weight, weight, bias, cast):
     check_rms_norm_args(x, norm_weight, cast)
     if weight.dim() != 2 or weight.shape[1] != x.shape[1] or (bias is not None and bias.shape != weight.shape[:1]):

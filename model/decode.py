@@ -2,22 +2,28 @@
 launches nine and more: each weight is read by one skinny GEMM with the small ops around it fused into its prologue
 and epilogue. For the residual stream x (M, H) of M rows of one token each:
 
-    q = decode_qkv(x, input_layernorm, W_qkv, b_qkv, cos, sin, cache)   norm, q | k | v, bias, RoPE, cache write
+    q = decode_qkv(xn, input_layernorm, W_qkv, b_qkv, cos, sin, cache)  norm, q | k | v, bias, RoPE, cache write
     y = decode_attention(q, cache)                                        kernels/decode_attention.py
-    x = decode_linear(y, W_o, b_o, residual=x)                            o, the residual add
-    h = decode_swiglu(x, post_attention_layernorm, W_gate_up, b_gate_up)  norm, gate | up, silu(G) ⊙ U
-    x = decode_linear(h, W_down, b_down, residual=x)                      down, the residual add
+    x, xn = decode_linear(y, W_o, b_o, residual=x, next_norm=post)       o, the residual add, the norm's rows
+    h = decode_swiglu(xn, post_attention_layernorm, W_gate_up, b_gate_up) norm, gate | up, silu(G) ⊙ U
+    x, xn = decode_linear(h, W_down, b_down, residual=x, next_norm=next)  down, the residual add, the norm's rows
 
-so each norm is computed by the GEMM that reads it, the next layer's input norm by the next layer's first kernel,
-and the final norm by one rms_norm launch after the last layer. On Hopper each of these kernels starts while the
-one before it runs and waits for it before its first load (programmatic dependent launch, kernels/decode_linear.py).
-The values are the layers' own, within the rounding of the GEMMs' sums (tests/test_generate.py compares the logits
-with `decode_layers`').
+so each norm is split between the launch that writes its input (x ⊙ w and x's sums of squares, over that GEMM's
+column tiles: `Scaled`) and the GEMM that reads it (which scales its sums by rstd); the first layer's q | k | v
+normalizes x itself, and the final norm is one rms_norm launch after the last layer. In fp16 each normalizing GEMM
+normalizes x itself: x ⊙ w can pass fp16's range where RMSNorm(x) ⊙ w does not. On Hopper each of these kernels
+starts while the one before it runs and waits for it before its first load (programmatic dependent launch,
+kernels/decode_linear.py).
+The values are the layers' own, within the rounding of the GEMMs' sums and of the norm's output, which is rounded
+once (x ⊙ w) where the norm rounds it twice (tests/test_generate.py compares the logits with `decode_layers`' and,
+in bf16, both with fp32 logits).
 
 Taken (`FusedDecode.serves`) where every projection computes with a plain weight of the activations' dtype, packed
 as `pack_weights_` packs q | k | v and gate | up (adapters merged: `MergedAdapters`, whose block a rollout's
 sampler opens), with at most 64 rows, SwiGLU, and no q/k norms (Qwen3) or sandwich norms (Gemma 2/3). Elsewhere
 (NF4 and fp8 bases, unmerged adapters, Gemma's GeGLU, Qwen3) a step keeps `decode_layers`."""
+import torch
+
 from kernels.decode_linear import MAX_ROWS, Workspace, decode_linear
 from kernels.decode_qkv import decode_qkv
 from kernels.decode_swiglu import decode_swiglu
@@ -74,17 +80,31 @@ class FusedDecode:
         B, _, H = x.shape
         x = x.view(B, H)
         ws = self.workspace
+        blocks = model.model.layers
+        # fp16's range: x ⊙ w can overflow where RMSNorm(x) ⊙ w does not, so there each GEMM normalizes x itself
+        ahead = x.dtype != torch.float16
+        xn = x  # the next GEMM's input: the first layer's q | k | v normalizes its x itself
         for i, (layer, ((w_qkv, b_qkv), (w_o, b_o), (w_gu, b_gu), (w_down, b_down))) in enumerate(
-                zip(model.model.layers, layers)):
+                zip(blocks, layers)):
             attn, c, mask = layer.self_attn, cache.layers[i], masks[layer.layer_type]
             cos, sin = tables[layer.layer_type]  # (B, 1, D)
             norm = layer.input_layernorm
-            q = decode_qkv(x, norm.weight, w_qkv, b_qkv, cos[:, 0], sin[:, 0], c.k, c.v, mask.at, attn.nh, ws,
+            q = decode_qkv(xn, norm.weight, w_qkv, b_qkv, cos[:, 0], sin[:, 0], c.k, c.v, mask.at, attn.nh, ws,
                            eps=norm.eps, offset=norm.offset, cast=norm.cast)  # (B, nh, D)
             y = model.ops.decode_attention(q[:, None], c.k, c.v, mask.first, mask.at, attn.scale, mask.window,
                                            attn.softcap)  # (B, 1, nh, D)
-            x = decode_linear(y.view(B, -1), w_o, b_o, x, ws)
             norm = layer.post_attention_layernorm
-            h = decode_swiglu(x, norm.weight, w_gu, b_gu, ws, eps=norm.eps, offset=norm.offset, cast=norm.cast)
-            x = decode_linear(h, w_down, b_down, x, ws)
+            x, xn = residual_add(y.view(B, -1), w_o, b_o, x, ws, norm if ahead else None)
+            h = decode_swiglu(xn, norm.weight, w_gu, b_gu, ws, eps=norm.eps, offset=norm.offset, cast=norm.cast)
+            after = blocks[i + 1].input_layernorm if ahead and i + 1 < len(blocks) else None
+            x, xn = residual_add(h, w_down, b_down, x, ws, after)
         return model.model.norm(x).view(B, 1, H)
+
+
+def residual_add(y, w, b, x, workspace, norm):
+    """(x + y Wᵀ + b, the next GEMM's input): with `norm`, the RMSNorm that reads the sum next, its `Scaled` rows
+    (written by the same launch); without, the sum itself."""
+    if norm is None:
+        x = decode_linear(y, w, b, x, workspace)
+        return x, x
+    return decode_linear(y, w, b, x, workspace, next_norm=(norm.weight, norm.offset))

@@ -1,15 +1,21 @@
 """A decoding step's GEMMs with their fused prologues and epilogues (kernels/decode_linear.py, decode_swiglu.py,
 decode_qkv.py) against their torch references: odd shapes, with and without bias, K split into chunks (summed by
-the last program to arrive) and whole, Llama's and Gemma's norm roundings; every launch leaves the workspace's
-arrival counts at 0 for the next. On CPU in Triton's interpreter; `-m gpu` at Qwen2.5-0.5B's and SmolLM2-135M's
+the last program to arrive) and whole, Llama's and Gemma's norm roundings, the normalizing GEMMs' input as rows to
+normalize or as the `Scaled` rows that the GEMM before writes; every launch leaves the workspace's arrival counts
+at 0 for the next. On CPU in Triton's interpreter; `-m gpu` at Qwen2.5-0.5B's and SmolLM2-135M's
 shapes."""
 import pytest
 import torch
 
-from kernels.decode_linear import Workspace, decode_linear, launch_config
+from kernels.decode_linear import Scaled, Workspace, decode_linear, launch_config
 from kernels.decode_qkv import decode_qkv
 from kernels.decode_swiglu import decode_swiglu
-from kernels.references import decode_linear_reference, decode_qkv_reference, decode_swiglu_reference
+from kernels.references import (
+    decode_linear_reference,
+    decode_qkv_reference,
+    decode_swiglu_reference,
+    scaled_rows_reference,
+)
 from model.transformer import rope_cos_sin
 from tests.helpers import assert_close
 
@@ -80,21 +86,50 @@ def test_decode_linear(dtype, M, K, N, bias):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("M, K, N, bias, cast, offset", [(3, 300, 70, True, "llama", 0.0),
-                                                         (16, 64, 40, False, "llama", 0.0),
-                                                         (5, 200, 24, False, "gemma", 1.0)])
-def test_decode_swiglu(dtype, M, K, N, bias, cast, offset):
-    """silu(G) ⊙ U of RMSNorm(x) [W_gate; W_up]ᵀ + b, Llama's and Gemma's norm roundings."""
+@pytest.mark.parametrize("M, K, N, offset", [(3, 300, 70, 0.0), (16, 64, 40, 1.0)])
+def test_decode_linear_scales_its_rows_for_the_next_norm(dtype, M, K, N, offset):
+    """With the next norm's weight, the launch also writes that norm's `Scaled` rows of its output y: y ⊙ (offset +
+    w) rounded once, and y's sums of squares over its column tiles; y itself as without."""
+    x, r = torch.randn(M, K, device=DEVICE).to(dtype), torch.randn(M, N, device=DEVICE).to(dtype)
+    w, b = weights(N, K, dtype, True)
+    nw = (1 + 0.1 * torch.randn(N, device=DEVICE)).to(dtype)
+    ws = Workspace()
+    y, (xs, ss) = decode_linear(x, w, b, r, ws, next_norm=(nw, offset))
+    assert torch.equal(y, decode_linear(x, w, b, r, ws)) and not ws.counts.any()
+    xs_want, ss_want = scaled_rows_reference(y, nw, offset)
+    assert xs.dtype == dtype and ss.dtype == torch.float32 and ss.shape == (-(-N // 32), M)
+    assert_close(xs, xs_want, *TOL[dtype], name="xs")
+    assert_close(ss.sum(0), ss_want[0], 1e-5, 1e-5, name="ss")
+    with pytest.raises(ValueError, match="next norm's weight"):
+        decode_linear(x, w, b, r, ws, next_norm=(nw[1:], offset))
+
+
+def normalizing_input(x, nw, offset, form):
+    """A normalizing GEMM's input: the rows x, or their `Scaled` form over 3 or 40 blocks of columns (more than 32:
+    the kernels' sum of ss in several steps)."""
+    return x if form == "rows" else Scaled(*scaled_rows_reference(x, nw, offset, blocks=int(form[7:])))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("M, K, N, bias, cast, offset, form", [(3, 300, 70, True, "llama", 0.0, "rows"),
+                                                               (3, 300, 70, True, "llama", 0.0, "scaled-40"),
+                                                               (16, 64, 40, False, "llama", 0.0, "rows"),
+                                                               (16, 64, 40, False, "llama", 0.0, "scaled-3"),
+                                                               (5, 200, 24, False, "gemma", 1.0, "rows"),
+                                                               (5, 200, 24, False, "gemma", 1.0, "scaled-3")])
+def test_decode_swiglu(dtype, M, K, N, bias, cast, offset, form):
+    """silu(G) ⊙ U of RMSNorm(x) [W_gate; W_up]ᵀ + b, Llama's and Gemma's norm roundings, from x's rows or from
+    their `Scaled` form."""
     x = torch.randn(M, K, device=DEVICE).to(dtype)
     nw = (1 + 0.1 * torch.randn(K, device=DEVICE)).to(dtype)
     w, b = weights(2 * N, K, dtype, bias)
     ws = Workspace()
-    h = decode_swiglu(x, nw, w, b, ws, eps=1e-5, offset=offset, cast=cast)
+    h = decode_swiglu(normalizing_input(x, nw, offset, form), nw, w, b, ws, eps=1e-5, offset=offset, cast=cast)
     assert h.dtype == dtype and not ws.counts.any()
     assert_close(h, decode_swiglu_reference(x, nw, w, b, 1e-5, offset, cast), *TOL[dtype], name="h")
 
 
-def check_qkv(dtype, M, K, Hq, Hk, D, bias, S=9, slot=5):
+def check_qkv(dtype, M, K, Hq, Hk, D, bias, S=9, slot=5, form="rows"):
     x = torch.randn(M, K, device=DEVICE).to(dtype)
     nw = (1 + 0.1 * torch.randn(K, device=DEVICE)).to(dtype)
     w, b = weights((Hq + 2 * Hk) * D, K, dtype, bias)
@@ -104,7 +139,7 @@ def check_qkv(dtype, M, K, Hq, Hk, D, bias, S=9, slot=5):
     caches = [torch.randn(M, Hk, S, D, device=DEVICE).to(dtype) for _ in range(2)]
     want = [c.clone() for c in caches]
     ws = Workspace()
-    q = decode_qkv(x, nw, w, b, cos, sin, *caches, at, Hq, ws, eps=1e-5)
+    q = decode_qkv(normalizing_input(x, nw, 0.0, form), nw, w, b, cos, sin, *caches, at, Hq, ws, eps=1e-5)
     q_want = decode_qkv_reference(x, nw, w, b, cos, sin, *want, at, Hq, eps=1e-5)
     assert q.shape == (M, Hq, D) and q.dtype == dtype and not ws.counts.any()
     assert_close(q, q_want, *TOL[dtype], name="q")
@@ -115,11 +150,15 @@ def check_qkv(dtype, M, K, Hq, Hk, D, bias, S=9, slot=5):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("M, K, Hq, Hk, D, bias", [(3, 300, 6, 2, 32, True), (5, 64, 4, 4, 48, False)])
-def test_decode_qkv(dtype, M, K, Hq, Hk, D, bias):
+@pytest.mark.parametrize("M, K, Hq, Hk, D, bias, form", [(3, 300, 6, 2, 32, True, "rows"),
+                                                         (3, 300, 6, 2, 32, True, "scaled-40"),
+                                                         (5, 64, 4, 4, 48, False, "rows"),
+                                                         (5, 64, 4, 4, 48, False, "scaled-3")])
+def test_decode_qkv(dtype, M, K, Hq, Hk, D, bias, form):
     """q rotated, k rotated and v into the cache slot `at` (no other slot written), of RMSNorm(x) Wᵀ + b: grouped
-    and plain kv heads, a head of 48 (half a head not a power of two), split and whole K."""
-    check_qkv(dtype, M, K, Hq, Hk, D, bias)
+    and plain kv heads, a head of 48 (half a head not a power of two), split and whole K, from x's rows or from
+    their `Scaled` form."""
+    check_qkv(dtype, M, K, Hq, Hk, D, bias, form=form)
 
 
 SHAPES = {  # hidden, intermediate, q heads, kv heads, head_dim, qkv bias
@@ -132,15 +171,22 @@ SHAPES = {  # hidden, intermediate, q heads, kv heads, head_dim, qkv bias
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 @pytest.mark.parametrize("shape", SHAPES)
 def test_decode_gemms_at_model_shapes(shape):
-    """The three kernels at a rollout's 16 rows and the model's shapes, bf16, against their references."""
+    """The three kernels at a rollout's 16 rows and the model's shapes, bf16, against their references; gate | up
+    also from the `Scaled` rows that o's launch writes, as a decoding layer chains them."""
     H, inter, Hq, Hk, D, bias = SHAPES[shape]
     M, dtype = 16, torch.bfloat16
-    check_qkv(dtype, M, H, Hq, Hk, D, bias, S=128, slot=100)
+    for form in ("rows", "scaled-28"):
+        check_qkv(dtype, M, H, Hq, Hk, D, bias, S=128, slot=100, form=form)
     ws = Workspace()
     x, nw = torch.randn(M, H, device=DEVICE).to(dtype), (1 + 0.1 * torch.randn(H, device=DEVICE)).to(dtype)
     w, _ = weights(2 * inter, H, dtype, False)
     h = decode_swiglu(x, nw, w, None, ws)
     assert_close(h, decode_swiglu_reference(x, nw, w), *TOL[dtype], name="h")
+    y, r = torch.randn(M, Hq * D, device=DEVICE).to(dtype), torch.randn(M, H, device=DEVICE).to(dtype)
+    w_o, _ = weights(H, Hq * D, dtype, False)
+    x, scaled = decode_linear(y, w_o, None, r, ws, next_norm=(nw, 0.0))
+    assert_close(decode_swiglu(scaled, nw, w, None, ws), decode_swiglu_reference(x, nw, w), *TOL[dtype],
+                 name="h from o's Scaled rows")
     for K in (Hq * D, inter):  # o, down
         y, r = torch.randn(M, K, device=DEVICE).to(dtype), torch.randn(M, H, device=DEVICE).to(dtype)
         w, _ = weights(H, K, dtype, False)

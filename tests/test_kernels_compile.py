@@ -263,39 +263,48 @@ def softcap_attention_cases(sa):
 def decode_gemm_cases():
     """A decoding step's three GEMM kernels at their largest tiles (64 rows; a head of 256 for q | k | v), with the
     bias, whole (SPLIT 1) and with K split (the workspace's sums and arrival counts): bf16 on both architectures,
-    and q | k | v's split in fp32 on sm_80 too (twice the bytes an element), whose shared memory is the smaller.
-    Aligned as at the model shapes (the loads pipeline), and on sm_90 with programmatic dependent launch (PDL), as
-    their launchers compile them there."""
+    and q | k | v's split in fp32 on sm_80 too (twice the bytes an element), whose shared memory is the smaller;
+    in bf16 each also as it runs between two GEMMs (o and down writing the next norm's `Scaled` rows, gate | up and
+    q | k | v reading them, from 128 blocks of sums as at a hidden size of 4096). Aligned as at the model shapes
+    (the loads pipeline), and on sm_90 with programmatic dependent launch (PDL), as their launchers compile them
+    there."""
     import torch
 
     import kernels.decode_linear as dl
     names = {"bf16": torch.bfloat16, "fp32": torch.float32}
-    gemm = {"_decode_linear_kernel": ("kernels.decode_linear", ("x", "w", "b", "r", "y"), ("M", "N", "K", "K_CHUNK"),
-                                      {"BLOCK_N": 32}),
+    gemm = {"_decode_linear_kernel": ("kernels.decode_linear", ("x", "w", "b", "r", "y", "nw", "xs"),
+                                      ("M", "N", "K", "K_CHUNK"), {"BLOCK_N": 32}),
             "_decode_swiglu_kernel": ("kernels.decode_swiglu", ("x", "nw", "w", "b", "h"),
-                                      ("M", "N", "K", "K_CHUNK"), {"BLOCK_N": 32, "GEMMA_CAST": False}),
+                                      ("M", "N", "K", "K_CHUNK", "T"), {"BLOCK_N": 32, "GEMMA_CAST": False}),
             "_decode_qkv_kernel": ("kernels.decode_qkv",
                                    ("x", "nw", "w", "b", "cos", "sin", "q", "k_cache", "v_cache"),
-                                   ("M", "K", "K_CHUNK", "S", "HQ", "HK", "HALF"),
+                                   ("M", "K", "K_CHUNK", "S", "HQ", "HK", "HALF", "T"),
                                    {"BLOCK_HALF": 128, "GEMMA_CAST": False})}
-    floats = {"_decode_swiglu_kernel": ("eps", "offset"), "_decode_qkv_kernel": ("eps", "offset")}
+    floats = {"_decode_linear_kernel": ("offset",), "_decode_swiglu_kernel": ("eps", "offset"),
+              "_decode_qkv_kernel": ("eps", "offset")}
+    chained = {"_decode_linear_kernel": ({"SCALE_NEXT": False}, {"SCALE_NEXT": True})}
     cases = []
     for kernel, (module, pointers, ints, shape) in gemm.items():
         fp32 = (("fp32", 80, 4),) if kernel == "_decode_qkv_kernel" else ()
         for dtype, arch, split in tuple(product(("bf16",), (80, 90), (1, 4))) + fp32:
             operand = getattr(tl, {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}[dtype])
-            constexprs = dict(HAS_BIAS=True, SPLIT=split, DTYPE=operand, OPERAND=operand,
-                              PRECISION="ieee" if dtype == "fp32" else "tf32", BLOCK_M=dl.MAX_ROWS,
-                              BLOCK_K=32 if dtype == "fp32" else 128, PDL=arch >= 90, **shape)
-            sig = {**{f"{a}_ptr": f"*{dtype}" for a in pointers}, **({"at_ptr": "*i64"} if "q" in pointers else {}),
-                   "ws_ptr": "*fp32", "count_ptr": "*i32", **dict.fromkeys(ints, "i32"),
-                   **dict.fromkeys(floats.get(kernel, ()), "fp32"), **dict.fromkeys(constexprs, "constexpr")}
-            width = {"_decode_linear_kernel": shape.get("BLOCK_N", 0)}.get(kernel, 2 * shape.get("BLOCK_N", 0)
-                                                                               + 2 * shape.get("BLOCK_HALF", 0))
-            stages = dl.num_stages((dl.MAX_ROWS + width) * constexprs["BLOCK_K"], torch.empty(0, dtype=names[dtype]))
-            cases.append(Case(f"{kernel}-{dtype}-split{split}-sm{arch}", module, kernel, sig, constexprs,
-                              dl.NUM_WARPS, arch, stages,
-                              aligned=tuple(f"{a}_ptr" for a in pointers) + ("K", "K_CHUNK")))
+            modes = chained.get(kernel, ({"NORMALIZE": True, "T_STEPS": 1}, {"NORMALIZE": False, "T_STEPS": 4}))
+            for mode in modes[:1] if dtype == "fp32" else modes:
+                constexprs = dict(HAS_BIAS=True, SPLIT=split, DTYPE=operand, OPERAND=operand,
+                                  PRECISION="ieee" if dtype == "fp32" else "tf32", BLOCK_M=dl.MAX_ROWS,
+                                  BLOCK_K=32 if dtype == "fp32" else 128, PDL=arch >= 90, **shape, **mode)
+                sig = {**{f"{a}_ptr": f"*{dtype}" for a in pointers},
+                       **({"at_ptr": "*i64"} if "q" in pointers else {}), "ss_ptr": "*fp32",
+                       "ws_ptr": "*fp32", "count_ptr": "*i32", **dict.fromkeys(ints, "i32"),
+                       **dict.fromkeys(floats[kernel], "fp32"), **dict.fromkeys(constexprs, "constexpr")}
+                width = {"_decode_linear_kernel": shape.get("BLOCK_N", 0)}.get(kernel, 2 * shape.get("BLOCK_N", 0)
+                                                                                   + 2 * shape.get("BLOCK_HALF", 0))
+                stages = dl.num_stages((dl.MAX_ROWS + width) * constexprs["BLOCK_K"],
+                                       torch.empty(0, dtype=names[dtype]))
+                chain = "-chained" if mode in (modes[1:]) else ""
+                cases.append(Case(f"{kernel}-{dtype}-split{split}{chain}-sm{arch}", module, kernel, sig, constexprs,
+                                  dl.NUM_WARPS, arch, stages,
+                                  aligned=tuple(f"{a}_ptr" for a in pointers) + ("K", "K_CHUNK")))
     return cases
 
 
@@ -384,7 +393,9 @@ def loads_before_wait(case_id) -> str:
 
 
 PDL_CASES = ("_decode_linear_kernel-bf16-split4-sm90", "_decode_swiglu_kernel-bf16-split4-sm90",
-             "_decode_qkv_kernel-bf16-split4-sm90", "_decode_attention_kernel-qwen-bf16-HAS_FIRST=1-HAS_WINDOW=1-"
+             "_decode_qkv_kernel-bf16-split4-sm90", "_decode_linear_kernel-bf16-split4-chained-sm90",
+             "_decode_swiglu_kernel-bf16-split4-chained-sm90", "_decode_qkv_kernel-bf16-split4-chained-sm90",
+             "_decode_attention_kernel-qwen-bf16-HAS_FIRST=1-HAS_WINDOW=1-"
              "HAS_SOFTCAP=1-sm90")
 
 
