@@ -381,12 +381,14 @@ def decode_linear(x, weight, bias, residual, workspace: Workspace, block_n: int 
     if next_norm is not None and (nw.shape != (N,) or nw.dtype != x.dtype):
         raise ValueError(f"decode_linear: the next norm's weight must be [{N}] of {x.dtype}; got {tuple(nw.shape)}, "
                          f"{nw.dtype}")
-    scaled = Scaled(torch.empty_like(y), torch.empty(tiles, M, dtype=torch.float32, device=y.device)) \
-        if next_norm is not None else Scaled(y, ws)
+    if next_norm is not None:
+        xs, ss = torch.empty_like(y), torch.empty(tiles, M, dtype=torch.float32, device=y.device)
+    else:
+        xs, ss = y, ws  # unread
     _decode_linear_kernel[(tiles, split)](
-        x, weight, weight if bias is None else bias, residual, y, nw, scaled.xs, scaled.ss, ws, counts,
+        x, weight, weight if bias is None else bias, residual, y, nw, xs, ss, ws, counts,
         M, N, K, chunk, offset, HAS_BIAS=bias is not None, SCALE_NEXT=next_norm is not None, SPLIT=split,
         **dot_constexprs(x), BLOCK_M=bm, BLOCK_N=block_n, BLOCK_K=block_k, **pdl_constexprs(x),
         num_warps=NUM_WARPS, num_stages=num_stages((bm + block_n) * block_k, x))
-    assert y.dtype == scaled.xs.dtype == x.dtype, f"decode_linear: y must be {x.dtype}, got {y.dtype}"
-    return y if next_norm is None else (y, scaled)
+    assert y.dtype == xs.dtype == x.dtype, f"decode_linear: y must be {x.dtype}, got {y.dtype}"
+    return y if next_norm is None else (y, Scaled(xs, ss))
