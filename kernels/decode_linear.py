@@ -131,7 +131,7 @@ class Scaled(NamedTuple):
 
         RMSNorm(x) Wᵀ = rstd ⊙ (xs Wᵀ),    rstd = rsqrt(Σ_t ss[t] / K + eps)    (per row)
 
-    and the GEMM multiplies xs as it is and scales its fp32 sums once, in its epilogue (`_scaled_rstd`), where it
+    and the GEMM multiplies xs as it is and scales its fp32 sums once, in its epilogue (`_scaled_pair`), where it
     would compute rstd from x in its prologue and normalize each of x's tiles in its loop. One rounding of the
     normalized input (x ⊙ w) where the norm rounds x̂ and then x̂ ⊙ w (kernels/rms_norm.py): the same output within
     the GEMM's rounding."""
@@ -230,22 +230,32 @@ def _rstd(x_ptr, rows, M, K, eps, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
 
 
 @triton.jit
-def _scaled_squares(ss_ptr, rows, M, T, BLOCK_M: tl.constexpr, T_STEPS: tl.constexpr):
-    """A `Scaled`'s sums of squares ss [T, M] as a (32, BLOCK_M) fp32 tile, T_STEPS blocks of 32 of its T rows added
-    elementwise (unrolled: their loads in flight together). Loaded before a GEMM's loop and reduced after it
-    (`_scaled_rstd`), so that the loop does not wait for them."""
-    t = tl.arange(0, 32)
-    ss = tl.zeros([32, BLOCK_M], tl.float32)
-    for j in tl.static_range(T_STEPS):
-        ss += tl.load(ss_ptr + (j * 32 + t[:, None]) * M + rows[None, :],
-                      mask=(j * 32 + t[:, None] < T) & (rows[None, :] < M), other=0.0)
-    return ss
+def _norm_stats(x_ptr, ss_ptr, rows, M, K, T, eps, NORMALIZE: tl.constexpr, BLOCK_M: tl.constexpr,
+                BLOCK_K: tl.constexpr, T_STEPS: tl.constexpr):
+    """What a normalizing GEMM reads of its input's norm before its loop. NORMALIZE: rstd of x's rows (BLOCK_M,)
+    (`_rstd`), which the loop normalizes x's tiles with. Else a `Scaled`'s sums of squares ss [T, M] as a (32,
+    BLOCK_M) fp32 tile, T_STEPS blocks of 32 of its rows added elementwise (unrolled: their loads in flight
+    together), reduced only after the loop (`_scaled_pair`), so that the loop does not wait for them."""
+    if NORMALIZE:
+        stats = _rstd(x_ptr, rows, M, K, eps, BLOCK_M, BLOCK_K)
+    else:
+        t = tl.arange(0, 32)
+        stats = tl.zeros([32, BLOCK_M], tl.float32)
+        for j in tl.static_range(T_STEPS):
+            stats += tl.load(ss_ptr + (j * 32 + t[:, None]) * M + rows[None, :],
+                             mask=(j * 32 + t[:, None] < T) & (rows[None, :] < M), other=0.0)
+    return stats
 
 
 @triton.jit
-def _scaled_rstd(ss, K, eps):
-    """rsqrt(mean(x²) + eps) of x's rows (BLOCK_M,), from `_scaled_squares`' tile."""
-    return tl.rsqrt(tl.sum(ss, 0) / K + eps)
+def _scaled_pair(acc1, acc2, stats, K, eps, NORMALIZE: tl.constexpr):
+    """A normalizing GEMM's two fp32 sums, scaled by its rows' rstd = rsqrt(mean(x²) + eps) where its input was a
+    `Scaled`'s rows (stats: `_norm_stats`' tile of their sums of squares); as they are where the loop normalized x."""
+    if not NORMALIZE:
+        rstd = tl.rsqrt(tl.sum(stats, 0) / K + eps)
+        acc1 *= rstd[:, None]
+        acc2 *= rstd[:, None]
+    return acc1, acc2
 
 
 def scaled_input(x):
@@ -260,7 +270,7 @@ def scaled_input(x):
 
 def scaled_args(x, workspace_partials) -> tuple:
     """(ss, T, constexprs) of a normalizing GEMM's input x: a `Scaled`'s sums of squares, their count of blocks and
-    NORMALIZE False with its T_STEPS (`_scaled_squares`); for a plain x (the workspace's partials, unread, 0) and
+    NORMALIZE False with its T_STEPS (`_norm_stats`); for a plain x (the workspace's partials, unread, 0) and
     NORMALIZE True (the kernel normalizes x's rows itself)."""
     if isinstance(x, Scaled):
         return x.ss, x.ss.shape[0], dict(NORMALIZE=False, T_STEPS=triton.cdiv(x.ss.shape[0], 32))
@@ -282,8 +292,8 @@ def _normed_pair(x_ptr, nw_ptr, w_ptr, rows, M, K, k_lo, k_hi, rstd, offset, n1,
                  NORMALIZE: tl.constexpr, GEMMA_CAST: tl.constexpr, DTYPE: tl.constexpr, OPERAND: tl.constexpr,
                  PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_K: tl.constexpr):
     """RMSNorm(x) W[n1]ᵀ and RMSNorm(x) W[n2]ᵀ over K's chunk [k_lo, k_hi), fp32 (BLOCK_M, BLOCK_W) each: two blocks
-    of W's rows (n_mask: those that exist) multiplied in one pass over the normalized tiles of x. NORMALIZE False:
-    x is a `Scaled`'s xs, multiplied as it is (the caller scales the sums by rstd)."""
+    of W's rows (n_mask: those that exist) multiplied in one pass over the normalized tiles of x (rstd: `_norm_stats`'
+    with NORMALIZE). NORMALIZE False: x is a `Scaled`'s xs, multiplied as it is (`_scaled_pair` scales the sums)."""
     acc1 = tl.zeros([BLOCK_M, BLOCK_W], tl.float32)
     acc2 = tl.zeros([BLOCK_M, BLOCK_W], tl.float32)
     for k0 in range(k_lo, k_hi, BLOCK_K):

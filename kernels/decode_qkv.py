@@ -30,11 +30,10 @@ from kernels.decode_linear import (
     NUM_WARPS,
     Workspace,
     _after_previous,
+    _norm_stats,
     _normed_pair,
     _prefetch_rows,
-    _rstd,
-    _scaled_rstd,
-    _scaled_squares,
+    _scaled_pair,
     _sum_pair,
     block_m,
     dot_constexprs,
@@ -85,20 +84,13 @@ def _decode_qkv_kernel(
         b1 = tl.load(b_ptr + n1, mask=dmask, other=0.0).to(tl.float32)
         b2 = tl.load(b_ptr + n1 + HALF, mask=dmask, other=0.0).to(tl.float32)
     at = tl.load(at_ptr)
-    if NORMALIZE:
-        rstd = _rstd(x_ptr, rows, M, K, eps, BLOCK_M, BLOCK_K)
-    else:
-        ss = _scaled_squares(ss_ptr, rows, M, T, BLOCK_M, T_STEPS)
-        rstd = tl.zeros([BLOCK_M], tl.float32)  # unread: the sums are scaled after the loop
-    acc1, acc2 = _normed_pair(x_ptr, nw_ptr, w_ptr, rows, M, K, k_lo, k_hi, rstd, offset, n1, n1 + HALF, dmask,
+    stats = _norm_stats(x_ptr, ss_ptr, rows, M, K, T, eps, NORMALIZE, BLOCK_M, BLOCK_K, T_STEPS)
+    acc1, acc2 = _normed_pair(x_ptr, nw_ptr, w_ptr, rows, M, K, k_lo, k_hi, stats, offset, n1, n1 + HALF, dmask,
                               NORMALIZE, GEMMA_CAST, DTYPE, OPERAND, PRECISION,
                               BLOCK_M, BLOCK_HALF, BLOCK_K)
     acc1, acc2, last = _sum_pair(acc1, acc2, ws_ptr, count_ptr, head, split, SPLIT, BLOCK_M, BLOCK_HALF)
     if last:
-        if not NORMALIZE:
-            rstd = _scaled_rstd(ss, K, eps)
-            acc1 *= rstd[:, None]
-            acc2 *= rstd[:, None]
+        acc1, acc2 = _scaled_pair(acc1, acc2, stats, K, eps, NORMALIZE)
         if HAS_BIAS:
             acc1 += b1[None, :]
             acc2 += b2[None, :]

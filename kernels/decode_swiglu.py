@@ -26,11 +26,10 @@ from kernels.decode_linear import (
     NUM_WARPS,
     Workspace,
     _after_previous,
+    _norm_stats,
     _normed_pair,
     _prefetch_rows,
-    _rstd,
-    _scaled_rstd,
-    _scaled_squares,
+    _scaled_pair,
     _sum_pair,
     block_m,
     dot_constexprs,
@@ -65,20 +64,13 @@ def _decode_swiglu_kernel(
         _prefetch_rows(w_ptr, cols, cols < N, K, k_lo, k_hi, BLOCK_K)
         _prefetch_rows(w_ptr, N + cols, cols < N, K, k_lo, k_hi, BLOCK_K)
     _after_previous(PDL)
-    if NORMALIZE:
-        rstd = _rstd(x_ptr, rows, M, K, eps, BLOCK_M, BLOCK_K)
-    else:
-        ss = _scaled_squares(ss_ptr, rows, M, T, BLOCK_M, T_STEPS)
-        rstd = tl.zeros([BLOCK_M], tl.float32)  # unread: the sums are scaled after the loop
-    acc_g, acc_u = _normed_pair(x_ptr, nw_ptr, w_ptr, rows, M, K, k_lo, k_hi, rstd, offset, cols, N + cols, cols < N,
+    stats = _norm_stats(x_ptr, ss_ptr, rows, M, K, T, eps, NORMALIZE, BLOCK_M, BLOCK_K, T_STEPS)
+    acc_g, acc_u = _normed_pair(x_ptr, nw_ptr, w_ptr, rows, M, K, k_lo, k_hi, stats, offset, cols, N + cols, cols < N,
                                 NORMALIZE, GEMMA_CAST, DTYPE, OPERAND, PRECISION,
                                 BLOCK_M, BLOCK_N, BLOCK_K)
     acc_g, acc_u, last = _sum_pair(acc_g, acc_u, ws_ptr, count_ptr, tile, split, SPLIT, BLOCK_M, BLOCK_N)
     if last:
-        if not NORMALIZE:
-            rstd = _scaled_rstd(ss, K, eps)
-            acc_g *= rstd[:, None]
-            acc_u *= rstd[:, None]
+        acc_g, acc_u = _scaled_pair(acc_g, acc_u, stats, K, eps, NORMALIZE)
         if HAS_BIAS:
             acc_g += tl.load(b_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
             acc_u += tl.load(b_ptr + N + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
