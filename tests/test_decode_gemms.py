@@ -102,6 +102,9 @@ def test_decode_linear_scales_its_rows_for_the_next_norm(dtype, M, K, N, offset)
     assert_close(ss.sum(0), ss_want[0], 1e-5, 1e-5, name="ss")
     with pytest.raises(ValueError, match="next norm's weight"):
         decode_linear(x, w, b, r, ws, next_norm=(nw[1:], offset))
+    w_gu, _ = weights(2 * 8, N, dtype, False)
+    with pytest.raises(ValueError, match="ss must be contiguous fp32"):  # sums of squares for other rows
+        decode_swiglu(Scaled(xs, ss[:, 1:].contiguous()), nw, w_gu, None, ws)
 
 
 def normalizing_input(x, nw, offset, form):
