@@ -22,11 +22,12 @@ combination, the row dot, rsqrt, m · inv) with one launch a group.
 each group's tensors are described by their addresses in a table on the device, and each program reads its group's
 row from it: a step's norms are one launch, not one a group.
 
-`MergeTable` runs the same body in its merge mode (`MERGE`) over a table of projections: each program stores its
-tile W + s·B·A, rounded once to W's dtype, into the projection's rows of an output buffer, instead of summing its
-squares; with DoRA's m, it sums them first and stores the tile scaled by m / ‖W + s·B·A‖ (`model.lora.merged_weight`
-computes the same in torch). Every adapted projection's merged weight of a rollout is then one launch
-(`model.lora.MergedAdapters`), where torch takes half a dozen ops and an (out, in) fp32 temporary a projection.
+`MergeTable` runs the same body in its merge mode (`MERGE`) over a table of projections (at ranks up to 16 in tiles
+of 32 rows and 128 columns: `merge_config`): each program stores its tile W + s·B·A, rounded once to W's dtype, into
+the projection's rows of an output buffer, instead of summing its squares; with DoRA's m, it sums them first and
+stores the tile scaled by m / ‖W + s·B·A‖ (`model.lora.merged_weight` computes the same in torch). Every adapted
+projection's merged weight of a rollout is then one launch (`model.lora.MergedAdapters`), where torch takes half a
+dozen ops and an (out, in) fp32 temporary a projection.
 
 References: Liu et al. 2024 "DoRA" (§4.3: the norm is a constant in backward); PEFT `tuners/lora/dora.py`
 (`get_weight_norm`).
@@ -176,6 +177,14 @@ def launch_config(rank):
     return dict(BLOCK_O=max(16, min(64, 8192 // block_r)), BLOCK_R=block_r, BLOCK_I=max(16, min(32, 1024 // block_r)))
 
 
+def merge_config(rank):
+    """`MergeTable`'s tiles: launch_config's, and at ranks up to 16 (B's tile (BLOCK_O, 16), A's (16, BLOCK_I)) 32
+    rows and 128 columns a step, which stream W at 1.2 TB/s on an H100 where 64 × 32 reach 1.0 (the rollout's merge of
+    Qwen2.5-0.5B's 24 layers: dev/perf-notes.md); the same values, each element's arithmetic unchanged."""
+    config = launch_config(rank)
+    return dict(config, BLOCK_O=32, BLOCK_I=128) if config["BLOCK_R"] == 16 else config
+
+
 class NormsTable:
     """`dora_norms` of many groups in one launch. groups: (W, A, B, m, ends, scale) per group as for `dora_norms`,
     every W in one dtype, the dtype of g too. The launch reads the tensors at the addresses they have now: the caller
@@ -224,7 +233,7 @@ class MergeTable:
     def __init__(self, out, members):
         for w, a, b, m, view, _ in members:
             check_merge_args(w, a, b, m, view, out)
-        self.config = launch_config(max(len(a) if a is not None else 0 for _, a, *_ in members))
+        self.config = merge_config(max(len(a) if a is not None else 0 for _, a, *_ in members))
         descriptors, blocks = [], []
         for n, (w, a, b, m, view, _) in enumerate(members):
             out_features, in_features = w.shape
