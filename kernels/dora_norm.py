@@ -13,18 +13,18 @@ next member) and walks `in` in BLOCK_I columns: it loads W's tile and computes W
 dot that takes W's tile as its accumulator (B_j's rows (BLOCK_O, R) held in registers, A_j's tile (R, BLOCK_I);
 tf32x3: three tf32 tensor-core products that together carry fp32's precision, where a plain fp32 dot would run on
 the CUDA cores), and adds its squares to the rows' sums. The dot's K is one member's rank, not the stacked Σr with
-B_blk's zeros, and its M is 64, a warpgroup's MMA on sm_90: each program reads A_j once for 64 rows of W. No (out,
-in) temporary is written, and the norm is the direct one (no cancellation in an expanded form). All math in fp32, g
-rounded once, at the store. This replaces the half-dozen small torch ops of the expanded form (W Aᵀ, A Aᵀ, their
-combination, the row dot, rsqrt, m · inv) with one launch a group.
+B_blk's zeros, and its M is BLOCK_O (32 or 64 rows, `launch_config`): each program reads A_j once for BLOCK_O rows
+of W. No (out, in) temporary is written, and the norm is the direct one (no cancellation in an expanded form). All
+math in fp32, g rounded once, at the store. This replaces the half-dozen small torch ops of the expanded form (W Aᵀ,
+A Aᵀ, their combination, the row dot, rsqrt, m · inv) with one launch a group.
 
 `NormsTable` does the same for many groups in one launch (every packed group of every layer: model/dora_scales.py):
 each group's tensors are described by their addresses in a table on the device, and each program reads its group's
 row from it: a step's norms are one launch, not one a group.
 
-`MergeTable` runs the same body in its merge mode (`MERGE`) over a table of projections (at ranks up to 16 in tiles
-of 32 rows and 128 columns: `merge_config`): each program stores its tile W + s·B·A, rounded once to W's dtype, into
-the projection's rows of an output buffer, instead of summing its squares; with DoRA's m, it sums them first and
+`MergeTable` runs the same body in its merge mode (`MERGE`) over a table of projections: each program stores its
+tile W + s·B·A, rounded once to W's dtype, into the projection's rows of an output buffer, instead of summing its
+squares; with DoRA's m, it sums them first and
 stores the tile scaled by m / ‖W + s·B·A‖ (`model.lora.merged_weight` computes the same in torch). Every adapted
 projection's merged weight of a rollout is then one launch (`model.lora.MergedAdapters`), where torch takes half a
 dozen ops and an (out, in) fp32 temporary a projection.
@@ -169,20 +169,16 @@ def dora_norms(w, a, b, m, ends, scale, dtype):
 
 
 def launch_config(rank):
-    """BLOCK_R: the members' rank R as a power of two, at least 16 (the dot's smallest K). BLOCK_O: 64 output rows a
-    program (the M of one warpgroup's MMA on sm_90), fewer for ranks over 128, where B's tile (BLOCK_O, BLOCK_R) held
-    in registers would spill. BLOCK_I: 32 columns of `in` a step (the dot's (64, 32) output and W's tile, 16 values a
-    thread: four programs an SM at r ≤ 32), 16 from r = 64 on, where A's tile (BLOCK_R, BLOCK_I) grows."""
+    """BLOCK_R: the members' rank R as a power of two, at least 16 (the dot's smallest K). At R ≤ 16: 32 output rows
+    a program and 128 columns of `in` a step, which read W faster on an H100 than 64 × 32 (Qwen2.5-0.5B's 24 layers
+    at rank 16: the merge 1.37 → 1.15 ms, the norms 1.17 → 0.85 ms; dev/perf-notes.md). Past 16, where A's tile
+    (BLOCK_R, BLOCK_I) and B's (BLOCK_O, BLOCK_R) grow: BLOCK_O 64 rows (the M of one warpgroup's MMA on sm_90), fewer
+    for ranks over 128, where B's tile held in registers would spill; BLOCK_I 32 columns (the dot's (64, 32) output
+    and W's tile, 16 values a thread), 16 from r = 64 on."""
     block_r = max(16, triton.next_power_of_2(rank))
+    if block_r == 16:
+        return dict(BLOCK_O=32, BLOCK_R=16, BLOCK_I=128)
     return dict(BLOCK_O=max(16, min(64, 8192 // block_r)), BLOCK_R=block_r, BLOCK_I=max(16, min(32, 1024 // block_r)))
-
-
-def merge_config(rank):
-    """`MergeTable`'s tiles: launch_config's, and at ranks up to 16 (B's tile (BLOCK_O, 16), A's (16, BLOCK_I)) 32
-    rows and 128 columns a step, which stream W at 1.2 TB/s on an H100 where 64 × 32 reach 1.0 (the rollout's merge of
-    Qwen2.5-0.5B's 24 layers: dev/perf-notes.md); the same values, each element's arithmetic unchanged."""
-    config = launch_config(rank)
-    return dict(config, BLOCK_O=32, BLOCK_I=128) if config["BLOCK_R"] == 16 else config
 
 
 class NormsTable:
@@ -233,7 +229,7 @@ class MergeTable:
     def __init__(self, out, members):
         for w, a, b, m, view, _ in members:
             check_merge_args(w, a, b, m, view, out)
-        self.config = merge_config(max(len(a) if a is not None else 0 for _, a, *_ in members))
+        self.config = launch_config(max(len(a) if a is not None else 0 for _, a, *_ in members))
         descriptors, blocks = [], []
         for n, (w, a, b, m, view, _) in enumerate(members):
             out_features, in_features = w.shape

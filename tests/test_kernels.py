@@ -699,10 +699,10 @@ def test_merge_table(dtype):
     """A rollout's merged weights in one launch: groups of three, two and one members of several ranks (4, 16, 24: K
     padded to the dot's 16 and 32) and widths in one table, members shorter than a program's rows and longer (70: a
     whole block and a partial one), `in` over several column tiles with a partial last one, members without an
-    adapter (W copied), and DoRA's scaled rows; with ranks up to 16 alone, `merge_config`'s tiles."""
+    adapter (W copied), and DoRA's scaled rows; with ranks up to 16 alone, the tiles of those ranks."""
     check_merge_table(dtype, [((40, 56, 72), 4, 50, False), ((24, 48), 16, 37, True), ((33,), 8, 300, False),
                               ((20, 30, 45), 24, 19, True), ((70, 100), 0, 65, False), ((70,), 4, 65, False)])
-    # ranks up to 16 only: `merge_config`'s tiles (32 rows, 128 columns a step)
+    # ranks up to 16 only: launch_config's tiles of 32 rows and 128 columns a step
     check_merge_table(dtype, [((40, 56, 72), 4, 50, False), ((24, 48), 16, 300, True), ((70, 100), 0, 65, False),
                               ((70,), 8, 130, False)])
 
