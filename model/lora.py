@@ -212,6 +212,13 @@ class LoRALinear(nn.Module):
         if self.dora:
             self.lora_magnitude_vector.copy_(self.weight_norm(self.weight))
 
+    def read_as(self, r, merged):
+        """Sets the rank the projection reads (0: its adapter is skipped) and the weight that replaces W (None: W
+        itself), for `MergedAdapters` and `adapters_disabled`. Both are plain attributes, written straight into the
+        instance's dict: nn.Module.__setattr__ checks each value's type first, a few µs a call, and a rollout sets
+        them for every projection on entering and on leaving its block."""
+        vars(self).update(r=r, merged=merged)
+
     def base_weight(self):
         """W [out, in] in its stored dtype. An NF4 weight is dequantized into a new tensor:
         drop it as soon as it has been used. A base stored only in fp8 is dequantized likewise. Inside
@@ -276,12 +283,12 @@ def adapters_disabled(model):
     adapted = [(m, m.r, m.merged) for m in model.modules()
                if isinstance(m, LoRALinear) and (m.r or m.merged is not None)]
     for m, _, _ in adapted:
-        m.r, m.merged = 0, None
+        m.read_as(0, None)
     try:
         yield model
     finally:
         for m, r, merged in adapted:
-            m.r, m.merged = r, merged
+            m.read_as(r, merged)
 
 
 class MergedAdapters:
@@ -333,12 +340,12 @@ class MergedAdapters:
             self.current_table()()
         self.ranks = [p.r for p, _ in self.views]
         for p, view in self.views:
-            p.r, p.merged = 0, view
+            p.read_as(0, view)
         return self
 
     def __exit__(self, *exc):
         for (p, _), r in zip(self.views, self.ranks):
-            p.r, p.merged = r, None
+            p.read_as(r, None)
         self.ranks = None
 
     def current_table(self):
