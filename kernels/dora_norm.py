@@ -24,10 +24,9 @@ row from it: a step's norms are one launch, not one a group.
 
 `MergeTable` runs the same body in its merge mode (`MERGE`) over a table of projections: each program stores its
 tile W + s·B·A, rounded once to W's dtype, into the projection's rows of an output buffer, instead of summing its
-squares; with DoRA's m, it sums them first and
-stores the tile scaled by m / ‖W + s·B·A‖ (`model.lora.merged_weight` computes the same in torch). Every adapted
-projection's merged weight of a rollout is then one launch (`model.lora.MergedAdapters`), where torch takes half a
-dozen ops and an (out, in) fp32 temporary a projection.
+squares; with DoRA's m, it sums them first and stores the tile scaled by m / ‖W + s·B·A‖ (`model.lora.merged_weight`
+computes the same in torch). Every adapted projection's merged weight of a rollout is then one launch
+(`model.lora.MergedAdapters`), where torch takes half a dozen ops and an (out, in) fp32 temporary a projection.
 
 References: Liu et al. 2024 "DoRA" (§4.3: the norm is a constant in backward); PEFT `tuners/lora/dora.py`
 (`get_weight_norm`).
@@ -170,11 +169,11 @@ def dora_norms(w, a, b, m, ends, scale, dtype):
 
 def launch_config(rank):
     """BLOCK_R: the members' rank R as a power of two, at least 16 (the dot's smallest K). At R ≤ 16: 32 output rows
-    a program and 128 columns of `in` a step, which read W faster on an H100 than 64 × 32 (Qwen2.5-0.5B's 24 layers
-    at rank 16: the merge 1.37 → 1.15 ms, the norms 1.17 → 0.85 ms; dev/perf-notes.md). Past 16, where A's tile
-    (BLOCK_R, BLOCK_I) and B's (BLOCK_O, BLOCK_R) grow: BLOCK_O 64 rows (the M of one warpgroup's MMA on sm_90), fewer
-    for ranks over 128, where B's tile held in registers would spill; BLOCK_I 32 columns (the dot's (64, 32) output
-    and W's tile, 16 values a thread), 16 from r = 64 on."""
+    a program and 128 columns of `in` a step, which stream W faster on an H100 than 64 × 32 (dev/perf-notes.md, "The
+    merge's and DoRA's norms' tiles"). Past 16, where A's tile (BLOCK_R, BLOCK_I) and B's (BLOCK_O, BLOCK_R) grow:
+    BLOCK_O 64 rows (the M of one warpgroup's MMA on sm_90), fewer for ranks over 128, where B's tile held in
+    registers would spill; BLOCK_I 32 columns (the dot's (64, 32) output and W's tile, 16 values a thread), 16 from
+    r = 64 on."""
     block_r = max(16, triton.next_power_of_2(rank))
     if block_r == 16:
         return dict(BLOCK_O=32, BLOCK_R=16, BLOCK_I=128)

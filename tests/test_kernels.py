@@ -652,9 +652,12 @@ def check_dora_norms_table(dtype, shapes):
 def test_dora_norms_table(dtype):
     """Groups of three, two and one members, of different ranks and widths in one table: the tiles fit the largest
     rank, the smaller ranks' columns of B and rows of A past their own are masked, and each program's rows stay
-    within one member (70 rows: a whole block and a partial one)."""
+    within one member (70 rows: a whole block and a partial one); with ranks up to 16 alone, the tiles of those
+    ranks."""
     check_dora_norms_table(dtype, [((40, 56, 72), 4, 50), ((24, 48), 16, 37), ((33,), 8, 300), ((20, 30, 45), 24, 19),
                                    ((70, 100, 130), 4, 65)])
+    # ranks up to 16 only: launch_config's tiles of 32 rows and 128 columns a step
+    check_dora_norms_table(dtype, [((40, 56, 72), 4, 50), ((24, 48), 16, 300), ((70, 100, 130), 8, 65)])
 
 
 
