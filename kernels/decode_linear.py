@@ -387,14 +387,14 @@ def decode_linear(x, weight, bias, residual, workspace: Workspace, block_n: int 
     split, chunk, block_k = launch_config(tiles, K, x)
     bm = block_m(M)
     ws, counts = workspace.get(split * tiles * bm * block_n if split > 1 else 0, tiles, x.device)
-    nw, offset = next_norm if next_norm is not None else (weight, 0.0)
-    if next_norm is not None and (nw.shape != (N,) or nw.dtype != x.dtype):
-        raise ValueError(f"decode_linear: the next norm's weight must be [{N}] of {x.dtype}; got {tuple(nw.shape)}, "
-                         f"{nw.dtype}")
-    if next_norm is not None:
-        xs, ss = torch.empty_like(y), torch.empty(tiles, M, dtype=torch.float32, device=y.device)
+    if next_norm is None:
+        nw, offset, xs, ss = weight, 0.0, y, ws  # unread
     else:
-        xs, ss = y, ws  # unread
+        nw, offset = next_norm
+        if nw.shape != (N,) or nw.dtype != x.dtype:
+            raise ValueError(f"decode_linear: the next norm's weight must be [{N}] of {x.dtype}; got "
+                             f"{tuple(nw.shape)}, {nw.dtype}")
+        xs, ss = torch.empty_like(y), torch.empty(tiles, M, dtype=torch.float32, device=y.device)
     _decode_linear_kernel[(tiles, split)](
         x, weight, weight if bias is None else bias, residual, y, nw, xs, ss, ws, counts,
         M, N, K, chunk, offset, HAS_BIAS=bias is not None, SCALE_NEXT=next_norm is not None, SPLIT=split,
