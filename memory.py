@@ -10,6 +10,7 @@ import torch
 
 from config import UserError
 from distributed import any_rank
+from model.offload import host_available
 
 # The fused cross-entropy (kernels/fused_linear_cross_entropy.py) keeps at most this much of the logits at once.
 LOSS_CHUNK_BYTES = 256 << 20
@@ -89,20 +90,9 @@ def memory_warning(cfg, mcfg, dtype, use_kernels, device, checkpointing):
 
 
 def offload_bytes(cfg, mcfg, dtype):
-    """The page-locked host memory of activation offload (model/offload.py): every layer's input of a micro-batch."""
+    """The page-locked host memory of activation offload (model/offload.py): every layer's input of a micro-batch.
+    (The attention outputs that travel with them are handed over only where the host has room for them.)"""
     return mcfg.n_layers * cfg.batch_size * cfg.max_len * mcfg.hidden_size * (torch.finfo(dtype).bits // 8)
-
-
-def host_available():
-    """The host memory available to a new allocation, in bytes (Linux's MemAvailable), or None where unknown."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
 
 
 def memory_fixes(cfg, checkpointing):

@@ -19,9 +19,15 @@ plain copies into CPU buffers, which keeps the bookkeeping testable there.
 
 The hooks are torch's saved-tensor hooks around the reentrant checkpoint of one layer: the
 checkpoint saves its inputs (x, the RoPE tables, the mask), and only x is moved.
+
+A layer's first run may also hand over tensors that its recompute reads instead of computing them again (its
+attention's output and log-sum-exp: `keep`, model/transformer.py). They travel with the layer's input: copied
+out with it (one wait and one event for all of them, so that a CUDA graph keeps one side branch of copies),
+brought back with it, and given back by `take`. They about double the host memory a forward holds, so the
+model hands them over only where the host has room for them (`room_for`).
 """
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -35,6 +41,7 @@ class _Saved:
     cuda: bool  # copied out on the copy stream (else a plain CPU copy)
     gpu: torch.Tensor | None = None  # the tensor backward gets, once a copy back has been issued
     ready: torch.cuda.Event | None = None  # recorded on the copy stream when `gpu` holds the data
+    kept: list = field(default_factory=list)  # a layer input's: what the layer's first run handed over (`keep`)
 
 
 class ActivationOffload:
@@ -44,11 +51,14 @@ class ActivationOffload:
     def __init__(self):
         self.stream = None  # the copy stream (made on first use, on the device of the inputs)
         self.buffers = {}  # layer index -> flat CPU buffer (pinned on CUDA), grown for a longer batch
-        self.kept = []  # every buffer ever made: a graph captured with an older one still reads it
+        self.kept_buffers = {}  # (layer index, slot) -> the same, for the tensors a layer's first run hands over
+        self.room = {}  # (bytes a forward would hand over, its inputs' bytes) -> whether the host has room (`room_for`)
+        self.made = []  # every buffer ever made: a graph captured with an older one still reads it
         self.pinned = []  # the CUDA buffers among them, registered with the driver until this object goes
         weakref.finalize(self, _unregister, self.pinned).atexit = False  # at exit the process's memory goes anyway
         self.saved = []  # this forward's layer inputs, in layer order
-        self.leaving = []  # (GPU tensor, event): inputs being copied out, freed once the compute stream waits
+        self.pending = []  # (record, tensor): what the layer in its first run handed over, until its input is packed
+        self.leaving = []  # (record, GPU tensor, event): tensors being copied out, freed once the compute stream waits
         self.step = 0
         self.layer_input = None  # (data_ptr, shape) of the input of the layer being checkpointed
 
@@ -56,6 +66,7 @@ class ActivationOffload:
         """Start a forward: the previous one's inputs are released (their backward is over)."""
         self._release()
         self.saved = []
+        self.pending = []
         self.step += 1
 
     def hooks(self, x):
@@ -66,88 +77,156 @@ class ActivationOffload:
         return torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
 
     def end(self):
-        """End a forward: the last layer's input stays on the GPU, since backward needs it first."""
-        if self.saved and self.leaving:
-            self.saved[-1].gpu = self.leaving[-1][0]
+        """End a forward: the last layer's input (and what it handed over) stays on the GPU, since backward needs it
+        first."""
+        for saved, t, _ in self.leaving:  # only the last layer's: each layer's input releases the layer before
+            saved.gpu = t
 
     def _pack(self, t):
         if (t.data_ptr(), t.shape) != self.layer_input:
             return t  # the RoPE tables and the mask: shared by every layer, they cost nothing to keep
-        saved = _Saved(len(self.saved), self._host_view(len(self.saved), t), self.step, t.is_cuda)
+        i = len(self.saved)
+        saved = _Saved(i, self._host_view(self.buffers, i, t), self.step, t.is_cuda, kept=[r for r, _ in self.pending])
         self.saved.append(saved)
-        if not t.is_cuda:
-            saved.host.copy_(t)
-            return saved
-        self._release()  # the previous layer's input: its copy has had this layer's compute to finish
-        stream = self._stream(t.device)
-        stream.wait_stream(torch.cuda.current_stream(t.device))  # t is complete once this layer has run
-        with torch.cuda.stream(stream):
-            saved.host.copy_(t, non_blocking=True)
-            done = stream.record_event()
-        self.leaving.append((t, done))  # t must outlive the copy: the compute stream waits for it first
+        if t.is_cuda:
+            self._release(i)  # the previous layer's: their copies have had this layer's compute to finish
+        records, tensors = [saved, *saved.kept], [t, *(k for _, k in self.pending)]
+        self.pending = []
+        self._copy_out(records, tensors)
         return saved
+
+    def keep(self, *tensors):
+        """Hand over tensors that the recompute of the layer now in its first run reads (model/transformer.py): they
+        are copied out with the layer's input, once the checkpoint packs it at the end of the first run, and brought
+        back with it. Returns what `take` gives back for each."""
+        i = len(self.saved)
+        records = [_Saved(i, self._host_view(self.kept_buffers, (i, len(self.pending) + j), t), self.step, t.is_cuda)
+                   for j, t in enumerate(tensors)]
+        self.pending += zip(records, tensors)
+        return records
+
+    def take(self, saved):
+        """The tensor that `keep` handed over, on the GPU again (its copy back started with its layer's input)."""
+        return self._back(saved)
+
+    def room_for(self, kept, inputs):
+        """Whether the host has room for `kept` bytes of page-locked memory a forward beside the `inputs` bytes of
+        the layer inputs' buffers: at most half of the memory it has available once those buffers are made (the
+        other half stays for the rest of the process and the host's own needs). Decided once for each size, so that
+        every step of one shape does the same (and a CUDA graph captures it)."""
+        if (kept, inputs) not in self.room:
+            available = host_available()
+            made = sum(b.numel() * b.element_size() for b in self.buffers.values())
+            self.room[kept, inputs] = available is None or kept <= (available - max(0, inputs - made)) / 2
+        return self.room[kept, inputs]
+
+    def _copy_out(self, records, tensors):
+        """Copy tensors to their records' CPU views: on the copy stream, once the compute stream has made them."""
+        if not tensors[0].is_cuda:
+            for saved, t in zip(records, tensors):
+                saved.host.copy_(t)
+            return
+        stream = self._stream(tensors[0].device)
+        stream.wait_stream(torch.cuda.current_stream(tensors[0].device))
+        with torch.cuda.stream(stream):
+            for saved, t in zip(records, tensors):
+                saved.host.copy_(t, non_blocking=True)
+            done = stream.record_event()
+        # each tensor must outlive its copy: the compute stream waits for the copies before any is freed
+        self.leaving += [(saved, t, done) for saved, t in zip(records, tensors)]
 
     def _unpack(self, saved):
         if not isinstance(saved, _Saved):
             return saved
+        x = self._back(saved)
+        if saved.cuda and saved.index > 0:
+            layer = self.saved[saved.index - 1]
+            self._fetch(layer, *layer.kept)  # what the next layer backward will need
+        return x
+
+    def _back(self, saved):
+        """A tensor that was copied out, on its device again: waits for its copy back (issued now if it was not)."""
         if saved.step != self.step:
             raise RuntimeError("activation offload keeps the layer inputs of one forward at a time: run "
                                "backward before the next forward (or turn off offload_activations)")
         if not saved.cuda:
             return saved.host
-        compute = torch.cuda.current_stream()
         self._release()  # the copies out are long done; the compute stream must wait for them before reuse
         if saved.gpu is None:  # not prefetched (a second backward through a retained graph)
             self._fetch(saved)
         if saved.ready is not None:
-            compute.wait_event(saved.ready)
-        x, saved.gpu, saved.ready = saved.gpu, None, None
-        if saved.index > 0:
-            self._fetch(self.saved[saved.index - 1])  # the next layer backward will need
-        return x
+            torch.cuda.current_stream().wait_event(saved.ready)
+        t, saved.gpu, saved.ready = saved.gpu, None, None
+        return t
 
-    def _fetch(self, saved):
-        """Start copying a layer input back to the GPU on the copy stream."""
+    def _fetch(self, *records):
+        """Start copying tensors back to the GPU on the copy stream (one wait for the compute stream, one event)."""
         compute = torch.cuda.current_stream()
-        gpu = torch.empty(saved.host.shape, dtype=saved.host.dtype, device=compute.device)
+        gpus = [torch.empty_strided(r.host.shape, r.host.stride(), dtype=r.host.dtype, device=compute.device)
+                for r in records]
         stream = self._stream(compute.device)
-        stream.wait_stream(compute)  # the memory of `gpu` may have been in use until now
+        stream.wait_stream(compute)  # the memory of the new tensors may have been in use until now
         with torch.cuda.stream(stream):
-            gpu.copy_(saved.host, non_blocking=True)
-            saved.ready = stream.record_event()
-        saved.gpu = gpu
+            for r, gpu in zip(records, gpus):
+                gpu.copy_(r.host, non_blocking=True)
+            ready = stream.record_event()
+        for r, gpu in zip(records, gpus):
+            r.gpu, r.ready = gpu, ready
 
-    def _release(self):
-        """The compute stream waits for every copy out, after which those GPU tensors may be freed."""
-        for t, done in self.leaving:
-            torch.cuda.current_stream(t.device).wait_event(done)
-        self.leaving = []
+    def _release(self, before=None):
+        """The compute stream waits for every copy out (of the layers before layer `before`), after which those GPU
+        tensors may be freed."""
+        still, waited = [], set()
+        for saved, t, done in self.leaving:
+            if before is not None and saved.index >= before:
+                still.append((saved, t, done))
+            elif id(done) not in waited:  # one event for the tensors copied together
+                torch.cuda.current_stream(t.device).wait_event(done)
+                waited.add(id(done))
+        self.leaving = still
 
-    def reserve(self, layers, numel, dtype, cuda):
-        """Layers 0 to layers - 1 given buffers of at least `numel` elements of `dtype` now: before a CUDA graph's
-        capture (step.py), since a buffer first made inside one comes from torch's pinned allocator, at a power of
-        two (`_pinned`)."""
+    def reserve(self, layers, numel, dtype, cuda, kept=()):
+        """Layers 0 to layers - 1 given buffers of at least `numel` elements of `dtype` now, and for each (numel,
+        dtype) in `kept` a buffer for what a layer hands over (`keep`, in that order): before a CUDA graph's capture
+        (step.py), since a buffer first made inside one comes from torch's pinned allocator, at a power of two
+        (`_pinned`)."""
         for i in range(layers):
-            self._buffer(i, numel, dtype, cuda)
+            self._buffer(self.buffers, i, numel, dtype, cuda)
+            for slot, (n, kept_dtype) in enumerate(kept):
+                self._buffer(self.kept_buffers, (i, slot), n, kept_dtype, cuda)
 
-    def _host_view(self, i, t):
-        """A (B, T, H) view of layer i's CPU buffer."""
-        return self._buffer(i, t.numel(), t.dtype, t.is_cuda)[:t.numel()].view(t.shape)
+    def _host_view(self, buffers, key, t):
+        """A view of the CPU buffer `buffers[key]` with t's shape and strides (t's elements fill a span of its size:
+        a contiguous tensor or a transposed one, such as an attention output), so that a copy is one memcpy."""
+        assert _dense(t), f"activation offload: a tensor with gaps or overlaps, strides {t.stride()}"
+        flat = self._buffer(buffers, key, t.numel(), t.dtype, t.is_cuda)
+        return flat.as_strided(t.shape, t.stride())
 
-    def _buffer(self, i, numel, dtype, cuda):
-        """Layer i's CPU buffer, made or grown (at least doubled) when it holds fewer than numel elements."""
-        buf = self.buffers.get(i)
+    def _buffer(self, buffers, key, numel, dtype, cuda):
+        """The CPU buffer `buffers[key]`, made or grown (at least doubled) when it holds fewer than numel elements."""
+        buf = buffers.get(key)
         if buf is None or buf.numel() < numel or buf.dtype != dtype:
             size = numel if buf is None or buf.dtype != dtype else max(numel, 2 * buf.numel())
             buf = _pinned(size, dtype, self.pinned) if cuda else torch.empty(size, dtype=dtype)
-            self.buffers[i] = buf
-            self.kept.append(buf)
+            buffers[key] = buf
+            self.made.append(buf)
         return buf
 
     def _stream(self, device):
         if self.stream is None:
             self.stream = torch.cuda.Stream(device)
         return self.stream
+
+
+def _dense(t):
+    """Whether t's elements fill a span of t.numel() elements: its dimensions, by stride, are those of a contiguous
+    tensor in some order."""
+    span = 1
+    for size, stride in sorted(zip(t.shape, t.stride()), key=lambda d: d[1]):
+        if size > 1 and stride != span:
+            return False
+        span *= size
+    return True
 
 
 def _pinned(size, dtype, pinned):
@@ -173,3 +252,15 @@ def _unregister(pinned):
     for buf in pinned:
         torch.cuda.cudart().cudaHostUnregister(buf.data_ptr())
     pinned.clear()
+
+
+def host_available():
+    """The host memory available to a new allocation, in bytes (Linux's MemAvailable), or None where unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None

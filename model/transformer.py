@@ -232,25 +232,36 @@ class _VarlenAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, documents, scale, window):
-        assert q.dtype in (torch.float16, torch.bfloat16) and k.dtype == v.dtype == q.dtype, (q.dtype, k.dtype, v.dtype)
-        cu, n = documents.cu_seqlens, documents.max_len
-        left = None if window is None else window - 1  # keys at most window - 1 positions back
-        out, lse, rng, unused, _ = torch.ops.aten._flash_attention_forward(
-            q, k, v, cu, cu, n, n, 0.0, True, False, scale=scale, window_size_left=left)
-        ctx.save_for_backward(q, k, v, out, lse, cu, rng, unused)
-        ctx.max_len, ctx.scale, ctx.left = n, scale, left
+        out, lse, rng, unused = _varlen_forward(q, k, v, documents, scale, window)
+        ctx.save_for_backward(q, k, v, out, lse, rng, unused)
+        ctx.documents, ctx.scale, ctx.window = documents, scale, window
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse, cu, rng, unused = ctx.saved_tensors
+        q, k, v, out, lse, rng, unused = ctx.saved_tensors
         assert dout.dtype == q.dtype, f"gradient of the attention output: expected {q.dtype}, got {dout.dtype}"
-        n = ctx.max_len
-        dq, dk, dv = torch.ops.aten._flash_attention_backward(
-            dout.contiguous(), q, k, v, out, lse, cu, cu, n, n, 0.0, True, rng, unused, scale=ctx.scale,
-            window_size_left=ctx.left)
+        dq, dk, dv = _varlen_backward(ctx.documents, ctx.scale, ctx.window, rng, unused, dout, q, k, v, out, lse)
         assert dq.dtype == dk.dtype == dv.dtype == q.dtype, (dq.dtype, dk.dtype, dv.dtype)
         return dq, dk, dv, None, None, None
+
+
+def _varlen_forward(q, k, v, documents, scale, window):
+    """(out, lse, rng, unused) of flash attention's variable-length forward (see `_VarlenAttention`)."""
+    assert q.dtype in (torch.float16, torch.bfloat16) and k.dtype == v.dtype == q.dtype, (q.dtype, k.dtype, v.dtype)
+    cu, n = documents.cu_seqlens, documents.max_len
+    left = None if window is None else window - 1  # keys at most window - 1 positions back
+    out, lse, rng, unused, _ = torch.ops.aten._flash_attention_forward(
+        q, k, v, cu, cu, n, n, 0.0, True, False, scale=scale, window_size_left=left)
+    return out, lse, rng, unused
+
+
+def _varlen_backward(documents, scale, window, rng, unused, dout, q, k, v, out, lse):
+    """(dq, dk, dv) of flash attention's variable-length backward, from `_varlen_forward`'s outputs."""
+    cu, n = documents.cu_seqlens, documents.max_len
+    return torch.ops.aten._flash_attention_backward(
+        dout.contiguous(), q, k, v, out, lse, cu, cu, n, n, 0.0, True, rng, unused, scale=scale,
+        window_size_left=None if window is None else window - 1)
 
 
 def varlen_supported(device, dtype, head_dim):
@@ -302,6 +313,88 @@ def attend(q, k, v, mask, scale, softcap):
     return y.reshape(B, Hq, T, D)
 
 
+class _KeptAttention(torch.autograd.Function):
+    """Attention in the recompute of a checkpointed layer whose first run kept its output and log-sum-exp
+    (`kept_attention`): forward gives that output back without running the kernel again, backward runs the
+    kernel's backward on it. The checkpoint recomputes q, k and v bit for bit, so the gradients are those of the
+    path that recomputes the attention. backward_fn(dout, q, k, v, out, lse) -> (dq, dk, dv)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, out, lse, backward_fn):
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.backward_fn = backward_fn
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        assert dout.dtype == q.dtype, f"gradient of the attention output: expected {q.dtype}, got {dout.dtype}"
+        dq, dk, dv = ctx.backward_fn(dout, q, k, v, out, lse)
+        assert dq.dtype == dk.dtype == dv.dtype == q.dtype, (dq.dtype, dk.dtype, dv.dtype)
+        return dq, dk, dv, None, None, None
+
+
+def _cudnn_backward(seed, offset, scale, dout, q, k, v, out, lse):
+    # No attention bias: None reaches the kernel as an undefined tensor below autograd's dispatch (autograd's own
+    # entry refuses None for this argument, and a zero bias selects a slower kernel).
+    T, S = q.shape[2], k.shape[2]
+    with torch._C._AutoDispatchBelowAutograd():
+        return torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
+            dout, q, k, v, out, lse, seed, offset, None, None, None, T, S, 0.0, True, scale=scale)
+
+
+def _cpu_backward(scale, dout, q, k, v, out, lse):
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(dout, q, k, v, out, lse, 0.0, True,
+                                                                               scale=scale)
+
+
+def _with_lse(q, k, v, mask, scale):
+    """(out, lse, backward_fn) of the attention that `attend` computes, from a kernel that returns the log-sum-exp:
+    documents (q, k, v flattened to tokens, as `attend` gives them) through the variable-length kernels, plain
+    causal rows through cuDNN's kernels where they take the inputs (SDPA with CAUSAL_BACKENDS picks them first) or
+    the CPU's flash kernel, which SDPA picks there; the same kernels as `attend`'s, so the same output. None for
+    other masks and where cuDNN's kernels do not take the inputs."""
+    if isinstance(mask, DocumentMask):
+        out, lse, *rest = _varlen_forward(q, k, v, mask.documents, scale, mask.window)
+        return out, lse, partial(_varlen_backward, mask.documents, scale, mask.window, *rest)
+    if mask is not None:
+        return None
+    if q.device.type == "cpu":
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, True, scale=scale)
+        return out, lse, partial(_cpu_backward, scale)
+    if not (q.is_cuda and torch.backends.cuda.can_use_cudnn_attention(
+            torch.backends.cuda.SDPAParams(q, k, v, None, 0.0, True, True))):
+        return None
+    out, lse, _, _, _, _, seed, offset, _ = torch.ops.aten._scaled_dot_product_cudnn_attention(
+        q, k, v, None, True, 0.0, True, False, scale=scale)
+    return out, lse, partial(_cudnn_backward, seed, offset, scale)
+
+
+def kept_attention(q, k, v, mask, scale, store, key, offload):
+    """`attend` in a checkpointed layer whose attention output is kept for the recompute (plain causal rows or
+    documents). The first run (no gradients) computes the output and log-sum-exp (`_with_lse`), hands both to
+    the activation offload, with which they travel like the layer's input (model/offload.py), and notes them in
+    the layer's store under `key`; the recompute takes them back and runs only the backward (`_KeptAttention`):
+    attention's forward runs once a step, not twice. None where no kernel here returns the log-sum-exp (the
+    caller then attends as always, and its recompute too)."""
+    B, Hq, T, D = q.shape
+    varlen = isinstance(mask, DocumentMask)
+    if varlen:
+        q, k, v = (t.transpose(1, 2).reshape(B * T, t.shape[1], D) for t in (q, k, v))  # views, as in `attend`
+    if not torch.is_grad_enabled():
+        kept = _with_lse(q, k, v, mask, scale)
+        if kept is None:
+            return None
+        y, lse, backward = kept
+        store[key] = (*offload.keep(y, lse), backward)
+    elif key in store:
+        y, lse, backward = store.pop(key)
+        y = _KeptAttention.apply(q, k, v, offload.take(y), offload.take(lse), backward)
+    else:
+        return None
+    return y.view(B, T, Hq, D).transpose(1, 2) if varlen else y
+
+
 class DecodeMask(NamedTuple):
     """What a decoding step's row sees of a static KV cache (model/generate.py, `KVCache.mask`): the slots from
     first[b] (None: 0) up to at[0], the new token's, and within `window` slots of it (None: all)."""
@@ -338,11 +431,13 @@ class Attention(nn.Module):
         self.softcap = cfg.attn_softcap
         self.ops = ops
 
-    def forward(self, x, cos, sin, mask, cache=None, store=None, residual=None):
+    def forward(self, x, cos, sin, mask, cache=None, store=None, residual=None, keep=None):
         """x (B, T, H). cache: this layer's `LayerCache` (model/generate.py) or None; with one, the
         keys and values of x are appended to it and the queries attend to all it holds. store: DoRA's
         scales kept for a checkpointed layer's recompute (`_checkpointed`). residual: (B, T, H) added to the
-        output (on the fused path, by o's base GEMM, or with DoRA by the op that scales o's output)."""
+        output (on the fused path, by o's base GEMM, or with DoRA by the op that scales o's output). keep: in a
+        checkpointed layer, the activation offload that keeps the attention's output for the recompute
+        (`kept_attention`)."""
         B, T, _ = x.shape
         qkv = (self.q_proj, self.k_proj, self.v_proj)
         fused = self.ops.fused_lora and fusable(qkv + (self.o_proj,))
@@ -364,9 +459,11 @@ class Attention(nn.Module):
             q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, heads, T, d)
             if cache is not None:
                 k, v = cache.update(k, v)  # (B, nkv, S, d): the cached positions, then these
-            if isinstance(mask, KeyRange):
+            kept = keep is not None and self.softcap is None
+            y = kept_attention(q, k, v, mask, self.scale, store, self, keep) if kept else None
+            if y is None and isinstance(mask, KeyRange):
                 y = self.ops.softcap_attention(q, k, v, mask, self.scale, self.softcap)  # (B, nh, T, d)
-            else:
+            elif y is None:
                 y = attend(q, k, v, mask, self.scale, self.softcap)
             y = y.transpose(1, 2).reshape(B, T, self.nh * self.d)
         if fused:
@@ -410,30 +507,32 @@ class DecoderLayer(nn.Module):
             self.pre_feedforward_layernorm = RMSNorm(H, cfg, ops)
             self.post_feedforward_layernorm = RMSNorm(H, cfg, ops)
 
-    def forward(self, x, cos, sin, mask, cache=None, graph_only=False, store=None):
+    def forward(self, x, cos, sin, mask, cache=None, graph_only=False, store=None, keep=None):
         """graph_only: the output's values are not read, only its graph (the recompute of a checkpointed
         layer), so the MLP may skip its last GEMM. Not with sandwich norms: their norm saves the MLP output.
         store: a dict of DoRA's scales, computed for all layers at once (model/dora_scales.py), which also keeps
-        those computed in a checkpointed layer's first run for its recompute."""
+        those computed in a checkpointed layer's first run for its recompute, and its attention output (keep: the
+        activation offload that carries it, `kept_attention`)."""
         if self.sandwich:
             h, x = self.input_layernorm.with_residual(x)
-            x = x + self.post_attention_layernorm(self.self_attn(h, cos, sin, mask, cache, store))
+            x = x + self.post_attention_layernorm(self.self_attn(h, cos, sin, mask, cache, store, keep=keep))
             h, x = self.pre_feedforward_layernorm.with_residual(x)
             return x + self.post_feedforward_layernorm(self.mlp(h, store=store))
         h, x = self.input_layernorm.with_residual(x)
-        x = self.self_attn(h, cos, sin, mask, cache, store, residual=x)
+        x = self.self_attn(h, cos, sin, mask, cache, store, residual=x, keep=keep)
         h, x = self.post_attention_layernorm.with_residual(x)
         return self.mlp(h, output=not graph_only, store=store, residual=x)
 
 
-def _checkpointed(layer, store, *args):
+def _checkpointed(layer, store, keep, *args):
     """One layer under the reentrant checkpoint, which runs it twice: in forward without grad, where its
     output is the next layer's input, and in backward with grad, where backward reads only the graph and
     the tensors saved in it. That second run skips what only the output needs (`graph_only`). `store`, a
     dict, is one object for both runs (the checkpoint keeps its arguments that are not tensors as they
     are): the first run puts DoRA's scales in it, which depend on the weights alone, and the second reads
-    them instead of computing them again."""
-    return layer(*args, graph_only=torch.is_grad_enabled(), store=store)
+    them instead of computing them again; likewise the attention's output, with activation offload (`keep`:
+    `kept_attention`)."""
+    return layer(*args, graph_only=torch.is_grad_enabled(), store=store, keep=keep)
 
 
 class Backbone(nn.Module):
@@ -559,6 +658,8 @@ class Transformer(nn.Module):
         offload = self.offload if recompute and self.offload_activations else None
         if offload:
             offload.begin()
+        # with offload, the layers' attention outputs travel with their inputs, where the host has room for them
+        keep = offload if offload and self.kept_tensors(B * T, x.dtype) else None
         # DoRA's scales of all layers at once, each layer's in the store its (checkpointed) runs read
         stores = self.dora_scales(self.model.layers, self.ops, compute_dtype(x))
         for i, layer in enumerate(self.model.layers):
@@ -569,7 +670,7 @@ class Transformer(nn.Module):
                 # every tensor saved inside the layer through Python hooks, a CPU cost that a
                 # CPU-bound step pays in full (docs/perf-notes.md, "reentrant checkpointing").
                 with offload.hooks(x) if offload else nullcontext():
-                    x = checkpoint(_checkpointed, layer, stores[i], *args, use_reentrant=True)
+                    x = checkpoint(_checkpointed, layer, stores[i], keep, *args, use_reentrant=True)
             else:
                 x = layer(*args, cache=None if cache is None else cache.layers[i], store=stores[i])
         if offload:
@@ -580,9 +681,24 @@ class Transformer(nn.Module):
         """The activation offload's pinned buffers for a (batch, seqlen) forward, made now (before a CUDA graph's
         capture: step.py); nothing without checkpointing and offload."""
         if self.gradient_checkpointing and self.offload_activations:
-            weight = self.model.norm.weight
-            self.offload.reserve(len(self.model.layers), batch * seqlen * self.config.hidden_size, weight.dtype,
-                                 weight.is_cuda)
+            weight, n = self.model.norm.weight, batch * seqlen
+            self.offload.reserve(len(self.model.layers), n * self.config.hidden_size, weight.dtype, weight.is_cuda,
+                                 self.kept_tensors(n, weight.dtype))
+
+    def kept_tensors(self, tokens, dtype):
+        """(numel, dtype) of each tensor that a checkpointed layer's attention hands to the activation offload for
+        its recompute, for a forward of `tokens` tokens: its output and log-sum-exp (`kept_attention`); () where the
+        host has no room for them beside the layer inputs (`ActivationOffload.room_for`), or for softcapped
+        attention, whose kernel returns no log-sum-exp, and on a GPU for inputs that flash attention's kernels do
+        not take (fp32: no kernel here returns the log-sum-exp; the recompute then attends again)."""
+        cfg, device, layers = self.config, self.model.norm.weight.device, len(self.model.layers)
+        heads = tokens * cfg.n_heads
+        kept = ((heads * cfg.head_dim, dtype), (heads, torch.float32))
+        if cfg.attn_softcap is not None or not (device.type == "cpu" or self.varlen(device, dtype)):
+            return ()
+        room = self.offload.room_for(layers * sum(n * d.itemsize for n, d in kept),
+                                     layers * tokens * cfg.hidden_size * dtype.itemsize)
+        return kept if room else ()
 
     def decode_layers(self, x, tables, masks, cache):
         """The layers of a decoding step (`hidden_states`) with each residual add and the norm after it in one

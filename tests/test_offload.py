@@ -2,14 +2,17 @@
 
 On CPU: the same loss and gradients as checkpointing alone, buffers kept from step to step and
 grown for a longer batch, and a clear error when a second forward would overwrite the inputs a
-pending backward needs. On GPU (`pytest -m gpu`): the same results through the side-stream copies,
+pending backward needs; the attention outputs that travel with the inputs, so that the recompute runs
+attention's backward alone. On GPU (`pytest -m gpu`): the same results through the side-stream copies,
 and a peak memory that holds about two layer inputs instead of all of them.
 """
 import weakref
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
+import model.offload
 from model import LoRAConfig, ModelConfig, Transformer, load_model
 from model.lora import lora_parameters
 from tests.helpers import randomize_lora_b, rel_err
@@ -23,9 +26,9 @@ def _batch(vocab, B, T, device, seed=0):
     return ids[:, :-1], ids[:, 1:]
 
 
-def _loss_and_grads(model, ids, targets):
+def _loss_and_grads(model, ids, targets, **batch):
     model.zero_grad(set_to_none=True)
-    loss = model(ids, targets=targets)
+    loss = model(ids, targets=targets, **batch)
     loss.backward()
     return loss.detach(), {n: p.grad.clone() for n, p in lora_parameters(model)}
 
@@ -113,6 +116,103 @@ def test_a_second_forward_before_backward_is_refused(llama_folder):
         first.backward()
 
 
+class AttentionCalls(TorchDispatchMode):
+    """Counts the attention kernels' forward and backward ops that run inside the block."""
+
+    FORWARDS = ("_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_cudnn_attention",
+                "_flash_attention_forward")
+
+    def __init__(self):
+        super().__init__()
+        self.forward = self.backward = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        self.forward += name in self.FORWARDS
+        self.backward += name.endswith("_backward") and name.removesuffix("_backward") in self.FORWARDS + (
+            "_flash_attention",)
+        return func(*args, **(kwargs or {}))
+
+
+def _counted(model, *batch, **kw):
+    with AttentionCalls() as calls:
+        out = _loss_and_grads(model, *batch, **kw)
+    return out, calls
+
+
+def test_offload_keeps_the_attention_output_for_the_recompute(llama_folder):
+    """With offload, each layer's first run hands its attention output and log-sum-exp to the offload, and the
+    recompute runs attention's backward on them: one attention forward a layer, not two (checkpointing alone), and
+    the same loss and gradients, bit for bit (the same kernel, on the same recomputed q, k, v)."""
+    model, cfg = load_model(llama_folder, lora=LoRAConfig(r=4, alpha=8), gradient_checkpointing=True)
+    randomize_lora_b(model)
+    batch = _batch(cfg.vocab_size, 2, 24, "cpu")
+    (loss, grads), recomputing = _counted(model, *batch)
+    assert (recomputing.forward, recomputing.backward) == (2 * cfg.n_layers, cfg.n_layers)
+    model.offload_activations = True
+    (kept_loss, kept_grads), kept = _counted(model, *batch)
+    assert (kept.forward, kept.backward) == (cfg.n_layers, cfg.n_layers)
+    assert torch.equal(kept_loss, loss)
+    for n, g in grads.items():
+        assert torch.equal(kept_grads[n], g), n
+    heads = 2 * 24 * cfg.n_heads
+    assert sorted(model.offload.kept_buffers) == [(i, s) for i in range(cfg.n_layers) for s in (0, 1)]
+    assert all(b.numel() == (heads * cfg.head_dim if s == 0 else heads) for (_, s), b in
+               model.offload.kept_buffers.items())
+    model.zero_grad(set_to_none=True)
+    model(*batch[:1], targets=batch[1])  # a forward without backward leaves nothing kept behind for the next one
+    (again, _), calls = _counted(model, *batch)
+    assert torch.equal(again, loss) and calls.forward == cfg.n_layers
+
+
+@pytest.mark.parametrize("spare", [0, -1], ids=["room", "no room"])
+def test_attention_is_kept_where_the_host_has_room(llama_folder, monkeypatch, spare):
+    """The kept attention outputs about double the host memory a forward holds: they may take half of what the host
+    has available once the layer inputs' buffers are made. At that limit they are kept; a byte less, the recompute
+    attends again, with the same results, and no buffer is made for them."""
+    net, cfg = load_model(llama_folder, lora=LoRAConfig(r=4, alpha=8), gradient_checkpointing=True,
+                          offload_activations=True)
+    tokens, size = 2 * 24, 4  # fp32
+    inputs = cfg.n_layers * tokens * cfg.hidden_size * size
+    kept = cfg.n_layers * tokens * cfg.n_heads * (cfg.head_dim + 1) * size  # the outputs and the log-sum-exps
+    monkeypatch.setattr(model.offload, "host_available", lambda: inputs + 2 * kept + spare)
+    net.reserve_offload(2, 24)
+    (_, _), calls = _counted(net, *_batch(cfg.vocab_size, 2, 24, "cpu"))
+    assert calls.forward == (cfg.n_layers if spare == 0 else 2 * cfg.n_layers)
+    assert len(net.offload.kept_buffers) == (2 * cfg.n_layers if spare == 0 else 0)
+    assert len(net.offload.buffers) == cfg.n_layers
+
+
+def test_packed_rows_on_cpu_recompute_their_attention(llama_folder):
+    """On a CPU, documents attend through a dense mask, whose kernel returns no log-sum-exp: their attention is
+    recomputed, with or without offload, with the same results."""
+    net, cfg = load_model(llama_folder, lora=LoRAConfig(r=4, alpha=8), gradient_checkpointing=True,
+                          offload_activations=True)
+    randomize_lora_b(net)
+    ids, targets = _batch(cfg.vocab_size, 2, 24, "cpu")
+    doc_ids = torch.cat([torch.zeros(2, 10, dtype=torch.long), torch.ones(2, 14, dtype=torch.long)], dim=1)
+    positions = torch.cat([torch.arange(10), torch.arange(14)]).expand(2, 24)
+    out = {}
+    for offload in (False, True):
+        net.offload_activations = offload
+        out[offload] = _counted(net, ids, targets, position_ids=positions, doc_ids=doc_ids)
+    (loss, grads), calls = out[False]
+    (kept_loss, kept_grads), kept_calls = out[True]
+    assert (kept_calls.forward, kept_calls.backward) == (calls.forward, calls.backward)
+    assert torch.equal(kept_loss, loss) and all(torch.equal(kept_grads[n], g) for n, g in grads.items())
+    assert net.offload.kept_buffers == {}
+
+
+def test_reserve_makes_the_kept_attention_buffers(llama_folder):
+    """reserve_offload also makes the buffers of what each layer's attention hands over, as the forward would."""
+    net, cfg = load_model(llama_folder, lora=LoRAConfig(r=4), gradient_checkpointing=True, offload_activations=True)
+    net.reserve_offload(2, 16)
+    reserved = dict(net.offload.kept_buffers)
+    assert len(reserved) == 2 * cfg.n_layers
+    _loss_and_grads(net, *_batch(cfg.vocab_size, 2, 16, "cpu"))
+    assert all(net.offload.kept_buffers[k] is b for k, b in reserved.items())
+
+
 def test_offload_without_checkpointing_keeps_nothing(llama_folder):
     """offload_activations acts on the checkpointed inputs only: without checkpointing it is a no-op."""
     model, cfg = load_model(llama_folder, lora=LoRAConfig(r=4), offload_activations=True)
@@ -176,3 +276,35 @@ def test_cuda_offload_lowers_peak_memory():
         torch.cuda.synchronize()
         peaks[offload] = torch.cuda.max_memory_allocated()
     assert peaks[False] - peaks[True] > 10 * layer_input, (peaks, layer_input)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("packed", [False, True], ids=["rows", "documents"])
+def test_cuda_offload_keeps_the_attention_output(llama_folder, packed):
+    """bf16 on a GPU: plain causal rows keep cuDNN's attention output (its backward called without a bias), and
+    documents the variable-length kernels' output; either way one attention forward a layer, not two, and the
+    gradients of the path that recomputes it (cuDNN's bit for bit; the variable-length backward sums dq in
+    another order from run to run)."""
+    net, cfg = load_model(llama_folder, dtype=torch.bfloat16, device="cuda", lora=LoRAConfig(r=4, alpha=8),
+                          use_kernels=True, gradient_checkpointing=True)
+    randomize_lora_b(net)
+    ids, targets = _batch(cfg.vocab_size, 2, 256, "cuda")
+    batch = {}
+    if packed:
+        cut = torch.tensor([100, 156])
+        batch["doc_ids"] = torch.cat([torch.zeros(2, 100), torch.ones(2, 156)], dim=1).long().cuda()
+        batch["position_ids"] = torch.cat([torch.arange(c) for c in cut]).expand(2, 256).cuda()
+    out = {}
+    for offload in (False, True):
+        net.offload_activations = offload
+        out[offload] = _counted(net, ids, targets, **batch)
+    (loss, grads), calls = out[False]
+    (kept_loss, kept_grads), kept = out[True]
+    assert (calls.forward, calls.backward) == (2 * cfg.n_layers, cfg.n_layers)
+    assert (kept.forward, kept.backward) == (cfg.n_layers, cfg.n_layers)
+    assert torch.equal(kept_loss, loss)
+    for n, g in grads.items():
+        assert torch.equal(kept_grads[n], g) if not packed else rel_err(kept_grads[n], g) < 1e-2, n
+    kept_buffers = net.offload.kept_buffers
+    assert len(kept_buffers) == 2 * cfg.n_layers and all(b.is_pinned() for b in kept_buffers.values())
