@@ -95,6 +95,21 @@ def offload_bytes(cfg, mcfg, dtype):
     return mcfg.n_layers * cfg.batch_size * cfg.max_len * mcfg.hidden_size * (torch.finfo(dtype).bits // 8)
 
 
+def offload_line(model, cfg, dtype, device):
+    """The header line of activation offload on a CUDA GPU (with checkpointing): what a micro-batch of cfg's size
+    keeps in page-locked host memory, its layer inputs and, where the host has room for them, its attention outputs,
+    which backward then does not recompute (`Transformer.kept_tensors`); None without offload or a CUDA GPU."""
+    if not cfg.offload_activations or device.type != "cuda":
+        return None
+    tokens, layers = cfg.batch_size * cfg.max_len, model.config.n_layers
+    inputs = offload_bytes(cfg, model.config, dtype)
+    kept = layers * sum(n * d.itemsize for n, d in model.kept_tensors(tokens, dtype))
+    what = "layer inputs and attention outputs" if kept else "layer inputs"
+    then = "backward does not recompute attention" if kept else "backward recomputes attention"
+    return (f"activation offload: a micro-batch's {what} wait in page-locked host memory, about "
+            f"{(inputs + kept) / 2**30:.2f} GiB; {then}")
+
+
 def memory_fixes(cfg, checkpointing):
     """What lowers the activation memory, among what this run does not do yet."""
     fixes = "lower --batch-size (a larger --grad-accum keeps the step's size) or --max-len"

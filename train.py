@@ -39,7 +39,7 @@ from evaluation import Samples, evaluate, log_eval
 from full import train_filter, weight_counts
 from lifecycle import StopSignals, command_line, save_after_failure
 from masters import Masters, param_groups
-from memory import choose_checkpointing, full_finetuning_fit, memory_warning
+from memory import choose_checkpointing, full_finetuning_fit, memory_warning, offload_line
 from model import load_model, load_tokenizer, read_config, resolve
 from model.embeddings import add_tokens, grown, train_embeddings_
 from model.hub import push
@@ -126,6 +126,8 @@ def main(cfg) -> int:
         checkpointing, why = choose_checkpointing(cfg, mcfg, dtype, use_kernels, device, world)
         model.gradient_checkpointing = checkpointing
         log(f"gradient checkpointing {'on' if checkpointing else 'off'}: {why}")
+        if checkpointing and (line := offload_line(model, cfg, dtype, device)):
+            log(line)
         ckpts.check_free_disk(model)
         what = "model" if cfg.full else "adapter"  # the run's result: out/model/ or out/adapter/
         trained = (f"weights ({cfg.train_modules or 'all'})" if cfg.full else
