@@ -280,6 +280,13 @@ CAUSAL_BACKENDS = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBa
 MASKED_BACKENDS = [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION, SDPBackend.MATH]
 
 
+def _tokens(t):
+    """(B, heads, T, D) as the (B·T, heads, D) rows of flash attention's variable-length kernels (a view where t's
+    layout is (B, T, heads, D), as the projections give it)."""
+    B, H, T, D = t.shape
+    return t.transpose(1, 2).reshape(B * T, H, D)
+
+
 def attend(q, k, v, mask, scale, softcap):
     """Softmax attention. q (B, Hq, T, D); k, v (B, Hk, S, D), S >= T (S > T after a KV cache).
 
@@ -291,8 +298,7 @@ def attend(q, k, v, mask, scale, softcap):
     """
     if isinstance(mask, DocumentMask):
         B, Hq, T, D = q.shape
-        flat = lambda t: t.transpose(1, 2).reshape(B * T, t.shape[1], D)  # noqa: E731 (B*T, heads, D), a view
-        y = _VarlenAttention.apply(flat(q), flat(k), flat(v), mask.documents, scale, mask.window)
+        y = _VarlenAttention.apply(*map(_tokens, (q, k, v)), mask.documents, scale, mask.window)
         return y.view(B, T, Hq, D).transpose(1, 2)
     if softcap is not None:
         return softcap_attention_reference(q, k, v, mask, scale, softcap)
@@ -348,12 +354,14 @@ def _cpu_backward(scale, dout, q, k, v, out, lse):
                                                                                scale=scale)
 
 
-def _with_lse(q, k, v, mask, scale):
+def _with_lse(q, k, v, mask, scale, softcap):
     """(out, lse, backward_fn) of the attention that `attend` computes, from a kernel that returns the log-sum-exp:
     documents (q, k, v flattened to tokens, as `attend` gives them) through the variable-length kernels, plain
     causal rows through cuDNN's kernels where they take the inputs (SDPA with CAUSAL_BACKENDS picks them first) or
     the CPU's flash kernel, which SDPA picks there; the same kernels as `attend`'s, so the same output. None for
-    other masks and where cuDNN's kernels do not take the inputs."""
+    softcapped scores, other masks, and where cuDNN's kernels do not take the inputs."""
+    if softcap is not None:
+        return None
     if isinstance(mask, DocumentMask):
         out, lse, *rest = _varlen_forward(q, k, v, mask.documents, scale, mask.window)
         return out, lse, partial(_varlen_backward, mask.documents, scale, mask.window, *rest)
@@ -370,7 +378,7 @@ def _with_lse(q, k, v, mask, scale):
     return out, lse, partial(_cudnn_backward, seed, offset, scale)
 
 
-def kept_attention(q, k, v, mask, scale, store, key, offload):
+def kept_attention(q, k, v, mask, scale, softcap, store, key, offload):
     """`attend` in a checkpointed layer whose attention output is kept for the recompute (plain causal rows or
     documents). The first run (no gradients) computes the output and log-sum-exp (`_with_lse`), hands both to
     the activation offload, with which they travel like the layer's input (model/offload.py), and notes them in
@@ -380,9 +388,9 @@ def kept_attention(q, k, v, mask, scale, store, key, offload):
     B, Hq, T, D = q.shape
     varlen = isinstance(mask, DocumentMask)
     if varlen:
-        q, k, v = (t.transpose(1, 2).reshape(B * T, t.shape[1], D) for t in (q, k, v))  # views, as in `attend`
+        q, k, v = map(_tokens, (q, k, v))  # as in `attend`
     if not torch.is_grad_enabled():
-        kept = _with_lse(q, k, v, mask, scale)
+        kept = _with_lse(q, k, v, mask, scale, softcap)
         if kept is None:
             return None
         y, lse, backward = kept
@@ -459,8 +467,7 @@ class Attention(nn.Module):
             q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, heads, T, d)
             if cache is not None:
                 k, v = cache.update(k, v)  # (B, nkv, S, d): the cached positions, then these
-            kept = keep is not None and self.softcap is None
-            y = kept_attention(q, k, v, mask, self.scale, store, self, keep) if kept else None
+            y = None if keep is None else kept_attention(q, k, v, mask, self.scale, self.softcap, store, self, keep)
             if y is None and isinstance(mask, KeyRange):
                 y = self.ops.softcap_attention(q, k, v, mask, self.scale, self.softcap)  # (B, nh, T, d)
             elif y is None:
