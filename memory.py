@@ -97,15 +97,19 @@ def offload_bytes(cfg, mcfg, dtype):
 
 def offload_line(model, cfg, dtype, device):
     """The header line of activation offload on a CUDA GPU (with checkpointing): what a micro-batch of cfg's size
-    keeps in page-locked host memory, its layer inputs and, where the host has room for them, its attention outputs,
-    which backward then does not recompute (`Transformer.kept_tensors`); None without offload or a CUDA GPU."""
+    keeps in page-locked host memory, its layer inputs and, where the host has room for them, its attention outputs
+    (and o's), which backward then does not recompute (`Transformer.kept_tensors`); None without offload or a CUDA
+    GPU."""
     if not cfg.offload_activations or device.type != "cuda":
         return None
-    tokens, layers = cfg.batch_size * cfg.max_len, model.config.n_layers
+    layers = model.config.n_layers
     inputs = offload_bytes(cfg, model.config, dtype)
-    kept = layers * sum(n * d.itemsize for n, d in model.kept_tensors(tokens, dtype))
-    what = "layer inputs and attention outputs" if kept else "layer inputs"
-    then = "backward does not recompute attention" if kept else "backward recomputes attention"
+    tensors = model.kept_tensors(cfg.batch_size, cfg.max_len, dtype)
+    kept = layers * sum(n * d.itemsize for n, d in tensors)
+    what, then = {0: ("layer inputs", "backward recomputes attention"),
+                  2: ("layer inputs and attention outputs", "backward does not recompute attention"),
+                  3: ("layer inputs, attention outputs and o's outputs",
+                      "backward recomputes neither attention nor o")}[len(tensors)]
     return (f"activation offload: a micro-batch's {what} wait in page-locked host memory, about "
             f"{(inputs + kept) / 2**30:.2f} GiB; {then}")
 

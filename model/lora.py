@@ -909,10 +909,13 @@ class _LoRAProjections(torch.autograd.Function):
     base GEMM (`_base`), or with DoRA in the op that scales the output (`_dora_output`); its gradient is dY. With
     DoRA (no dropout), Y_i = g_i ⊙ P_i + b_i, P_i = X W_iᵀ + s_i (X A_iᵀ) B_iᵀ, and backward starts with
     dm_i = Σ_n dY_i ⊙ P_i / ‖W_i + s_i B_i A_i‖ and dP_i = g_i ⊙ dY_i (`_dora_backward`).
+    given: the output, known already (a checkpointed layer's recompute whose first run kept it, model/offload.py):
+    forward then runs only what backward needs (the adapters' X Aᵀ) and returns `given`; backward is unchanged, and
+    so are the gradients where `given` is what this forward would compute. Not with DoRA (its backward reads P).
     """
 
     @staticmethod
-    def forward(ctx, projs, store, dora_ops, x, *inputs):
+    def forward(ctx, projs, store, dora_ops, given, x, *inputs):
         dtype, n = compute_dtype(x), len(projs)
         lora, mags, residual = inputs[:3 * n], inputs[3 * n:4 * n], (inputs[4 * n:] or [None])[0]
         names = ["x"] + [f"{n} of {p.name}" for p in projs for n in ("dropout(x)", "lora_A", "lora_B")] + [
@@ -924,7 +927,10 @@ class _LoRAProjections(torch.autograd.Function):
             x_loras = [_to(t, dtype) for t in lora[0::3]]
             dora = any(m is not None for m in mags)
             groups = _adapter_groups(projs, x_loras)
-            if _folded(projs, groups, x_loras, dora) and sum(p.out_features for p in projs) >= xc.shape[1]:
+            assert given is None or not dora, "a given output: not with DoRA, whose backward reads P"
+            if given is not None:
+                y, saved = given, _adapt_groups(None, projs, groups, x_loras, xc, a_masters, b_masters, dtype)
+            elif _folded(projs, groups, x_loras, dora) and sum(p.out_features for p in projs) >= xc.shape[1]:
                 y, saved = _base_folded(projs, groups[0], xc, a_masters, b_masters, dtype, residual=residual)
             else:
                 y = _base(projs, xc, dtype, bias=not dora, residual=None if dora else residual)
@@ -944,7 +950,7 @@ class _LoRAProjections(torch.autograd.Function):
         projs, n = ctx.projs, len(ctx.projs)
         xc, *saved = ctx.saved_tensors
         x_loras, saved = saved[:n], saved[n:]
-        need = ctx.needs_input_grad[3:]  # x, then (X̃_i, A_i, B_i) per projection, then m_i per projection
+        need = ctx.needs_input_grad[4:]  # x, then (X̃_i, A_i, B_i) per projection, then m_i per projection
         need_lora, need_m = need[:3 * n + 1], need[3 * n + 1:]
         masters = ctx.dtypes[2:3 * n:3]  # lora_A's dtype per projection (lora_B's is asserted equal by _check_grads)
         da, db, dm = [None] * n, [None] * n, [None] * n
@@ -959,7 +965,7 @@ class _LoRAProjections(torch.autograd.Function):
                                               need_lora[2::3], need_lora[3::3], masters, da, db)
         x_dtype = ctx.dtypes[0]  # X's, and every X̃_i's (asserted in forward)
         grads = [t for i in range(n) for t in (_to(dx_loras[i], x_dtype), da[i], db[i])]
-        return (None, None, None, *_check_grads(ctx, [_to(dx, x_dtype)] + grads + dm + d_residual))
+        return (None, None, None, None, *_check_grads(ctx, [_to(dx, x_dtype)] + grads + dm + d_residual))
 
 
 def _halves(gu):
@@ -1129,21 +1135,33 @@ def _magnitudes(projs):
     return [p.lora_magnitude_vector if p.dora and p.r else None for p in projs]
 
 
-def lora_projections(x, projs, store=None, dora_ops=DORA_REFERENCES, residual=None):
+def lora_projections(x, projs, store=None, dora_ops=DORA_REFERENCES, residual=None, given=None):
     """tuple(p(x) for p in projs) as one autograd Function: one GEMM for the base of all of them (`_base`),
     X cast and saved once, and dX in one GEMM too. x (..., in); the outputs are column slices of one
     (..., Σout) tensor. store: a dict that keeps DoRA's scales for a checkpointed layer's recompute
     (`_dora_scales`). dora_ops: DoRA's kernels or their references (`DoRAOps`). residual: (..., Σout) added to
-    the output (residual + y), inside the Function (`_residual_input`)."""
+    the output (residual + y), inside the Function (`_residual_input`). given: that output (with the residual), known
+    already, where `givable` holds: no GEMM of the base runs (`_LoRAProjections`)."""
     x2 = x.reshape(-1, x.shape[-1])  # (N, in)
     lora = [t for p in projs for t in (p.lora_input(x2), p.lora_A, p.lora_B)]
     mags = _magnitudes(projs)
     inside = _residual_input(residual, x2)
-    y = _LoRAProjections.apply(projs, store, dora_ops, x2, *lora, *mags, *inside)
+    if given is not None:
+        assert givable(projs, x, residual), "a given output: only where `givable` holds"
+        given = given.reshape(-1, given.shape[-1])
+    y = _LoRAProjections.apply(projs, store, dora_ops, given, x2, *lora, *mags, *inside)
     y = y.view(*x.shape[:-1], y.shape[-1])
     if residual is not None and not inside:
         y = residual + y
     return (y,) if len(projs) == 1 else y.split([p.out_features for p in projs], dim=-1)
+
+
+def givable(projs, x, residual=None):
+    """Whether `lora_projections` can take its output as given: without DoRA, whose backward reads the output
+    before its scaling, and with the residual (if any) added inside the Function, so that the given output is
+    the Function's own."""
+    return not any(m is not None for m in _magnitudes(projs)) and (
+        residual is None or bool(_residual_input(residual, x.reshape(-1, x.shape[-1]))))
 
 
 def _residual_input(residual, x):

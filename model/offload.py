@@ -237,6 +237,7 @@ def _pinned(size, dtype, pinned):
     the registration, so a buffer first needed inside one comes from torch's allocator (`reserve` avoids that)."""
     if torch.cuda.is_current_stream_capturing():
         return torch.empty(size, dtype=dtype, pin_memory=True)
+    _unregister([])  # those of offloads gone during a capture
     buf = torch.empty(size, dtype=dtype)
     nbytes = buf.numel() * buf.element_size()
     error = int(torch.cuda.cudart().cudaHostRegister(buf.data_ptr(), nbytes, 0))
@@ -247,11 +248,20 @@ def _pinned(size, dtype, pinned):
     return buf
 
 
+# The host buffers of offloads that went while a CUDA graph was being captured, which refuses the driver's calls: the
+# garbage collector may free an offload (and so call `_unregister`) at any allocation, inside a capture too. They
+# are unlocked, and freed, outside one: when the next buffer is made or the next offload goes.
+_deferred = []
+
+
 def _unregister(pinned):
-    """Unlock the host buffers of an `ActivationOffload` that is gone, before their memory is freed."""
-    for buf in pinned:
-        torch.cuda.cudart().cudaHostUnregister(buf.data_ptr())
+    """Unlock the host buffers of an `ActivationOffload` that is gone, before their memory is freed (later, if a CUDA
+    graph is being captured now)."""
+    _deferred.extend(pinned)
     pinned.clear()
+    if _deferred and not torch.cuda.is_current_stream_capturing():  # (CUDA is asked only where buffers were locked)
+        while _deferred:
+            torch.cuda.cudart().cudaHostUnregister(_deferred.pop().data_ptr())
 
 
 def host_available():

@@ -51,6 +51,7 @@ from model.lora import (
     base_sq_norms,
     compute_dtype,
     fusable,
+    givable,
     lora_mlp,
     lora_projections,
     make_linear,
@@ -403,6 +404,44 @@ def kept_attention(q, k, v, mask, scale, softcap, store, key, offload):
     return y.view(B, T, Hq, D).transpose(1, 2) if varlen else y
 
 
+# A checkpointed layer hands tensors to the activation offload only where its forward does at least this many FLOPs
+# for each byte it copies to the host (its input's and theirs), so that the copies run under the layer's work. Below
+# it the copies outlast a GPU's forward and slow the step more than the recompute they save (the measurements behind
+# the value: docs/benchmarks.md). On a CPU the copies are memcpys, and the rule does not apply.
+KEPT_FLOPS_PER_BYTE = 4000
+
+
+def copies_hidden(cfg: ModelConfig, seqlen, copied):
+    """Whether a layer's forward at `seqlen` tokens a row does at least KEPT_FLOPS_PER_BYTE FLOPs a token for each of
+    the `copied` bytes a token that it copies to the host: its projections' GEMMs, and causal attention over
+    seqlen / 2 keys on average."""
+    q, kv = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
+    work = 2 * cfg.hidden_size * (2 * q + 2 * kv + 3 * cfg.intermediate_size) + 2 * seqlen * q
+    return work >= KEPT_FLOPS_PER_BYTE * copied
+
+
+class Keep(NamedTuple):
+    """What a checkpointed layer's first run hands to the activation offload for its recompute: its attention's output
+    and log-sum-exp (`kept_attention`), and with `output` o's output too, the residual stream after attention
+    (`kept_output`), so that the recompute runs no GEMM of o's base either."""
+    offload: ActivationOffload
+    output: bool
+
+
+def kept_output(y, o_proj, store, dora_ops, residual, offload):
+    """o's output with the residual added, (B, T, H), in a checkpointed layer that keeps it for the recompute (on the
+    fused path, where `givable` holds): the first run (no gradients) computes it and hands it to the activation
+    offload; the recompute takes it back and gives it to o's Function, which then runs only what backward needs
+    (`lora_projections`' given). The values are the first run's, which the recompute would compute bit for bit."""
+    key = (o_proj, "output")
+    if not torch.is_grad_enabled():
+        out = lora_projections(y, (o_proj,), store, dora_ops, residual)[0]
+        store[key] = offload.keep(out)[0]
+        return out
+    given = offload.take(store.pop(key)) if key in store else None
+    return lora_projections(y, (o_proj,), store, dora_ops, residual, given=given)[0]
+
+
 class DecodeMask(NamedTuple):
     """What a decoding step's row sees of a static KV cache (model/generate.py, `KVCache.mask`): the slots from
     first[b] (None: 0) up to at[0], the new token's, and within `window` slots of it (None: all)."""
@@ -444,8 +483,8 @@ class Attention(nn.Module):
         keys and values of x are appended to it and the queries attend to all it holds. store: DoRA's
         scales kept for a checkpointed layer's recompute (`_checkpointed`). residual: (B, T, H) added to the
         output (on the fused path, by o's base GEMM, or with DoRA by the op that scales o's output). keep: in a
-        checkpointed layer, the activation offload that keeps the attention's output for the recompute
-        (`kept_attention`)."""
+        checkpointed layer, what the activation offload keeps for the recompute (`Keep`): the attention's output,
+        and o's where the attention's is kept."""
         B, T, _ = x.shape
         qkv = (self.q_proj, self.k_proj, self.v_proj)
         fused = self.ops.fused_lora and fusable(qkv + (self.o_proj,))
@@ -467,12 +506,16 @@ class Attention(nn.Module):
             q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, heads, T, d)
             if cache is not None:
                 k, v = cache.update(k, v)  # (B, nkv, S, d): the cached positions, then these
-            y = None if keep is None else kept_attention(q, k, v, mask, self.scale, self.softcap, store, self, keep)
+            y = None if keep is None else kept_attention(q, k, v, mask, self.scale, self.softcap, store, self,
+                                                         keep.offload)
+            kept = y is not None and keep.output
             if y is None and isinstance(mask, KeyRange):
                 y = self.ops.softcap_attention(q, k, v, mask, self.scale, self.softcap)  # (B, nh, T, d)
             elif y is None:
                 y = attend(q, k, v, mask, self.scale, self.softcap)
             y = y.transpose(1, 2).reshape(B, T, self.nh * self.d)
+            if fused and kept and givable((self.o_proj,), y, residual):
+                return kept_output(y, self.o_proj, store, self.ops.dora, residual, keep.offload)
         if fused:
             return lora_projections(y, (self.o_proj,), store, self.ops.dora, residual)[0]
         y = self.o_proj(y)
@@ -665,8 +708,9 @@ class Transformer(nn.Module):
         offload = self.offload if recompute and self.offload_activations else None
         if offload:
             offload.begin()
-        # with offload, the layers' attention outputs travel with their inputs, where the host has room for them
-        keep = offload if offload and self.kept_tensors(B * T, x.dtype) else None
+        # with offload, the layers' attention outputs (and o's) travel with their inputs, where the host has room
+        kept = self.kept_tensors(B, T, x.dtype) if offload else ()
+        keep = Keep(offload, output=len(kept) == 3) if kept else None
         # DoRA's scales of all layers at once, each layer's in the store its (checkpointed) runs read
         stores = self.dora_scales(self.model.layers, self.ops, compute_dtype(x))
         for i, layer in enumerate(self.model.layers):
@@ -688,24 +732,33 @@ class Transformer(nn.Module):
         """The activation offload's pinned buffers for a (batch, seqlen) forward, made now (before a CUDA graph's
         capture: step.py); nothing without checkpointing and offload."""
         if self.gradient_checkpointing and self.offload_activations:
-            weight, n = self.model.norm.weight, batch * seqlen
-            self.offload.reserve(len(self.model.layers), n * self.config.hidden_size, weight.dtype, weight.is_cuda,
-                                 self.kept_tensors(n, weight.dtype))
+            weight = self.model.norm.weight
+            self.offload.reserve(len(self.model.layers), batch * seqlen * self.config.hidden_size, weight.dtype,
+                                 weight.is_cuda, self.kept_tensors(batch, seqlen, weight.dtype))
 
-    def kept_tensors(self, tokens, dtype):
-        """(numel, dtype) of each tensor that a checkpointed layer's attention hands to the activation offload for
-        its recompute, for a forward of `tokens` tokens: its output and log-sum-exp (`kept_attention`); () where the
-        host has no room for them beside the layer inputs (`ActivationOffload.room_for`), or for softcapped
-        attention, whose kernel returns no log-sum-exp, and on a GPU for inputs that flash attention's kernels do
-        not take (fp32: no kernel here returns the log-sum-exp; the recompute then attends again)."""
+    def kept_tensors(self, batch, seqlen, dtype):
+        """(numel, dtype) of each tensor that a checkpointed layer hands to the activation offload for its recompute,
+        for a (batch, seqlen) forward: its attention's output and log-sum-exp (`kept_attention`), then o's output
+        (`kept_output`; on the fused path without DoRA on o). All of them, the attention's two, or none: as many as
+        the host has room for beside the layer inputs (`ActivationOffload.room_for`) and, on a GPU, as many as a
+        layer's forward hides the copies of (`KEPT_FLOPS_PER_BYTE`). None for softcapped attention, whose kernel
+        returns no log-sum-exp, and on a GPU for inputs that flash attention's kernels do not take (fp32: no kernel
+        here returns the log-sum-exp; the recompute then attends again)."""
         cfg, device, layers = self.config, self.model.norm.weight.device, len(self.model.layers)
-        heads = tokens * cfg.n_heads
-        kept = ((heads * cfg.head_dim, dtype), (heads, torch.float32))
         if cfg.attn_softcap is not None or not (device.type == "cpu" or self.varlen(device, dtype)):
             return ()
-        room = self.offload.room_for(layers * sum(n * d.itemsize for n, d in kept),
-                                     layers * tokens * cfg.hidden_size * dtype.itemsize)
-        return kept if room else ()
+        tokens, heads, H = batch * seqlen, batch * seqlen * cfg.n_heads, cfg.hidden_size
+        kept = [(heads * cfg.head_dim, dtype), (heads, torch.float32)]
+        o = self.model.layers[0].self_attn.o_proj
+        if self.ops.fused_lora and fusable((o,)) and not (o.dora and o.r):
+            kept.append((tokens * H, dtype))
+        inputs = tokens * H * dtype.itemsize  # a layer's
+        for n in range(len(kept), 1, -1):
+            more = sum(numel * d.itemsize for numel, d in kept[:n])
+            hidden = device.type == "cpu" or copies_hidden(cfg, seqlen, (inputs + more) / tokens)
+            if hidden and self.offload.room_for(layers * more, layers * inputs):
+                return tuple(kept[:n])
+        return ()
 
     def decode_layers(self, x, tables, masks, cache):
         """The layers of a decoding step (`hidden_states`) with each residual add and the norm after it in one

@@ -3,6 +3,7 @@ every dtype (bias and dropout included), gradcheck, and dtype discipline under a
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from model import LoRAConfig, load_model
 from model.lora import (
@@ -14,6 +15,7 @@ from model.lora import (
     _LoRAProjections,
     _packed,
     adapters_disabled,
+    givable,
     lora_mlp,
     lora_parameters,
     lora_projections,
@@ -293,6 +295,40 @@ def test_fused_residual_matches_unfused(dtype, amp, dropout, use_kernels):
                 "MLP + residual")
 
 
+@pytest.mark.parametrize("dropout", ["on", "off"])
+@pytest.mark.parametrize("residual", [True, False], ids=["residual", "no residual"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_a_given_output_gives_the_same_gradients(dtype, residual, dropout):
+    """o's Function with its output given (a checkpointed layer's recompute whose first run kept it: `kept_output` in
+    model/transformer.py) returns that output, runs no GEMM with the base weight, and, given the output it computes,
+    the same dX and LoRA gradients, bit for bit."""
+    _, o = attention_projs(dtype)
+    set_dropout((o,), dropout)
+    x = torch.randn(3, 7, 64).to(dtype)
+    fn = (lambda t, **kw: lora_projections(t, (o,), residual=t[..., :H] * 2, **kw)[0]) if residual else (
+        lambda t, **kw: lora_projections(t, (o,), **kw)[0])
+    (y,), dx, grads = run(fn, x, (o,))
+    with BaseGemms(o.weight) as gemms:
+        (given,), given_dx, given_grads = run(lambda t: fn(t, given=y.detach()), x, (o,))
+    assert gemms.count == 1  # dX's, in backward
+    assert torch.equal(given, y) and torch.equal(given_dx, dx)
+    assert all(torch.equal(g, r) for g, r in zip(given_grads, grads))
+    assert givable((o,), x, residual=x[..., :H]) and not givable((o,), x, residual=x[..., :H].double())
+
+
+class BaseGemms(TorchDispatchMode):
+    """Counts the GEMMs that read a weight's storage."""
+
+    def __init__(self, weight):
+        super().__init__()
+        self.storage, self.count = weight.untyped_storage().data_ptr(), 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += func.overloadpacket.__name__ in ("mm", "addmm", "linear") and any(
+            isinstance(a, torch.Tensor) and a.untyped_storage().data_ptr() == self.storage for a in args)
+        return func(*args, **(kwargs or {}))
+
+
 @pytest.mark.parametrize("family,inside", [("llama", 2), ("qwen2", 2), ("gemma2", 0)])
 def test_residual_added_by_the_base_gemm(family, inside, monkeypatch, tmp_path):
     """Plain LoRA adds the layer's residual in o's and down's base GEMM (R as its C): twice a layer, with no add of
@@ -407,8 +443,8 @@ def test_gradcheck_float64():
 
     def projections(x, aq, bq, av, bv):
         torch.manual_seed(0)  # q's adapter reads dropout(x); v's reads x itself
-        return _LoRAProjections.apply((q, k, v), None, DoRAOps(), x, F.dropout(x, P), aq, bq, None, None, None, None,
-                                      av, bv)
+        return _LoRAProjections.apply((q, k, v), None, DoRAOps(), None, x, F.dropout(x, P), aq, bq, None, None, None,
+                                      None, av, bv)
 
     leaves = [t.detach().clone().requires_grad_() for t in (q.lora_A, q.lora_B, v.lora_A, v.lora_B)]
     assert torch.autograd.gradcheck(projections, (x, *leaves))
@@ -441,7 +477,7 @@ def test_gradcheck_stacked_adapters():
     def projections(x, *ab):
         it = iter(ab)
         lora = [t for p in projs for t in ((None, next(it), next(it)) if p.r else (None, None, None))]
-        return _LoRAProjections.apply(tuple(projs), None, DoRAOps(), x, *lora)
+        return _LoRAProjections.apply(tuple(projs), None, DoRAOps(), None, x, *lora)
 
     leaves = [t.detach().clone().requires_grad_() for p in projs if p.r for t in (p.lora_A, p.lora_B)]
     assert torch.autograd.gradcheck(projections, (x, *leaves))
@@ -543,7 +579,7 @@ def test_packed_adapters(llama_folder):
     def adapter_ops(projs):
         x = torch.randn(B * T, projs[0].in_features)
         with Ops() as ops, torch.autocast("cpu", dtype=torch.bfloat16):
-            _LoRAProjections.apply(projs, None, DoRAOps(), x,
+            _LoRAProjections.apply(projs, None, DoRAOps(), None, x,
                                    *[t for p in projs for t in (None, p.lora_A, p.lora_B)])
         return ops.names
 

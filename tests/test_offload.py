@@ -15,6 +15,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import model.offload
 from model import LoRAConfig, ModelConfig, Transformer, load_model
 from model.lora import lora_parameters
+from model.transformer import copies_hidden
 from tests.helpers import randomize_lora_b, rel_err
 
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -134,52 +135,88 @@ class AttentionCalls(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+class WeightReads(AttentionCalls):
+    """AttentionCalls that also counts the GEMMs that read given weights (a projection's base)."""
+
+    def __init__(self, weights):
+        super().__init__()
+        self.storages = {w.untyped_storage().data_ptr() for w in weights}
+        self.reads = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.reads += func.overloadpacket.__name__ in ("mm", "addmm", "linear") and any(
+            isinstance(a, torch.Tensor) and a.untyped_storage().data_ptr() in self.storages for a in args)
+        return super().__torch_dispatch__(func, types, args, kwargs)
+
+
 def _counted(model, *batch, **kw):
-    with AttentionCalls() as calls:
+    o = [layer.self_attn.o_proj.weight for layer in model.model.layers]
+    with WeightReads(o) as calls:
         out = _loss_and_grads(model, *batch, **kw)
     return out, calls
 
 
-def test_offload_keeps_the_attention_output_for_the_recompute(llama_folder):
-    """With offload, each layer's first run hands its attention output and log-sum-exp to the offload, and the
-    recompute runs attention's backward on them: one attention forward a layer, not two (checkpointing alone), and
-    the same loss and gradients, bit for bit (the same kernel, on the same recomputed q, k, v)."""
+def test_offload_keeps_the_attention_and_o_outputs_for_the_recompute(llama_folder):
+    """With offload, each layer's first run hands its attention output and log-sum-exp, and o's output, to the
+    offload; the recompute runs attention's backward on the first two, and o's Function takes the third as its
+    output: one attention forward a layer, not two (checkpointing alone), o's weight read twice a layer (its forward,
+    its input's gradient), not three times, and the same loss and gradients, bit for bit (the same kernels, on the
+    same recomputed q, k, v)."""
     model, cfg = load_model(llama_folder, lora=LoRAConfig(r=4, alpha=8), gradient_checkpointing=True)
     randomize_lora_b(model)
     batch = _batch(cfg.vocab_size, 2, 24, "cpu")
     (loss, grads), recomputing = _counted(model, *batch)
     assert (recomputing.forward, recomputing.backward) == (2 * cfg.n_layers, cfg.n_layers)
+    assert recomputing.reads == 3 * cfg.n_layers
     model.offload_activations = True
     (kept_loss, kept_grads), kept = _counted(model, *batch)
-    assert (kept.forward, kept.backward) == (cfg.n_layers, cfg.n_layers)
+    assert (kept.forward, kept.backward, kept.reads) == (cfg.n_layers, cfg.n_layers, 2 * cfg.n_layers)
     assert torch.equal(kept_loss, loss)
     for n, g in grads.items():
         assert torch.equal(kept_grads[n], g), n
-    heads = 2 * 24 * cfg.n_heads
-    assert sorted(model.offload.kept_buffers) == [(i, s) for i in range(cfg.n_layers) for s in (0, 1)]
-    assert all(b.numel() == (heads * cfg.head_dim if s == 0 else heads) for (_, s), b in
-               model.offload.kept_buffers.items())
+    tokens = 2 * 24
+    sizes = (tokens * cfg.n_heads * cfg.head_dim, tokens * cfg.n_heads, tokens * cfg.hidden_size)
+    assert sorted(model.offload.kept_buffers) == [(i, s) for i in range(cfg.n_layers) for s in range(3)]
+    assert all(b.numel() == sizes[s] for (_, s), b in model.offload.kept_buffers.items())
     model.zero_grad(set_to_none=True)
     model(*batch[:1], targets=batch[1])  # a forward without backward leaves nothing kept behind for the next one
     (again, _), calls = _counted(model, *batch)
-    assert torch.equal(again, loss) and calls.forward == cfg.n_layers
+    assert torch.equal(again, loss) and calls.forward == cfg.n_layers and calls.reads == 2 * cfg.n_layers
 
 
-@pytest.mark.parametrize("spare", [0, -1], ids=["room", "no room"])
-def test_attention_is_kept_where_the_host_has_room(llama_folder, monkeypatch, spare):
-    """The kept attention outputs about double the host memory a forward holds: they may take half of what the host
-    has available once the layer inputs' buffers are made. At that limit they are kept; a byte less, the recompute
-    attends again, with the same results, and no buffer is made for them."""
+def test_dora_on_o_keeps_the_attention_output_alone(llama_folder):
+    """DoRA's backward reads o's output before its scaling, which is not kept: with DoRA the recompute runs o again
+    (and not attention), with the same results."""
+    model, cfg = load_model(llama_folder, lora=LoRAConfig(r=4, alpha=8, dora=True), gradient_checkpointing=True)
+    randomize_lora_b(model)
+    batch = _batch(cfg.vocab_size, 2, 24, "cpu")
+    (loss, grads), _ = _counted(model, *batch)
+    model.offload_activations = True
+    (kept_loss, kept_grads), kept = _counted(model, *batch)
+    assert kept.forward == cfg.n_layers and len(model.offload.kept_buffers) == 2 * cfg.n_layers
+    assert torch.equal(kept_loss, loss) and all(torch.equal(kept_grads[n], g) for n, g in grads.items())
+
+
+@pytest.mark.parametrize("spare", ["all", "attention", "none"])
+def test_outputs_are_kept_where_the_host_has_room(llama_folder, monkeypatch, spare):
+    """The kept outputs more than double the host memory a forward holds: they may take half of what the host has
+    available once the layer inputs' buffers are made. At the limit of all three, all are kept; a byte less, the
+    attention's two (then the recompute runs o again); a byte under their limit, none (the recompute attends
+    again), with the same results, and no buffer is made for what is not kept."""
     net, cfg = load_model(llama_folder, lora=LoRAConfig(r=4, alpha=8), gradient_checkpointing=True,
                           offload_activations=True)
     tokens, size = 2 * 24, 4  # fp32
     inputs = cfg.n_layers * tokens * cfg.hidden_size * size
-    kept = cfg.n_layers * tokens * cfg.n_heads * (cfg.head_dim + 1) * size  # the outputs and the log-sum-exps
-    monkeypatch.setattr(model.offload, "host_available", lambda: inputs + 2 * kept + spare)
+    attention = cfg.n_layers * tokens * cfg.n_heads * (cfg.head_dim + 1) * size  # the outputs and log-sum-exps
+    outputs = cfg.n_layers * tokens * cfg.hidden_size * size
+    available = {"all": inputs + 2 * (attention + outputs), "attention": inputs + 2 * (attention + outputs) - 1,
+                 "none": inputs + 2 * attention - 1}[spare]
+    monkeypatch.setattr(model.offload, "host_available", lambda: available)
     net.reserve_offload(2, 24)
     (_, _), calls = _counted(net, *_batch(cfg.vocab_size, 2, 24, "cpu"))
-    assert calls.forward == (cfg.n_layers if spare == 0 else 2 * cfg.n_layers)
-    assert len(net.offload.kept_buffers) == (2 * cfg.n_layers if spare == 0 else 0)
+    n = cfg.n_layers
+    assert (calls.forward, calls.reads, len(net.offload.kept_buffers)) == {
+        "all": (n, 2 * n, 3 * n), "attention": (n, 3 * n, 2 * n), "none": (2 * n, 3 * n, 0)}[spare]
     assert len(net.offload.buffers) == cfg.n_layers
 
 
@@ -203,12 +240,12 @@ def test_packed_rows_on_cpu_recompute_their_attention(llama_folder):
     assert net.offload.kept_buffers == {}
 
 
-def test_reserve_makes_the_kept_attention_buffers(llama_folder):
-    """reserve_offload also makes the buffers of what each layer's attention hands over, as the forward would."""
+def test_reserve_makes_the_kept_buffers(llama_folder):
+    """reserve_offload also makes the buffers of what each layer hands over, as the forward would."""
     net, cfg = load_model(llama_folder, lora=LoRAConfig(r=4), gradient_checkpointing=True, offload_activations=True)
     net.reserve_offload(2, 16)
     reserved = dict(net.offload.kept_buffers)
-    assert len(reserved) == 2 * cfg.n_layers
+    assert len(reserved) == 3 * cfg.n_layers
     _loss_and_grads(net, *_batch(cfg.vocab_size, 2, 16, "cpu"))
     assert all(net.offload.kept_buffers[k] is b for k, b in reserved.items())
 
@@ -281,11 +318,13 @@ def test_cuda_offload_lowers_peak_memory():
 @pytest.mark.gpu
 @gpu
 @pytest.mark.parametrize("packed", [False, True], ids=["rows", "documents"])
-def test_cuda_offload_keeps_the_attention_output(llama_folder, packed):
+def test_cuda_offload_keeps_the_attention_output(llama_folder, packed, monkeypatch):
     """bf16 on a GPU: plain causal rows keep cuDNN's attention output (its backward called without a bias), and
-    documents the variable-length kernels' output; either way one attention forward a layer, not two, and the
-    gradients of the path that recomputes it (cuDNN's bit for bit; the variable-length backward sums dq in
-    another order from run to run)."""
+    documents the variable-length kernels' output; either way one attention forward a layer, not two, o's weight
+    read twice a layer, not three times, and the gradients of the path that recomputes them (cuDNN's bit for bit;
+    the variable-length backward sums dq in another order from run to run). The tiny model's layers are far too
+    small to hide the copies (`copies_hidden`): it keeps nothing unless the threshold is lifted."""
+    monkeypatch.setattr(model.transformer, "KEPT_FLOPS_PER_BYTE", 0)
     net, cfg = load_model(llama_folder, dtype=torch.bfloat16, device="cuda", lora=LoRAConfig(r=4, alpha=8),
                           use_kernels=True, gradient_checkpointing=True)
     randomize_lora_b(net)
@@ -301,10 +340,57 @@ def test_cuda_offload_keeps_the_attention_output(llama_folder, packed):
         out[offload] = _counted(net, ids, targets, **batch)
     (loss, grads), calls = out[False]
     (kept_loss, kept_grads), kept = out[True]
-    assert (calls.forward, calls.backward) == (2 * cfg.n_layers, cfg.n_layers)
-    assert (kept.forward, kept.backward) == (cfg.n_layers, cfg.n_layers)
+    assert (calls.forward, calls.backward, calls.reads) == (2 * cfg.n_layers, cfg.n_layers, 3 * cfg.n_layers)
+    assert (kept.forward, kept.backward, kept.reads) == (cfg.n_layers, cfg.n_layers, 2 * cfg.n_layers)
     assert torch.equal(kept_loss, loss)
     for n, g in grads.items():
         assert torch.equal(kept_grads[n], g) if not packed else rel_err(kept_grads[n], g) < 1e-2, n
     kept_buffers = net.offload.kept_buffers
-    assert len(kept_buffers) == 2 * cfg.n_layers and all(b.is_pinned() for b in kept_buffers.values())
+    assert len(kept_buffers) == 3 * cfg.n_layers and all(b.is_pinned() for b in kept_buffers.values())
+    monkeypatch.setattr(model.transformer, "KEPT_FLOPS_PER_BYTE", 4000)
+    assert net.kept_tensors(2, 256, torch.bfloat16) == ()
+
+
+@pytest.mark.gpu
+@gpu
+def test_an_offload_freed_during_a_capture_unlocks_its_buffers_after_it():
+    """The garbage collector may free an offload inside another model's CUDA graph capture, which refuses the
+    driver's calls: its page-locked buffers are unlocked (and freed) after the capture, when the next buffer is made,
+    and the capture is not broken."""
+    offload = model.offload.ActivationOffload()
+    offload.reserve(2, 1 << 16, torch.bfloat16, cuda=True)
+    assert len(offload.pinned) == 2
+    x = torch.zeros(4, device="cuda")
+    graph = torch.cuda.CUDAGraph()
+    torch.cuda.synchronize()
+    with torch.cuda.graph(graph):
+        del offload  # its finalizer runs here
+        x += 1
+    assert len(model.offload._deferred) == 2
+    graph.replay()
+    torch.cuda.synchronize()
+    assert x.tolist() == [1.0] * 4
+    model.offload.ActivationOffload().reserve(1, 16, torch.bfloat16, cuda=True)
+    assert model.offload._deferred == []
+
+
+def _shape(hidden, intermediate, heads, kv_heads, head_dim=None):
+    return ModelConfig(vocab_size=32000, hidden_size=hidden, intermediate_size=intermediate, n_layers=2,
+                       n_heads=heads, n_kv_heads=kv_heads, head_dim=head_dim or hidden // heads)
+
+
+@pytest.mark.parametrize("shape, seqlen, kept, hidden", [
+    (_shape(576, 1536, 9, 3), 512, 2, False),  # SmolLM2-135M at 8 x 512: slower with o's output kept too (H100)
+    (_shape(576, 1536, 9, 3), 512, 1, False),  # and level with the attention's alone
+    (_shape(576, 1536, 9, 3), 8192, 2, True),  # its attention's work grows with the length, the copies do not
+    (_shape(896, 4864, 14, 2), 2048, 2, True),  # Qwen2.5-0.5B at 4 x 2048: faster with both kept
+    (_shape(2048, 5632, 32, 4), 2048, 2, True),  # TinyLlama at 4 x 2048: likewise
+    (_shape(4096, 14336, 32, 8), 2048, 2, True),  # Llama-3.1-8B
+], ids=["smollm2 o", "smollm2 attention", "smollm2 8k", "qwen2.5-0.5b", "tinyllama", "llama-3.1-8b"])
+def test_kept_tensors_go_where_the_layers_work_hides_their_copies(shape, seqlen, kept, hidden):
+    """On a GPU a layer hands tensors over only where its forward hides their copies to the host: the shapes measured
+    on an H100 (bf16: the layer input, the attention output and log-sum-exp, o's output; `kept` of the last two
+    kinds), against the layer's GEMM and attention FLOPs a token."""
+    h, heads = shape.hidden_size, shape.n_heads
+    copied = 2 * h + (2 * heads * shape.head_dim + 4 * heads) + (2 * h if kept == 2 else 0)
+    assert copies_hidden(shape, seqlen, copied) == hidden

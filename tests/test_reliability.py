@@ -916,24 +916,27 @@ def test_offload_beyond_the_host_memory_is_warned(run_model, monkeypatch):
     assert memory.memory_warning(no_offload, mcfg, torch.bfloat16, False, torch.device("cuda"), True) is None
 
 
-@pytest.mark.parametrize("room", [True, False], ids=["room", "no room"])
+@pytest.mark.parametrize("room", ["all", "attention", "none"])
 def test_the_offload_line_says_what_waits_in_host_memory(run_model, monkeypatch, room):
     """On a CUDA GPU with offload, the header says what a micro-batch keeps in page-locked host memory: the layer
-    inputs, and the attention outputs where the host has room for them (then backward does not recompute attention);
-    no line on a CPU or without offload."""
+    inputs, and where the host has room for them the attention outputs (then backward does not recompute attention)
+    and o's outputs (nor o); no line on a CPU or without offload."""
     import model.offload
-    monkeypatch.setattr(model.offload, "host_available", lambda: (1 << 40) if room else 0)
     net, mcfg = load_model(run_model, lora=LoRAConfig(r=4))
     cfg = config.TrainConfig(model=run_model, max_len=8192, batch_size=64, gradient_checkpointing=True,
                              offload_activations=True)  # long enough for GiB in two decimals
     tokens = 64 * 8192
     inputs = mcfg.n_layers * tokens * mcfg.hidden_size * 2
-    kept = mcfg.n_layers * tokens * mcfg.n_heads * (mcfg.head_dim * 2 + 4) if room else 0  # bf16 outputs, fp32 lse
+    attention = mcfg.n_layers * tokens * mcfg.n_heads * (mcfg.head_dim * 2 + 4)  # bf16 outputs, fp32 lse
+    outputs = mcfg.n_layers * tokens * mcfg.hidden_size * 2
+    kept = {"all": attention + outputs, "attention": attention, "none": 0}[room]
+    monkeypatch.setattr(model.offload, "host_available", lambda: inputs + 2 * kept)
     line = memory.offload_line(net, cfg, torch.bfloat16, torch.device("cuda"))
-    what, then = (("layer inputs and attention outputs", "does not recompute") if room else
-                  ("layer inputs", "recomputes"))
+    what, then = {"all": ("layer inputs, attention outputs and o's outputs", "recomputes neither attention nor o"),
+                  "attention": ("layer inputs and attention outputs", "does not recompute attention"),
+                  "none": ("layer inputs", "recomputes attention")}[room]
     assert line == (f"activation offload: a micro-batch's {what} wait in page-locked host memory, about "
-                    f"{(inputs + kept) / 2**30:.2f} GiB; backward {then} attention")
+                    f"{(inputs + kept) / 2**30:.2f} GiB; backward {then}")
     assert memory.offload_line(net, cfg, torch.bfloat16, torch.device("cpu")) is None
     no_offload = dataclasses.replace(cfg, offload_activations=False)
     assert memory.offload_line(net, no_offload, torch.bfloat16, torch.device("cuda")) is None
