@@ -508,13 +508,13 @@ class Attention(nn.Module):
                 k, v = cache.update(k, v)  # (B, nkv, S, d): the cached positions, then these
             y = None if keep is None else kept_attention(q, k, v, mask, self.scale, self.softcap, store, self,
                                                          keep.offload)
-            kept = y is not None and keep.output
+            keep_o = y is not None and keep.output  # o's output travels where the attention's does
             if y is None and isinstance(mask, KeyRange):
                 y = self.ops.softcap_attention(q, k, v, mask, self.scale, self.softcap)  # (B, nh, T, d)
             elif y is None:
                 y = attend(q, k, v, mask, self.scale, self.softcap)
             y = y.transpose(1, 2).reshape(B, T, self.nh * self.d)
-            if fused and kept and givable((self.o_proj,), y, residual):
+            if fused and keep_o and givable((self.o_proj,), y, residual):
                 return kept_output(y, self.o_proj, store, self.ops.dora, residual, keep.offload)
         if fused:
             return lora_projections(y, (self.o_proj,), store, self.ops.dora, residual)[0]
