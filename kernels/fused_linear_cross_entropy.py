@@ -97,6 +97,7 @@ def _forward_chunks(hidden, weight, bias, targets, opts: LossOptions, need_dh, n
             _matmul_into_fp32(logits.t(), h, dw, accumulate=True)  # (V, H)
         if need_db:
             db += logits.sum(0, dtype=torch.float32)  # (V,)
+        del logits  # freed before the next chunk's are made: one chunk of logits at a time
     return losses, dh, dw, db
 
 

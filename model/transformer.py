@@ -832,4 +832,5 @@ class Transformer(nn.Module):
             t = targets[i:i + rows]
             losses.append(F.cross_entropy(logits, t, ignore_index=ignore_index, reduction="none"))
             hits.append(logits.argmax(-1) == t)
+            del logits  # freed before the next chunk's are made
         return torch.cat(losses).view(B, T), torch.cat(hits).view(B, T)

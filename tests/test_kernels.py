@@ -4,6 +4,7 @@ interpreter (tests/conftest.py); `pytest -m gpu` repeats the checks at realistic
 import subprocess
 import sys
 import textwrap
+import weakref
 from pathlib import Path
 
 import pytest
@@ -222,6 +223,32 @@ def check_fused_linear_cross_entropy(device, dtype, N, H, V, chunk_rows=None, bi
         assert a.grad.dtype == dtype, name
         assert torch.isfinite(a.grad).all(), f"{name} is not finite"
         close(a.grad, b.grad, dtype, name, scale=2)
+
+
+class ChunkRecorder:
+    """torch.nn.functional for the fused loss's module, whose `linear` (a chunk's logits) first checks that no
+    earlier chunk's logits are still alive."""
+
+    def __init__(self):
+        self.chunks = []
+
+    def __getattr__(self, name):
+        return getattr(F, name)
+
+    def linear(self, *args, **kwargs):
+        assert all(r() is None for r in self.chunks), "an earlier chunk's logits are alive while the next are made"
+        logits = F.linear(*args, **kwargs)
+        self.chunks.append(weakref.ref(logits))
+        return logits
+
+
+def test_fused_linear_cross_entropy_holds_one_chunk_of_logits(monkeypatch):
+    """Each chunk's logits are freed before the next chunk's are made: the loss holds one chunk at a time, as
+    memory.logits_bytes counts it (an assignment alone would keep the old chunk until the new one exists)."""
+    recorder = ChunkRecorder()
+    monkeypatch.setattr(flce_module, "F", recorder)
+    check_fused_linear_cross_entropy(DEVICE, torch.float32, 19, 16, 300, chunk_rows=4, monkeypatch=monkeypatch)
+    assert len(recorder.chunks) == 5
 
 
 @pytest.mark.parametrize("V, N, rows", [
