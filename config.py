@@ -143,9 +143,9 @@ class TrainConfig:
                                                 "the model, else on"})
     offload_activations: bool | None = field(default=None, metadata={"help": "with checkpointing: keep the "
                                              "layer inputs in pinned CPU memory, copied out and back on a side stream "
-                                             "beside the compute, and with them, where the host has room, each "
-                                             "layer's attention output, which backward then does not recompute "
-                                             "(model/offload.py)"})
+                                             "beside the compute, and with them, where the host has room and the "
+                                             "layer's work hides the copies, each layer's attention and o outputs, "
+                                             "which backward then does not recompute (model/offload.py)"})
     kernels: bool | None = field(default=None, metadata={"help": "Triton kernels (default: on with CUDA); "
                                  "--no-kernels runs the torch references"})
     cuda_graphs: str = field(default="auto", metadata={"choices": ("auto", "on", "off"), "help": "replay each "

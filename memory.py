@@ -91,7 +91,7 @@ def memory_warning(cfg, mcfg, dtype, use_kernels, device, checkpointing):
 
 def offload_bytes(cfg, mcfg, dtype):
     """The page-locked host memory of activation offload (model/offload.py): every layer's input of a micro-batch.
-    (The attention outputs that travel with them are handed over only where the host has room for them.)"""
+    (What travels with them where the host has room, `Transformer.kept_tensors`, is counted by `offload_line`.)"""
     return mcfg.n_layers * cfg.batch_size * cfg.max_len * mcfg.hidden_size * (torch.finfo(dtype).bits // 8)
 
 

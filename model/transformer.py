@@ -561,8 +561,8 @@ class DecoderLayer(nn.Module):
         """graph_only: the output's values are not read, only its graph (the recompute of a checkpointed
         layer), so the MLP may skip its last GEMM. Not with sandwich norms: their norm saves the MLP output.
         store: a dict of DoRA's scales, computed for all layers at once (model/dora_scales.py), which also keeps
-        those computed in a checkpointed layer's first run for its recompute, and its attention output (keep: the
-        activation offload that carries it, `kept_attention`)."""
+        those computed in a checkpointed layer's first run for its recompute, and its attention's and o's outputs
+        (keep: what the activation offload carries, `Keep`)."""
         if self.sandwich:
             h, x = self.input_layernorm.with_residual(x)
             x = x + self.post_attention_layernorm(self.self_attn(h, cos, sin, mask, cache, store, keep=keep))
@@ -580,8 +580,8 @@ def _checkpointed(layer, store, keep, *args):
     the tensors saved in it. That second run skips what only the output needs (`graph_only`). `store`, a
     dict, is one object for both runs (the checkpoint keeps its arguments that are not tensors as they
     are): the first run puts DoRA's scales in it, which depend on the weights alone, and the second reads
-    them instead of computing them again; likewise the attention's output, with activation offload (`keep`:
-    `kept_attention`)."""
+    them instead of computing them again; likewise the attention's and o's outputs, with activation offload
+    (`keep`: `Keep`)."""
     return layer(*args, graph_only=torch.is_grad_enabled(), store=store, keep=keep)
 
 

@@ -4,6 +4,7 @@ import os
 import zlib
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 
 def assert_close(actual, expected, atol, rtol, name="tensor"):
@@ -207,3 +208,16 @@ def frozen_projections(nf4, outs, in_f, r, dtype, device="cpu"):
             from model.qlora import quantize_linear_
             quantize_linear_(p, p.weight)
     return projs
+
+
+class BaseGemms(TorchDispatchMode):
+    """Counts the GEMMs (mm, addmm, linear) that read any of the given weights' storage inside the block."""
+
+    def __init__(self, *weights):
+        super().__init__()
+        self.storages, self.count = {w.untyped_storage().data_ptr() for w in weights}, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += func.overloadpacket.__name__ in ("mm", "addmm", "linear") and any(
+            isinstance(a, torch.Tensor) and a.untyped_storage().data_ptr() in self.storages for a in args)
+        return func(*args, **(kwargs or {}))

@@ -3,7 +3,6 @@ every dtype (bias and dropout included), gradcheck, and dtype discipline under a
 import pytest
 import torch
 import torch.nn.functional as F
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from model import LoRAConfig, load_model
 from model.lora import (
@@ -23,6 +22,7 @@ from model.lora import (
     pack_weights_,
 )
 from tests.helpers import (
+    BaseGemms,
     H,
     I,
     P,
@@ -314,19 +314,6 @@ def test_a_given_output_gives_the_same_gradients(dtype, residual, dropout):
     assert torch.equal(given, y) and torch.equal(given_dx, dx)
     assert all(torch.equal(g, r) for g, r in zip(given_grads, grads))
     assert givable((o,), x, residual=x[..., :H]) and not givable((o,), x, residual=x[..., :H].double())
-
-
-class BaseGemms(TorchDispatchMode):
-    """Counts the GEMMs that read a weight's storage."""
-
-    def __init__(self, weight):
-        super().__init__()
-        self.storage, self.count = weight.untyped_storage().data_ptr(), 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.count += func.overloadpacket.__name__ in ("mm", "addmm", "linear") and any(
-            isinstance(a, torch.Tensor) and a.untyped_storage().data_ptr() == self.storage for a in args)
-        return func(*args, **(kwargs or {}))
 
 
 @pytest.mark.parametrize("family,inside", [("llama", 2), ("qwen2", 2), ("gemma2", 0)])

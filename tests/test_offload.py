@@ -7,6 +7,7 @@ attention's backward alone. On GPU (`pytest -m gpu`): the same results through t
 and a peak memory that holds about two layer inputs instead of all of them.
 """
 import weakref
+from typing import NamedTuple
 
 import pytest
 import torch
@@ -16,7 +17,7 @@ import model.offload
 from model import LoRAConfig, ModelConfig, Transformer, load_model
 from model.lora import lora_parameters
 from model.transformer import copies_hidden
-from tests.helpers import randomize_lora_b, rel_err
+from tests.helpers import BaseGemms, randomize_lora_b, rel_err
 
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -135,25 +136,17 @@ class AttentionCalls(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-class WeightReads(AttentionCalls):
-    """AttentionCalls that also counts the GEMMs that read given weights (a projection's base)."""
-
-    def __init__(self, weights):
-        super().__init__()
-        self.storages = {w.untyped_storage().data_ptr() for w in weights}
-        self.reads = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.reads += func.overloadpacket.__name__ in ("mm", "addmm", "linear") and any(
-            isinstance(a, torch.Tensor) and a.untyped_storage().data_ptr() in self.storages for a in args)
-        return super().__torch_dispatch__(func, types, args, kwargs)
+class Counts(NamedTuple):
+    forward: int  # attention's forward kernels
+    backward: int  # and its backward kernels
+    reads: int  # the GEMMs that read o's base weight
 
 
 def _counted(model, *batch, **kw):
     o = [layer.self_attn.o_proj.weight for layer in model.model.layers]
-    with WeightReads(o) as calls:
+    with AttentionCalls() as calls, BaseGemms(*o) as gemms:
         out = _loss_and_grads(model, *batch, **kw)
-    return out, calls
+    return out, Counts(calls.forward, calls.backward, gemms.count)
 
 
 def test_offload_keeps_the_attention_and_o_outputs_for_the_recompute(llama_folder):
