@@ -31,7 +31,7 @@ import triton.language as tl
 
 from kernels.references import DTYPES, NF4_ABSMAX_BLOCK, NF4_BLOCK, NF4_LEVELS, NF4Data, check_nf4_args
 
-BLOCKS = 32  # 64-value blocks per program: 2048 values
+BLOCKS = 64  # 64-value blocks per program: 4096 values
 # Fusion off: a · s + o is rounded twice, as bitsandbytes rounds it (tests/test_kernels_compile.py checks the PTX).
 OPTIONS = {"num_warps": 4, "enable_fp_fusion": False}
 
@@ -39,35 +39,49 @@ OPTIONS = {"num_warps": 4, "enable_fp_fusion": False}
 @triton.jit
 def _nf4_dequantize_kernel(packed_ptr, absmax_ptr, absmax_scale_ptr, absmax_offset_ptr, absmax_code_ptr, levels_ptr,
                            out_ptr, n, K, row_stride, BLOCKS: tl.constexpr, BLOCK: tl.constexpr,
-                           ABSMAX_BLOCK: tl.constexpr, STRIDED: tl.constexpr):
+                           ABSMAX_BLOCK: tl.constexpr, STRIDED: tl.constexpr, HARDWARE_BF16: tl.constexpr):
     HALF: tl.constexpr = BLOCK // 2  # bytes per block
-    blocks = tl.program_id(0).to(tl.int64) * BLOCKS + tl.arange(0, BLOCKS)  # (BLOCKS,)
-    in_range = blocks < tl.cdiv(n, BLOCK)
-    c = tl.load(absmax_ptr + blocks, mask=in_range, other=0).to(tl.int32)
-    s = tl.load(absmax_scale_ptr + blocks // ABSMAX_BLOCK, mask=in_range, other=0.0)
+    # The program's first block in int64, every index within the program in int32 relative to it: the per-value
+    # index arithmetic is what bounds this kernel, not HBM.
+    first = tl.program_id(0).to(tl.int64) * BLOCKS
+    lb = tl.arange(0, BLOCKS)  # (BLOCKS,): the program's blocks
+    in_range = lb < tl.minimum(tl.cdiv(n, BLOCK) - first, BLOCKS).to(tl.int32)
+    c = tl.load(absmax_ptr + first + lb, mask=in_range, other=0).to(tl.int32)
+    s = tl.load(absmax_scale_ptr + (first + lb) // ABSMAX_BLOCK, mask=in_range, other=0.0)
     a = tl.load(absmax_code_ptr + c) * s + tl.load(absmax_offset_ptr)  # (BLOCKS,) fp32
 
-    byte = blocks[:, None] * HALF + tl.arange(0, HALF)[None, :]  # (BLOCKS, HALF)
-    p = tl.load(packed_ptr + byte, mask=byte < n - n // 2, other=0)  # uint8
+    byte = lb[:, None] * HALF + tl.arange(0, HALF)[None, :]  # (BLOCKS, HALF)
+    bytes_left = tl.minimum(n - n // 2 - first * HALF, BLOCKS * HALF).to(tl.int32)
+    p = tl.load(packed_ptr + first * HALF + byte, mask=byte < bytes_left, other=0)  # uint8
     high = tl.load(levels_ptr + (p >> 4)) * a[:, None]  # value 2j
     low = tl.load(levels_ptr + (p & 15)) * a[:, None]  # value 2j + 1
     w = tl.reshape(tl.join(high, low), (BLOCKS, BLOCK))  # (BLOCKS, HALF, 2) -> values in order
-    i = blocks[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]  # the value's index in the weight, row-major
-    dest = i
-    if STRIDED:  # a block lies in one row (K % BLOCK == 0): its row and first column, then row_stride per row
-        row = blocks * BLOCK // K
-        dest = (row * row_stride + blocks * BLOCK - row * K)[:, None] + tl.arange(0, BLOCK)[None, :]
-    if out_ptr.dtype.element_ty == tl.bfloat16:
-        tl.store(out_ptr + dest, _to_bf16(w), mask=i < n)
+    i = lb[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]  # the value's index from the program's first
+    ok = i < tl.minimum(n - first * BLOCK, BLOCKS * BLOCK).to(tl.int32)
+    if STRIDED:  # a block lies in one row (K % BLOCK == 0): rows of row_stride from the first block's row
+        KB = K // BLOCK  # blocks a row
+        row0 = first // KB
+        out_ptr += row0 * row_stride
+        b = (first - row0 * KB).to(tl.int32) + lb  # (BLOCKS,): each block's place counted from row0's first
+        dest = ((b // KB) * row_stride + (b % KB) * BLOCK)[:, None] + tl.arange(0, BLOCK)[None, :]
     else:
-        tl.store(out_ptr + dest, w.to(out_ptr.dtype.element_ty), mask=i < n)
+        out_ptr += first * BLOCK
+        dest = i
+    if out_ptr.dtype.element_ty == tl.bfloat16:
+        if HARDWARE_BF16:  # the GPU's conversion rounds to nearest even
+            tl.store(out_ptr + dest, w.to(tl.bfloat16), mask=ok)
+        else:
+            tl.store(out_ptr + dest, _to_bf16(w), mask=ok)
+    else:
+        tl.store(out_ptr + dest, w.to(out_ptr.dtype.element_ty), mask=ok)
 
 
 @triton.jit
 def _to_bf16(x):
     """Finite fp32 x rounded to the nearest bf16, ties to even, by integer arithmetic on its bits: what the GPU's
-    conversion gives, and what Triton's interpreter (the CPU tests) does not, as its cast truncates. It can go
-    when `x.to(tl.bfloat16)` rounds to nearest even in the interpreter (tests/test_nf4.py then passes without it)."""
+    conversion gives (HARDWARE_BF16, a single instruction), and what Triton's interpreter (the CPU tests) does not,
+    as its cast truncates. It can go when `x.to(tl.bfloat16)` rounds to nearest even in the interpreter
+    (tests/test_nf4.py then passes without it)."""
     bits = x.to(tl.uint32, bitcast=True)
     bits = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
     return bits.to(tl.uint16).to(tl.bfloat16, bitcast=True)
@@ -99,5 +113,6 @@ def nf4_dequantize(q: NF4Data, out):
         grid = (triton.cdiv(triton.cdiv(n, NF4_BLOCK), BLOCKS),)
         _nf4_dequantize_kernel[grid](q.packed, q.absmax, q.absmax_scale, q.absmax_offset, q.absmax_code,
                                      _levels(out.device), out, n, K, row_stride, BLOCKS=BLOCKS, BLOCK=NF4_BLOCK,
-                                     ABSMAX_BLOCK=NF4_ABSMAX_BLOCK, STRIDED=strided, **OPTIONS)
+                                     ABSMAX_BLOCK=NF4_ABSMAX_BLOCK, STRIDED=strided, HARDWARE_BF16=out.is_cuda,
+                                     **OPTIONS)
     return out

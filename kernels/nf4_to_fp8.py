@@ -42,9 +42,9 @@ import triton.language as tl
 from kernels.fp8_quantize import e4m3_bits, hardware_e4m3
 from kernels.references import E4M3, NF4_ABSMAX_BLOCK, NF4_BLOCK, NF4_LEVELS, check_nf4_args
 
-BLOCK_R, BLOCK_K = 64, 128  # a tile: 64 contiguous bytes of out a row when transposed, 128 when not
+BLOCK_R, BLOCK_K = 128, 64  # a tile: 128 contiguous bytes of out a row when transposed, 64 when not
 # Fusion off: a · s + o is rounded twice, as bitsandbytes rounds it (kernels/nf4_dequantize.py).
-OPTIONS = {"num_warps": 8, "enable_fp_fusion": False}
+OPTIONS = {"num_warps": 4, "enable_fp_fusion": False}
 
 
 @triton.jit
@@ -57,27 +57,30 @@ def _block_absmax(block, mask, absmax_ptr, absmax_scale_ptr, absmax_offset_ptr, 
 
 
 @triton.jit
-def _nf4_tile(packed_ptr, absmax_ptr, absmax_scale_ptr, absmax_offset_ptr, absmax_code_ptr, levels_ptr, r, k0, R, K,
-              WHOLE_BLOCKS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK: tl.constexpr,
-              ABSMAX_BLOCK: tl.constexpr):
-    """W[r, k0:k0 + BLOCK_K] (BLOCK_R, BLOCK_K) fp32 of one NF4 weight W [R, K], for the BLOCK_R rows r (zeros
-    outside W)."""
+def _nf4_tile(packed_ptr, absmax_ptr, absmax_scale_ptr, absmax_offset_ptr, absmax_code_ptr, levels_ptr, r0, k0, rows,
+              row_ok, K, WHOLE_BLOCKS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+              BLOCK: tl.constexpr, ABSMAX_BLOCK: tl.constexpr):
+    """W[r0:r0 + BLOCK_R, k0:k0 + BLOCK_K] (BLOCK_R, BLOCK_K) fp32 of one NF4 weight W [R, K] (zeros outside W):
+    `rows` (BLOCK_R,) int32 the tile's rows counted from r0, `row_ok` which of them are W's."""
     if WHOLE_BLOCKS:  # K % BLOCK == 0 and BLOCK_K % BLOCK == 0: a tile row is BLOCK_K // BLOCK whole blocks
         NB: tl.constexpr = BLOCK_K // BLOCK
         HALF: tl.constexpr = BLOCK // 2  # bytes a block
-        block = (r[:, None] * K + k0) // BLOCK + tl.arange(0, NB)[None, :]  # (BLOCK_R, NB)
-        block_ok = (r[:, None] < R) & (k0 + tl.arange(0, NB)[None, :] * BLOCK < K)
-        a = _block_absmax(block, block_ok, absmax_ptr, absmax_scale_ptr, absmax_offset_ptr, absmax_code_ptr,
+        # The tile's first block in int64, the rest in int32 relative to it: the per-value index arithmetic is
+        # what bounds this kernel, not HBM.
+        first = (r0 * K + k0) // BLOCK
+        block = rows[:, None] * (K // BLOCK) + tl.arange(0, NB)[None, :]  # (BLOCK_R, NB)
+        block_ok = row_ok[:, None] & (k0 + tl.arange(0, NB)[None, :] * BLOCK < K)
+        a = _block_absmax(first + block, block_ok, absmax_ptr, absmax_scale_ptr, absmax_offset_ptr, absmax_code_ptr,
                           ABSMAX_BLOCK)[:, :, None]  # (BLOCK_R, NB, 1)
         byte = block[:, :, None] * HALF + tl.arange(0, HALF)[None, None, :]  # (BLOCK_R, NB, HALF)
-        p = tl.load(packed_ptr + byte, mask=block_ok[:, :, None], other=0)  # uint8
+        p = tl.load(packed_ptr + first * HALF + byte, mask=block_ok[:, :, None], other=0)  # uint8
         high = tl.load(levels_ptr + (p >> 4)) * a  # value 2j
         low = tl.load(levels_ptr + (p & 15)) * a  # value 2j + 1
         return tl.reshape(tl.join(high, low), (BLOCK_R, BLOCK_K))  # (BLOCK_R, NB, HALF, 2) -> values in order
     else:
         k = k0 + tl.arange(0, BLOCK_K)
-        ok = (r[:, None] < R) & (k[None, :] < K)
-        i = r[:, None] * K + k[None, :]  # (BLOCK_R, BLOCK_K): flat index into W
+        ok = row_ok[:, None] & (k[None, :] < K)
+        i = (r0 + rows)[:, None] * K + k[None, :]  # (BLOCK_R, BLOCK_K): flat index into W
         a = _block_absmax(i // BLOCK, ok, absmax_ptr, absmax_scale_ptr, absmax_offset_ptr, absmax_code_ptr,
                           ABSMAX_BLOCK)
         p = tl.load(packed_ptr + i // 2, mask=ok, other=0)  # uint8: value 2j in the high nibble, 2j + 1 in the low
@@ -92,22 +95,26 @@ def _nf4_to_fp8_kernel(weights, rows, first_rows, first_tiles, levels_ptr, rcp_p
     """weights: N tuples (packed, absmax, absmax_scale, absmax_offset, absmax_code), one a projection; rows: their
     R_j; first_rows: the group's row where each starts; first_tiles: the row tile where each starts, and the end."""
     tile = tl.program_id(0)
-    k0 = tl.program_id(1).to(tl.int64) * BLOCK_K
+    k0 = tl.program_id(1) * BLOCK_K
     k = k0 + tl.arange(0, BLOCK_K)  # (BLOCK_K,)
     for j in tl.static_range(N):  # the one projection whose rows this tile holds
         if (tile >= first_tiles[j]) & (tile < first_tiles[j + 1]):
             packed_ptr, absmax_ptr, absmax_scale_ptr, absmax_offset_ptr, absmax_code_ptr = weights[j]
-            r = (tile - first_tiles[j]).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)  # (BLOCK_R,): rows of W_j
+            r0 = (tile - first_tiles[j]).to(tl.int64) * BLOCK_R  # the tile's first row of W_j
+            r = tl.arange(0, BLOCK_R)  # (BLOCK_R,): its rows, from r0
+            row_ok = r < (rows[j] - r0).to(tl.int32)
             w = _nf4_tile(packed_ptr, absmax_ptr, absmax_scale_ptr, absmax_offset_ptr, absmax_code_ptr, levels_ptr,
-                          r, k0, rows[j], K, WHOLE_BLOCKS, BLOCK_R, BLOCK_K, BLOCK, ABSMAX_BLOCK)
-            ok = (r[:, None] < rows[j]) & (k[None, :] < K)
-            g = first_rows[j] + r  # (BLOCK_R,): rows of the group
+                          r0, k0, r, row_ok, K, WHOLE_BLOCKS, BLOCK_R, BLOCK_K, BLOCK, ABSMAX_BLOCK)
+            ok = row_ok[:, None] & (k[None, :] < K)
+            g0 = first_rows[j] + r0  # the group's row of r0
             if TRANSPOSED:
                 q = e4m3_bits(w * tl.load(rcp_ptr + k, mask=k < K, other=1.0)[None, :], HARDWARE_E4M3)
-                tl.store(out_ptr + k[:, None] * out_row_stride + g[None, :], tl.trans(q), mask=tl.trans(ok))
+                dest = tl.arange(0, BLOCK_K)[:, None] * out_row_stride + r[None, :]
+                tl.store(out_ptr + (k0.to(tl.int64) * out_row_stride + g0) + dest, tl.trans(q), mask=tl.trans(ok))
             else:
-                q = e4m3_bits(w * tl.load(rcp_ptr + g, mask=r < rows[j], other=1.0)[:, None], HARDWARE_E4M3)
-                tl.store(out_ptr + g[:, None] * out_row_stride + k[None, :], q, mask=ok)
+                q = e4m3_bits(w * tl.load(rcp_ptr + g0 + r, mask=row_ok, other=1.0)[:, None], HARDWARE_E4M3)
+                dest = r[:, None] * out_row_stride + tl.arange(0, BLOCK_K)[None, :]
+                tl.store(out_ptr + (g0 * out_row_stride + k0) + dest, q, mask=ok)
 
 
 @lru_cache
