@@ -9,7 +9,8 @@ References: Micikevicius et al. 2022 "FP8 Formats for Deep Learning"; torchao's 
     q_mk = e4m3(x_mk · r),   r = 1 / s                                                  (M, K), nearest even
 
 Two passes, each reading x in the layout it is stored in, whole memory segments at a time: amax, a plain
-reduction (torch.linalg.vector_norm with ord inf, one read of x and no temporary), then this kernel, which
+reduction (torch.linalg.vector_norm with ord inf, one read of x and no temporary; none where the kernel that
+wrote x found it, as the MLP's activation kernels do, kernels/glu.py), then this kernel, which
 multiplies each value by r and converts it, in (BLOCK_M, BLOCK_K) tiles. q is written [M, K] row-major: an fp8
 GEMM reads both operands along the reduction, K, so the stored [K × M] layout cannot serve; the tile is
 transposed on chip, and the write stays coalesced. s and r are the IEEE-exact fp32 quotients of
@@ -47,9 +48,10 @@ def _fp8_quantize_tensor_kernel(x_ptr, x_row_stride, x_col_stride, amax_ptr, q_p
     tl.store(q_ptr + rows[:, None] * K + cols[None, :], e4m3_bits(x * r, HARDWARE_E4M3), mask=ok)
 
 
-def fp8_quantize_tensor(x):
+def fp8_quantize_tensor(x, amax=None):
     """(q, s): x [M, K] (fp32/bf16/fp16, any strides) as q [M, K] e4m3, contiguous, with one fp32 scale for the
-    whole tensor, given once per row: s [M], x ≈ s[:, None] q."""
+    whole tensor, given once per row: s [M], x ≈ s[:, None] q. amax: max |x| (0-d, in x's dtype) where the caller
+    has it (the MLP's activation kernels find it as they write x: kernels/glu.py); else found here."""
     if x.dim() != 2 or x.dtype not in DTYPES:
         raise ValueError(f"fp8 quantize: x must be a 2-D fp32/bf16/fp16 tensor, got {tuple(x.shape)} {x.dtype}")
     M, K = x.shape
@@ -57,7 +59,9 @@ def fp8_quantize_tensor(x):
     if x.numel() == 0:
         return q, torch.ones(M, dtype=torch.float32, device=x.device)
     s = torch.empty(M, dtype=torch.float32, device=x.device)
-    amax = torch.linalg.vector_norm(x, float("inf"))  # max |x|, exact in x's dtype
+    if amax is None:
+        amax = torch.linalg.vector_norm(x, float("inf"))  # max |x|, exact in x's dtype
+    assert amax.shape == () and amax.dtype == x.dtype, f"fp8 quantize: amax must be 0-d {x.dtype}, got {amax.dtype}"
     block_m, block_k = BLOCK
     _fp8_quantize_tensor_kernel[(triton.cdiv(M, block_m), triton.cdiv(K, block_k))](
         x, x.stride(0), x.stride(1), amax, q.view(torch.uint8), s, M, K, BLOCK_M=block_m, BLOCK_K=block_k,

@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.glu import glu_backward, glu_forward, load_gate_up
+from kernels.glu import block_amax, glu_backward, glu_forward, load_gate_up
 from kernels.references import check_glu_args
 from kernels.tanh import tanh
 
@@ -47,45 +47,55 @@ def _gelu_and_grad(g, APPROX_TANH: tl.constexpr):
 
 
 @triton.jit
-def _geglu_forward_kernel(gate_ptr, up_ptr, scale_ptr, bias_ptr, h_ptr, n, n_cols, APPROX_TANH: tl.constexpr,
-                          AFFINE: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
+def _geglu_forward_kernel(gate_ptr, up_ptr, scale_ptr, bias_ptr, h_ptr, amax_ptr, n, n_cols,
+                          APPROX_TANH: tl.constexpr, AFFINE: tl.constexpr, HAS_BIAS: tl.constexpr,
+                          AMAX: tl.constexpr, BLOCK: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
     g, u = load_gate_up(gate_ptr, up_ptr, scale_ptr, bias_ptr, offs, mask, n, n_cols, AFFINE, HAS_BIAS)
     gelu, _ = _gelu_and_grad(g, APPROX_TANH)
-    tl.store(h_ptr + offs, (gelu * u).to(h_ptr.dtype.element_ty), mask=mask)
+    h = (gelu * u).to(h_ptr.dtype.element_ty)
+    tl.store(h_ptr + offs, h, mask=mask)
+    if AMAX:
+        tl.store(amax_ptr + tl.program_id(0), block_amax(h, mask))
 
 
 @triton.jit
-def _geglu_backward_kernel(dh_ptr, gate_ptr, up_ptr, scale_ptr, bias_ptr, dgate_ptr, dup_ptr, n, n_cols,
+def _geglu_backward_kernel(dh_ptr, gate_ptr, up_ptr, scale_ptr, bias_ptr, dgate_ptr, dup_ptr, amax_ptr, n, n_cols,
                            APPROX_TANH: tl.constexpr, AFFINE: tl.constexpr, HAS_BIAS: tl.constexpr,
-                           WRITE_H: tl.constexpr, BLOCK: tl.constexpr):
+                           AMAX: tl.constexpr, WRITE_H: tl.constexpr, BLOCK: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
     dh = tl.load(dh_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     g, u = load_gate_up(gate_ptr, up_ptr, scale_ptr, bias_ptr, offs, mask, n, n_cols, AFFINE, HAS_BIAS)
     gelu, dgelu = _gelu_and_grad(g, APPROX_TANH)
-    tl.store(dgate_ptr + offs, (dh * u * dgelu).to(dgate_ptr.dtype.element_ty), mask=mask)
-    tl.store(dup_ptr + offs, (dh * gelu).to(dup_ptr.dtype.element_ty), mask=mask)
+    dgate = (dh * u * dgelu).to(dgate_ptr.dtype.element_ty)
+    dup = (dh * gelu).to(dup_ptr.dtype.element_ty)
+    tl.store(dgate_ptr + offs, dgate, mask=mask)
+    tl.store(dup_ptr + offs, dup, mask=mask)
+    if AMAX:
+        tl.store(amax_ptr + tl.program_id(0), tl.maximum(block_amax(dgate, mask), block_amax(dup, mask)))
     if WRITE_H:
         tl.store(dh_ptr + offs, (gelu * u).to(dh_ptr.dtype.element_ty), mask=mask)
 
 
-def geglu_forward(gate, up, approximate="tanh", scale=None, bias=None):
+def geglu_forward(gate, up, approximate="tanh", scale=None, bias=None, amax=None):
     """h = gelu(gate) * up, a new contiguous tensor of gate's shape and dtype. scale, bias: a per-row affine
-    of gate and up first (kernels/glu.py)."""
+    of gate and up first (kernels/glu.py). amax: a 0-d tensor of h's dtype to fill with max |h|."""
     check_glu_args("geglu", gate, up, approximate=approximate)
-    return glu_forward(_geglu_forward_kernel, gate, up, scale, bias, APPROX_TANH=approximate == "tanh")
+    return glu_forward(_geglu_forward_kernel, gate, up, scale, bias, amax, APPROX_TANH=approximate == "tanh")
 
 
-def geglu_backward(dh, gate, up, approximate="tanh", inplace=False, scale=None, bias=None, write_h=False):
+def geglu_backward(dh, gate, up, approximate="tanh", inplace=False, scale=None, bias=None, write_h=False,
+                   amax=None):
     """(dgate, dup). inplace=True writes them into gate and up (which must be contiguous) and
     returns those tensors; use it only when the caller owns gate and up and is done with them.
     scale, bias: the gradients with respect to the per-row affine of gate and up (kernels/glu.py), in new
-    tensors. write_h: also h = gelu(G) * U, written over dh, and (dgate, dup, h) returned (kernels/glu.py)."""
+    tensors. write_h: also h = gelu(G) * U, written over dh, and (dgate, dup, h) returned (kernels/glu.py).
+    amax: a 0-d tensor of their dtype to fill with the largest |dgate| or |dup|."""
     check_glu_args("geglu", dh, gate, up, approximate=approximate)
     return glu_backward(_geglu_backward_kernel, dh, gate, up, inplace, "geglu_backward", scale, bias, write_h,
-                        APPROX_TANH=approximate == "tanh")
+                        amax, APPROX_TANH=approximate == "tanh")
 
 
 class _GeGLU(torch.autograd.Function):

@@ -554,13 +554,16 @@ def fp8_quantize_rows_reference(x):
     return to_e4m3(xf * fp8_reciprocal(s)[:, None]).contiguous(), s
 
 
-def fp8_quantize_tensor_reference(x):
+def fp8_quantize_tensor_reference(x, amax=None):
     """(q, s): all of x [M, K] (any strides, fp32/bf16/fp16) quantized to e4m3 with one scale,
     fp8_scale(max_mk |x_mk|) given once per row, s (M,) fp32, and q = e4m3(x · (1 / s)) (M, K) contiguous, rounded
-    to nearest even; the product and the reciprocal in fp32, as the kernel computes them."""
+    to nearest even; the product and the reciprocal in fp32, as the kernel computes them. amax: max |x| where the
+    caller has it (0-d), used as given."""
     assert x.dim() == 2 and x.dtype in DTYPES, f"fp8 quantize: x must be 2-D fp32/bf16/fp16, got {x.shape} {x.dtype}"
     xf = x.float()
-    s = fp8_scale(xf.abs().amax()) if x.numel() else torch.ones((), device=x.device)
+    if amax is None:
+        amax = xf.abs().amax() if x.numel() else None
+    s = fp8_scale(amax) if x.numel() else torch.ones((), device=x.device)
     return to_e4m3(xf * fp8_reciprocal(s)).contiguous(), s.expand(len(x)).contiguous()
 
 

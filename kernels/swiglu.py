@@ -24,51 +24,57 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.glu import glu_backward, glu_forward, load_gate_up
+from kernels.glu import block_amax, glu_backward, glu_forward, load_gate_up
 from kernels.references import check_glu_args
 
 
 @triton.jit
-def _swiglu_forward_kernel(gate_ptr, up_ptr, scale_ptr, bias_ptr, h_ptr, n, n_cols,
-                           AFFINE: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
+def _swiglu_forward_kernel(gate_ptr, up_ptr, scale_ptr, bias_ptr, h_ptr, amax_ptr, n, n_cols,
+                           AFFINE: tl.constexpr, HAS_BIAS: tl.constexpr, AMAX: tl.constexpr, BLOCK: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
     g, u = load_gate_up(gate_ptr, up_ptr, scale_ptr, bias_ptr, offs, mask, n, n_cols, AFFINE, HAS_BIAS)
-    h = g * tl.sigmoid(g) * u
-    tl.store(h_ptr + offs, h.to(h_ptr.dtype.element_ty), mask=mask)
+    h = (g * tl.sigmoid(g) * u).to(h_ptr.dtype.element_ty)
+    tl.store(h_ptr + offs, h, mask=mask)
+    if AMAX:
+        tl.store(amax_ptr + tl.program_id(0), block_amax(h, mask))
 
 
 @triton.jit
-def _swiglu_backward_kernel(dh_ptr, gate_ptr, up_ptr, scale_ptr, bias_ptr, dgate_ptr, dup_ptr, n, n_cols,
-                            AFFINE: tl.constexpr, HAS_BIAS: tl.constexpr, WRITE_H: tl.constexpr,
-                            BLOCK: tl.constexpr):
+def _swiglu_backward_kernel(dh_ptr, gate_ptr, up_ptr, scale_ptr, bias_ptr, dgate_ptr, dup_ptr, amax_ptr, n,
+                            n_cols, AFFINE: tl.constexpr, HAS_BIAS: tl.constexpr, AMAX: tl.constexpr,
+                            WRITE_H: tl.constexpr, BLOCK: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
     dh = tl.load(dh_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     g, u = load_gate_up(gate_ptr, up_ptr, scale_ptr, bias_ptr, offs, mask, n, n_cols, AFFINE, HAS_BIAS)
     s = tl.sigmoid(g)
-    dup = dh * g * s
-    dgate = dh * u * s * (1.0 + g * (1.0 - s))
-    tl.store(dgate_ptr + offs, dgate.to(dgate_ptr.dtype.element_ty), mask=mask)
-    tl.store(dup_ptr + offs, dup.to(dup_ptr.dtype.element_ty), mask=mask)
+    dup = (dh * g * s).to(dup_ptr.dtype.element_ty)
+    dgate = (dh * u * s * (1.0 + g * (1.0 - s))).to(dgate_ptr.dtype.element_ty)
+    tl.store(dgate_ptr + offs, dgate, mask=mask)
+    tl.store(dup_ptr + offs, dup, mask=mask)
+    if AMAX:
+        tl.store(amax_ptr + tl.program_id(0), tl.maximum(block_amax(dgate, mask), block_amax(dup, mask)))
     if WRITE_H:  # the forward's expression, so the same bits
         tl.store(dh_ptr + offs, (g * s * u).to(dh_ptr.dtype.element_ty), mask=mask)
 
 
-def swiglu_forward(gate, up, scale=None, bias=None):
+def swiglu_forward(gate, up, scale=None, bias=None, amax=None):
     """h = silu(gate) * up, a new contiguous tensor of gate's shape and dtype. scale, bias: a per-row affine
-    of gate and up first (kernels/glu.py)."""
+    of gate and up first (kernels/glu.py). amax: a 0-d tensor of h's dtype to fill with max |h|."""
     check_glu_args("swiglu", gate, up)
-    return glu_forward(_swiglu_forward_kernel, gate, up, scale, bias)
+    return glu_forward(_swiglu_forward_kernel, gate, up, scale, bias, amax)
 
 
-def swiglu_backward(dh, gate, up, inplace=False, scale=None, bias=None, write_h=False):
+def swiglu_backward(dh, gate, up, inplace=False, scale=None, bias=None, write_h=False, amax=None):
     """(dgate, dup). inplace=True writes them into gate and up (which must be contiguous) and
     returns those tensors; use it only when the caller owns gate and up and is done with them.
     scale, bias: the gradients with respect to the per-row affine of gate and up (kernels/glu.py), in new
-    tensors. write_h: also h = silu(G) * U, written over dh, and (dgate, dup, h) returned (kernels/glu.py)."""
+    tensors. write_h: also h = silu(G) * U, written over dh, and (dgate, dup, h) returned (kernels/glu.py).
+    amax: a 0-d tensor of their dtype to fill with the largest |dgate| or |dup|."""
     check_glu_args("swiglu", dh, gate, up)
-    return glu_backward(_swiglu_backward_kernel, dh, gate, up, inplace, "swiglu_backward", scale, bias, write_h)
+    return glu_backward(_swiglu_backward_kernel, dh, gate, up, inplace, "swiglu_backward", scale, bias, write_h,
+                        amax)
 
 
 class _SwiGLU(torch.autograd.Function):

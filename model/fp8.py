@@ -14,9 +14,10 @@ s_X, s_dY: per token, from each pass's amax (kernels/fp8_quantize.py on CUDA, it
 where the operand is stored row-major (x and dY of q/k/v, o, down; x of gate/up). Where it is stored transposed,
 [features × tokens] (the MLP's H, the input of down, and [dG | dU], the dY of gate/up: see model/lora.py), a
 token's amax would be a reduction across the strided dimension; there the whole tensor takes one scale, from
-one amax over it (torchao's "tensorwise" recipe; kernels/fp8_quantize_tensor.py), both passes reading it in its
-stored layout. _scaled_mm still gets it as a per-token scale_a (the one value in every row), so that W keeps its
-per-row scales and the GEMMs are the same.
+one amax over it (torchao's "tensorwise" recipe; kernels/fp8_quantize_tensor.py), which the activation's kernels
+find as they write H and [dG | dU] (kernels/glu.py), so that one pass reads them, in their stored layout.
+_scaled_mm still gets it as a per-token scale_a (the one value in every row), so that W keeps its per-row scales
+and the GEMMs are the same.
 s_W: per output row of W; s_Wᵀ: per input column of W, for the copy Wᵀ [in, out] that the input gradient reads
 (_scaled_mm's second operand is column-major, so dY W needs Wᵀ stored row-major). Projections that share an
 input (q, k, v; gate, up) share one [Σout, in] W and one [in, Σout] Wᵀ, whose column scales span the group.
@@ -80,15 +81,16 @@ def stored_transposed(x) -> bool:
     return x.stride(0) == 1 and x.stride(1) != 1
 
 
-def quantize_activation(x):
+def quantize_activation(x, amax=None):
     """(q, s): an activation or gradient x [M, K] as e4m3 [M, K] row-major with fp32 scales s (M,): one per row
-    where x is row-major, one for the whole tensor (in every row) where x is stored transposed."""
+    where x is row-major, one for the whole tensor (in every row) where x is stored transposed, from `amax` (max
+    |x|, 0-d) where given."""
     if not stored_transposed(x):
         return quantize_rows(x)
     if x.is_cuda:
         from kernels.fp8_quantize_tensor import fp8_quantize_tensor  # Triton is imported only where the kernel runs
-        return fp8_quantize_tensor(x)
-    return fp8_quantize_tensor_reference(x)
+        return fp8_quantize_tensor(x, amax)
+    return fp8_quantize_tensor_reference(x, amax)
 
 
 class FP8Weights(nn.Module):
@@ -227,16 +229,18 @@ def _mm(a, sa, w, sw, dtype, transposed):
     return y
 
 
-def fp8_linear(projs, x, dtype, transposed=False):
-    """X [W_1; W_2; ...]ᵀ (N, Σout) in `dtype`, without biases, from x (N, in) in `dtype`: one fp8 GEMM."""
+def fp8_linear(projs, x, dtype, transposed=False, amax=None):
+    """X [W_1; W_2; ...]ᵀ (N, Σout) in `dtype`, without biases, from x (N, in) in `dtype`: one fp8 GEMM. amax:
+    max |x| where the caller has it (`quantize_activation`)."""
     assert x.dtype == dtype, f"fp8 GEMM: x must be {dtype}, got {x.dtype}"
     w, sw = _weights(projs, transposed=False)
-    a, sa = quantize_activation(x)
+    a, sa = quantize_activation(x, amax)
     return _mm(a, sa, w, sw, dtype, transposed)
 
 
-def fp8_input_grad(projs, dy, transposed=False):
-    """dY [W_1; W_2; ...] (N, in) in dY's dtype, from dY (N, Σout): one fp8 GEMM with the transposed copy."""
+def fp8_input_grad(projs, dy, transposed=False, amax=None):
+    """dY [W_1; W_2; ...] (N, in) in dY's dtype, from dY (N, Σout): one fp8 GEMM with the transposed copy. amax:
+    max |dY| where the caller has it (`quantize_activation`)."""
     w, sw = _weights(projs, transposed=True)
-    a, sa = quantize_activation(dy)
+    a, sa = quantize_activation(dy, amax)
     return _mm(a, sa, w, sw, dy.dtype, transposed)

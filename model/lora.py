@@ -424,8 +424,9 @@ class GLU(NamedTuple):
     scale and bias: G and U are then the per-row affine of gate and up (`scale_rows`; DoRA's g ⊙ P + b),
     and backward returns dG, dU in new tensors."""
     function: Callable  # (gate, up) -> h, with its own autograd
-    forward: Callable  # (gate, up, scale=None, bias=None) -> h, no graph
-    backward: Callable  # (dh, gate, up, scale=None, bias=None) -> (dgate, dup, h), h the forward's, bit for bit
+    forward: Callable  # (gate, up, scale=None, bias=None, amax=None) -> h, no graph; amax (0-d) gets max |h|
+    backward: Callable  # (dh, gate, up, scale=None, bias=None, amax=None) -> (dgate, dup, h), h the forward's, bit
+    # for bit; amax (0-d) gets the largest |dgate| or |dup|
     inplace: bool  # backward without scale writes dgate, dup over gate, up (saves two [N, I] buffers), h over dh
 
 
@@ -444,19 +445,27 @@ def scale_rows(gate, up, scale=None, bias=None):
     return torch.addcmul(b_gate, gate, s_gate), torch.addcmul(b_up, up, s_up)
 
 
-def affine_forward(fn, gate, up, scale=None, bias=None):
-    """fn(G, U) of the per-row affine G, U of gate, up (`scale_rows`): a torch reference as a GLU forward."""
-    return fn(*scale_rows(gate, up, scale, bias))
+def affine_forward(fn, gate, up, scale=None, bias=None, amax=None):
+    """fn(G, U) of the per-row affine G, U of gate, up (`scale_rows`): a torch reference as a GLU forward. amax: a
+    0-d tensor filled with max |H|."""
+    h = fn(*scale_rows(gate, up, scale, bias))
+    if amax is not None:
+        amax.copy_(h.abs().amax() if h.numel() else 0)
+    return h
 
 
-def autograd_backward(fn, dh, gate, up, scale=None, bias=None):
+def autograd_backward(fn, dh, gate, up, scale=None, bias=None, amax=None):
     """(dG, dU, H) of H = fn(G, U) by autograd, G, U the per-row affine of gate, up (`scale_rows`): a torch
-    reference's own gradient, and the H it differentiates, as a GLU backward."""
+    reference's own gradient, and the H it differentiates, as a GLU backward. amax: a 0-d tensor filled with the
+    largest |dG| or |dU|."""
     gate, up = scale_rows(gate, up, scale, bias)
     with torch.enable_grad():
         gate, up = gate.detach().requires_grad_(), up.detach().requires_grad_()
         h = fn(gate, up)
-        return *torch.autograd.grad(h, (gate, up), dh), h.detach()
+        dg, du = torch.autograd.grad(h, (gate, up), dh)
+    if amax is not None:
+        amax.copy_(torch.maximum(dg.abs().amax(), du.abs().amax()) if dg.numel() else 0)
+    return dg, du, h.detach()
 
 
 # ----------------------------------------------------------------------------- fused Functions
@@ -600,7 +609,7 @@ def _base_weights(projs, dtype, columns=None, rows=None):
     return w
 
 
-def _base(projs, x, dtype, transposed=False, bias=True, residual=None, adapter_b=None, out=None):
+def _base(projs, x, dtype, transposed=False, bias=True, residual=None, adapter_b=None, out=None, amax=None):
     """X [W_1; W_2; ...]ᵀ + [b_1 | b_2 | ...], the projections' outputs side by side (N, Σout) in `dtype`, as one
     GEMM. residual: R (N, Σout) added too, as the GEMM's C (R + X Wᵀ in its epilogue, no add of its own: the
     layer's residual add of o and down). transposed: computed as the contiguous (Σout, N) product [W_1; W_2; ...] Xᵀ
@@ -611,12 +620,12 @@ def _base(projs, x, dtype, transposed=False, bias=True, residual=None, adapter_b
     adapters add into, and refuses. A dequantized, concatenated or cast weight is freed on return. bias=False:
     without the biases (DoRA adds them after its scaling, `_dora_output`). adapter_b: x is [X | s X Aᵀ] and the
     weight [W | B] (`_folded`). With --fp8 the GEMM runs in fp8 (model/fp8.py) and the biases and the residual are
-    added after it."""
+    added after it; amax: max |x| where the caller has it (`fp8_linear`)."""
     assert len({p.bias is None for p in projs}) == 1, "fused LoRA: projections of one input all have a bias or none"
     assert residual is None or not transposed, "fused LoRA: a residual is added to a row-major output only"
     b = _bias(projs, dtype) if bias else None
     if projs[0].fp8 is not None:
-        y = fp8_linear(projs, x, dtype, transposed)
+        y = fp8_linear(projs, x, dtype, transposed, amax)
         y = y if b is None else y.add_(b)
         return y if residual is None else y.add_(residual)
     w = _base_weights(projs, dtype, columns=adapter_b)
@@ -752,14 +761,14 @@ def _dora_backward(fn, projs, m_dtypes, dy, pre, g, inv, need_m, dms, inplace=Fa
     return dp
 
 
-def _base_backward(projs, dy, transposed=False, rows=None):
+def _base_backward(projs, dy, transposed=False, rows=None, amax=None):
     """dY [W_1; W_2; ...] (N, in), the gradient of the projections' shared input through their base weights, from
     dY (N, Σout), as one GEMM; each W is dequantized again, and freed after it. transposed: computed as the
     contiguous (in, N) product and returned transposed (the MLP's dH, which meets Gᵀ and Uᵀ in the kernels).
     rows: dY is [dY | s dY B] and the weight [W; A] (`_folded`). With --fp8 the GEMM runs in fp8 with the weights'
-    transposed copy (model/fp8.py)."""
+    transposed copy (model/fp8.py); amax: max |dY| where the caller has it (`fp8_input_grad`)."""
     if projs[0].fp8 is not None:
-        return fp8_input_grad(projs, dy, transposed)
+        return fp8_input_grad(projs, dy, transposed, amax)
     w = _base_weights(projs, dy.dtype, rows=rows)
     return torch.mm(w.t(), dy.t()).t() if transposed else torch.mm(dy, w)
 
@@ -1025,13 +1034,14 @@ class _LoRAMLP(torch.autograd.Function):
                 dora += _dora_scales(projs[:2], groups, saved, mags[:2], (a_masters, b_masters), dtype, store,
                                      dora_ops.norms)
                 affine = dict(scale=dora[0], bias=_bias(projs[:2], dtype))
-            h = glu.forward(*_halves(gu), **affine).t()  # (N, I)
+            amax = xc.new_empty(()) if down.fp8 is not None else None  # max |H|, for its one fp8 scale
+            h = glu.forward(*_halves(gu), **affine, amax=amax).t()  # (N, I)
             keep, h_lora = None, None
             if p_drop > 0:
                 mask = F.dropout(h.new_ones(h.shape), p_drop)  # 0 or 1/(1-p), drawn as F.dropout(h) draws
                 keep, h_lora = mask != 0, h * mask
                 del mask
-            y = _base((down,), h, dtype, bias=not dora_d, residual=None if dora_d else residual) \
+            y = _base((down,), h, dtype, bias=not dora_d, residual=None if dora_d else residual, amax=amax) \
                 if output or dora_d else None
             if down.r:
                 saved += _adapt(y, (down,), [0], h if h_lora is None else h_lora, a_masters[2:], b_masters[2:], dtype)
@@ -1101,7 +1111,9 @@ class _LoRAMLP(torch.autograd.Function):
                 elif down.r:
                     dh.addcmul_(torch.mm(dyb, a_d), mask)
             # kernels, no DoRA: dG, dU written over Gᵀ and Uᵀ (into gu); H over dH
-            dg, du, h = ctx.glu.backward(dh.t(), g, u, **affine)
+            # max |[dG | dU]|, for its one fp8 scale, where the base's input gradient reads [dG | dU] itself
+            amax = xc.new_empty(()) if projs[0].fp8 is not None and dora_gu is None else None
+            dg, du, h = ctx.glu.backward(dh.t(), g, u, **affine, amax=amax)
             del dh
             if down.r and need_a[2]:  # dA_d = s (dY B_d)ᵀ H̃
                 da[2] = _mm_to(dyb.t(), h.t() if mask is None else h.t() * mask, masters[2])
@@ -1121,7 +1133,7 @@ class _LoRAMLP(torch.autograd.Function):
                 dx = _base_backward(projs[:2], gu_rows.t(), rows=a) if need[0] else None
                 dx_loras = [None, None]
             else:
-                dx = _base_backward(projs[:2], dgu) if need[0] else None
+                dx = _base_backward(projs[:2], dgu, amax=amax) if need[0] else None
                 dx_loras = _adapt_groups_backward(projs[:2], ctx.groups, saved, dgu, x_loras, xc, dx, need[1:3],
                                                   need_a, need_b, masters, da, db)
         x_dtype = ctx.dtypes[0]  # X's, and X̃_gate's and X̃_up's (asserted in forward)

@@ -128,13 +128,16 @@ def test_projections_equal_emulated_fp8(nf4):
 
 @pytest.mark.parametrize("nf4", [False, True], ids=["bf16-base", "nf4-base"])
 @pytest.mark.parametrize("tokens", [N, 13])
-def test_mlp_equals_emulated_fp8(nf4, tokens):
+@pytest.mark.parametrize("kernels", [False, True], ids=["torch-glu", "kernel-glu"])
+def test_mlp_equals_emulated_fp8(nf4, tokens, kernels):
+    """The MLP's one scale of H and of [dG | dU] comes from the amax its activation finds as it writes them: the
+    torch reference's, or the kernels' (in Triton's interpreter here)."""
     gate, up = projections(nf4, (("gate_proj", I), ("up_proj", I)))
     down, = projections(nf4, (("down_proj", H),), in_f=I)
     projs = (gate, up, down)
     quantize_fp8_([(gate, up), (down,)])
     x = torch.randn(tokens, H)
-    fused = grads(lambda x: lora_mlp(x, projs, glu("silu")), x, projs)
+    fused = grads(lambda x: lora_mlp(x, projs, glu("silu", use_kernels=kernels)), x, projs)
     check(fused, grads(lambda x: emulated_mlp(x, *projs), x.double(), projs), 1e-4, "fp8 MLP vs emulated")
 
 

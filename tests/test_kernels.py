@@ -582,6 +582,33 @@ def test_activation_backward_writes_h(act, dtype, affine):
 
 @pytest.mark.parametrize("act", list(ACTIVATIONS))
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,n,affine", [(19, 67, False), (3, 1024, True), (1, 1, False), (0, 5, False)])
+def test_activation_amax(act, dtype, rows, n, affine):
+    """amax: the forward's max |h| and the backward's largest |dG| or |dU|, as stored, exactly (the fp8 path takes
+    the MLP's one e4m3 scale of H and of [dG | dU] from them), with the values they store unchanged: one program's
+    block and a partial one, exactly one program, one value, and none (amax 0). The largest value sits in the last
+    program's block, where a program that skipped its store would miss it."""
+    _, _, forward, backward = ACTIVATIONS[act]
+    gate = (torch.randn(rows, n, device=DEVICE) * 3).to(dtype)
+    up, dh = (torch.randn(rows, n, device=DEVICE).to(dtype) for _ in range(2))
+    if gate.numel():
+        up.view(-1)[-1], dh.view(-1)[-1] = 50.0, 50.0
+    kw = dict(scale=(torch.rand(2 * rows, device=DEVICE) + 0.5).to(dtype),
+              bias=torch.randn(2 * rows, device=DEVICE).to(dtype)) if affine else {}
+    amax = torch.full((), -1.0, dtype=dtype, device=DEVICE)
+    h = forward(gate, up, **kw, amax=amax)
+    assert torch.equal(h, forward(gate, up, **kw))
+    assert torch.equal(amax, h.abs().amax() if h.numel() else torch.zeros_like(amax))
+    dgate, dup, h2 = backward(dh.clone(), gate.clone(), up.clone(), inplace=not affine, write_h=True, **kw,
+                              amax=amax)
+    expected = backward(dh, gate, up, **kw)
+    assert torch.equal(dgate, expected[0]) and torch.equal(dup, expected[1]) and torch.equal(h2, h)
+    largest = torch.maximum(dgate.abs().amax(), dup.abs().amax()) if h.numel() else torch.zeros_like(amax)
+    assert torch.equal(amax, largest)
+
+
+@pytest.mark.parametrize("act", list(ACTIVATIONS))
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("has_bias", [False, True])
 def test_activation_per_row_affine(act, dtype, has_bias):
     """With a per-row scale and bias (DoRA's G = g ⊙ P + b of the MLP's gate and up, stored as (rows, N)), the

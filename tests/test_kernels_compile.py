@@ -132,11 +132,12 @@ def kernel_cases():
     for mod, name, approx in ((sw, "swiglu", ()), (gg, "geglu", ("APPROX_TANH",))):
         specs.append((mod.__name__, f"_{name}_forward_kernel", lambda t: {
             "gate_ptr": f"*{t}", "up_ptr": f"*{t}", "scale_ptr": f"*{t}", "bias_ptr": f"*{t}", "h_ptr": f"*{t}",
-            "n": "i32", "n_cols": "i32"}, {"BLOCK": glu.BLOCK}, flags(*approx, "AFFINE", "HAS_BIAS"), glu.NUM_WARPS))
+            "amax_ptr": f"*{t}", "n": "i32", "n_cols": "i32"}, {"BLOCK": glu.BLOCK},
+            flags(*approx, "AFFINE", "HAS_BIAS", "AMAX"), glu.NUM_WARPS))
         specs.append((mod.__name__, f"_{name}_backward_kernel", lambda t: {
             "dh_ptr": f"*{t}", "gate_ptr": f"*{t}", "up_ptr": f"*{t}", "scale_ptr": f"*{t}", "bias_ptr": f"*{t}",
-            "dgate_ptr": f"*{t}", "dup_ptr": f"*{t}", "n": "i32", "n_cols": "i32"}, {"BLOCK": glu.BLOCK},
-            flags(*approx, "AFFINE", "HAS_BIAS", "WRITE_H"), glu.NUM_WARPS))
+            "dgate_ptr": f"*{t}", "dup_ptr": f"*{t}", "amax_ptr": f"*{t}", "n": "i32", "n_cols": "i32"},
+            {"BLOCK": glu.BLOCK}, flags(*approx, "AFFINE", "HAS_BIAS", "AMAX", "WRITE_H"), glu.NUM_WARPS))
 
     for transposed in (False, True):  # the row-major and the transposed (MLP gate/up) tiles
         block_n, block_c, sum_rows = db.launch_config(transposed)
@@ -165,7 +166,7 @@ def kernel_cases():
         "packed_ptr": "*u8", "absmax_ptr": "*u8", "absmax_scale_ptr": "*fp32", "absmax_offset_ptr": "*fp32",
         "absmax_code_ptr": "*fp32", "levels_ptr": "*fp32", "out_ptr": f"*{t}", "n": "i32", "K": "i32",
         "row_stride": "i32"}, {"BLOCKS": nf4.BLOCKS, "BLOCK": NF4_BLOCK, "ABSMAX_BLOCK": NF4_ABSMAX_BLOCK},
-        [{"STRIDED": False}, {"STRIDED": True}], nf4.OPTIONS["num_warps"]))
+        flags("STRIDED", "HARDWARE_BF16"), nf4.OPTIONS["num_warps"]))
 
     # e4m3 from the GPU's conversion (HARDWARE_E4M3) or from the fp32 bits, stored as uint8. Every launch
     # configuration: a row held in registers (the widest), a wide row read twice, a transposed x in tiles.
