@@ -90,15 +90,14 @@ def glu_forward(kernel, gate, up, scale=None, bias=None, amax=None, **constexprs
     gate, up = gate.contiguous(), up.contiguous()
     h = torch.empty_like(gate)
     n = h.numel()
-    if n == 0:
-        if amax is not None:
-            amax.zero_()
-        return h
-    programs = triton.cdiv(n, BLOCK)
-    extra = amax_args(h, programs, amax)
-    kernel[(programs,)](gate, up, h_ptr=h, n=n, **affine_args(gate, scale, bias), **extra, **constexprs,
-                        BLOCK=BLOCK, num_warps=NUM_WARPS)
-    reduce_amax(extra, amax)
+    if n > 0:
+        programs = triton.cdiv(n, BLOCK)
+        extra = amax_args(h, programs, amax)
+        kernel[(programs,)](gate, up, h_ptr=h, n=n, **affine_args(gate, scale, bias), **extra, **constexprs,
+                            BLOCK=BLOCK, num_warps=NUM_WARPS)
+        reduce_amax(extra, amax)
+    elif amax is not None:
+        amax.zero_()
     return h
 
 
@@ -116,12 +115,12 @@ def glu_backward(kernel, dh, gate, up, inplace, name, scale=None, bias=None, wri
         gate, up = gate.contiguous(), up.contiguous()
         dgate, dup = gate.new_empty((2, *gate.shape)).unbind(0)
     n = dh.numel()
-    if n == 0 and amax is not None:
-        amax.zero_()
     if n > 0:
         programs = triton.cdiv(n, BLOCK)
         extra = amax_args(dgate, programs, amax)
         kernel[(programs,)](dh, gate, up, dgate_ptr=dgate, dup_ptr=dup, n=n, **affine_args(gate, scale, bias),
                             **extra, **constexprs, WRITE_H=write_h, BLOCK=BLOCK, num_warps=NUM_WARPS)
         reduce_amax(extra, amax)
+    elif amax is not None:
+        amax.zero_()
     return (dgate, dup, dh) if write_h else (dgate, dup)
