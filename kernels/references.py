@@ -561,9 +561,10 @@ def fp8_quantize_tensor_reference(x, amax=None):
     caller has it (0-d), used as given."""
     assert x.dim() == 2 and x.dtype in DTYPES, f"fp8 quantize: x must be 2-D fp32/bf16/fp16, got {x.shape} {x.dtype}"
     xf = x.float()
-    if amax is None:
-        amax = xf.abs().amax() if x.numel() else None
-    s = fp8_scale(amax) if x.numel() else torch.ones((), device=x.device)
+    if not x.numel():
+        s = torch.ones((), device=x.device)
+    else:
+        s = fp8_scale(xf.abs().amax() if amax is None else amax)
     return to_e4m3(xf * fp8_reciprocal(s)).contiguous(), s.expand(len(x)).contiguous()
 
 

@@ -1034,7 +1034,8 @@ class _LoRAMLP(torch.autograd.Function):
                 dora += _dora_scales(projs[:2], groups, saved, mags[:2], (a_masters, b_masters), dtype, store,
                                      dora_ops.norms)
                 affine = dict(scale=dora[0], bias=_bias(projs[:2], dtype))
-            amax = xc.new_empty(()) if down.fp8 is not None else None  # max |H|, for its one fp8 scale
+            # max |H|, for its one fp8 scale, where down's base GEMM runs (not in a recompute that skips it)
+            amax = xc.new_empty(()) if down.fp8 is not None and (output or dora_d) else None
             h = glu.forward(*_halves(gu), **affine, amax=amax).t()  # (N, I)
             keep, h_lora = None, None
             if p_drop > 0:
