@@ -38,6 +38,11 @@ stays on the bf16 path, named in one warning at load. The MLP keeps [G | U] and 
 model/lora.py): those products are computed as W X̂ᵀ, which needs the token count to be a multiple of 16 too;
 otherwise the plain product is copied into that layout.
 
+Both GEMMs sum in the tensor cores' own accumulator (use_fast_accum=True; torchao takes it for its forward
+GEMM): cuBLAS otherwise adds the partial sums into fp32 registers every few K-steps, which costs an H100 about a
+tenth of an fp8 GEMM's time. The error this adds to a product is small beside e4m3's rounding of the operands
+(both measured on 7-9B shapes in docs/benchmarks.md; tests/test_fp8_gpu.py bounds it at K = 28672).
+
 Why e4m3 for dY too (not e5m2, the classic choice for gradients): with a scale per token, the range a row
 needs is its own, and e4m3's extra mantissa bit halves the rounding error, as DeepSeek-V3 and torchao's
 rowwise recipe do. [dG | dU], with one scale, fits all tokens into e4m3's range: values below 2^-6 / 448 of the
@@ -218,11 +223,12 @@ def _mm(a, sa, w, sw, dtype, transposed):
     if transposed and M % ALIGN == 0:
         b = a.t()
         _check_operands(w, b)
-        y = torch._scaled_mm(w, b, scale_a=sw[:, None], scale_b=sa[None, :], out_dtype=dtype).t()
+        y = torch._scaled_mm(w, b, scale_a=sw[:, None], scale_b=sa[None, :], out_dtype=dtype,
+                             use_fast_accum=True).t()
     else:
         b = w.t()
         _check_operands(a, b)
-        y = torch._scaled_mm(a, b, scale_a=sa[:, None], scale_b=sw[None, :], out_dtype=dtype)
+        y = torch._scaled_mm(a, b, scale_a=sa[:, None], scale_b=sw[None, :], out_dtype=dtype, use_fast_accum=True)
         if transposed and M > 1:
             y = y.t().contiguous().t()
     assert y.dtype == dtype, f"fp8 GEMM: output must be {dtype}, got {y.dtype}"

@@ -185,9 +185,10 @@ def model_grads(model, ids, targets):
     return loss, {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
 
 
-def emulated_scaled_mm(a, b, scale_a, scale_b, out_dtype):
-    """torch._scaled_mm's definition, (scale_a a)(scale_b b), summed in fp64: a model that runs it differs from
-    the fp8 model only by the GEMMs' fp32 sums (and the rare e4m3 rounding those move across a midpoint)."""
+def emulated_scaled_mm(a, b, scale_a, scale_b, out_dtype, use_fast_accum=False):
+    """torch._scaled_mm's definition, (scale_a a)(scale_b b), summed in fp64 whichever accumulation is asked for:
+    a model that runs it differs from the fp8 model only by the GEMMs' sums (and the rare e4m3 rounding those
+    move across a midpoint)."""
     return ((a.double() * scale_a.double()) @ (b.double() * scale_b.double())).to(out_dtype)
 
 
