@@ -85,7 +85,9 @@ joins the base GEMM along K instead of adding into its output in a pass of its o
 one rounding of the sum, and the output is written once and never read and written again. The price is a copy of
 X (or dY) beside the thin product, worth it where the output is wider than the input: forward for q|k|v, o and
 gate|up, backward for down; gate|up's backward needs no copy, as its [dG | dU] buffer carries Σr spare rows from
-the forward for s dY B. Dropout, DoRA, full-precision weights (W would be copied) and --fp8 keep the adds.
+the forward for s dY B. With the kernels, s dY B and gate's and up's dB come from one read of [dG | dU]
+(`GLU.adapter_grads`, kernels/adapter_grads.py) rather than three GEMMs that each read it, where that pays (a large
+[dG | dU], r ≤ 32). Dropout, DoRA, full-precision weights (W would be copied) and --fp8 keep the adds.
 
 The MLP, with act(g) = g·σ(g) (SwiGLU) or gelu(g) (GeGLU):
 
@@ -428,6 +430,8 @@ class GLU(NamedTuple):
     backward: Callable  # (dh, gate, up, scale=None, bias=None, amax=None) -> (dgate, dup, h), h the forward's, bit
     # for bit; amax (0-d) gets the largest |dgate| or |dup|
     inplace: bool  # backward without scale writes dgate, dup over gate, up (saves two [N, I] buffers), h over dh
+    adapter_grads: Callable | None = None  # gate's and up's s dY B and dB from one read of [dG | dU]
+    # (kernels/adapter_grads.py; None where that does not pay), or None: a GEMM each
 
 
 def scale_rows(gate, up, scale=None, bias=None):
@@ -878,11 +882,35 @@ def _adapt_backward(projs, group, dy, x, xa, b, need_a, need_b, masters, da, db)
     for i, (rows, c) in zip(group, blocks):
         if need_b[i]:  # one GEMM per member, so that each dB_i is a whole tensor (one multi-tensor add in step.py)
             db[i] = _mm_to(dy[:, rows].t(), xa[:, c], masters[i])  # xa holds s X̃ Aᵀ
-    if any(need_a[i] for i in group):
-        da_stacked = _mm_to(dyb.t(), x, masters[group[0]])  # (Σr, in)
-        for i, (_, c) in zip(group, blocks):
-            da[i] = da_stacked[c] if need_a[i] else None  # rows of the stack: contiguous
+    _stacked_da(projs, group, dyb.t(), x, need_a, masters, da)
     return dyb
+
+
+def _stacked_da(projs, group, dybt, x, need_a, masters, da):
+    """dA_i = (s dY B)ᵀ_i X for the group's members, as rows of one GEMM's (Σr, in) product, into da[i] where need_a[i]
+    asks for it; dybt: (s dY B)ᵀ (Σr, N)."""
+    if any(need_a[i] for i in group):
+        da_stacked = _mm_to(dybt, x, masters[group[0]])  # (Σr, in)
+        for i, c in zip(group, _columns(projs, group)):
+            da[i] = da_stacked[c] if need_a[i] else None  # rows of the stack: contiguous
+
+
+def _adapt_backward_one_read(fn, projs, group, rows, x, xa, b, need_a, need_b, masters, da, db):
+    """`_adapt_backward` of a group whose dY is stored transposed in the first rows of `rows` ((Σout + Σr, N), the
+    MLP's [dG | dU] buffer), with s dY B written as (s dY B)ᵀ into its last Σr rows. fn (`GLU.adapter_grads`) takes
+    s dY B and the members' dB from one read of dY where its members share one width and rank and some dB is wanted;
+    False where it does not run (the caller's GEMMs then do the work)."""
+    r, n_out = projs[group[0]].r, sum(projs[i].out_features for i in group)
+    if fn is None or len({projs[i].r for i in group}) > 1 or len({projs[i].out_features for i in group}) > 1 or \
+            not any(need_b[i] for i in group):
+        return False
+    db_stacked = fn(rows[:n_out], xa, b, projs[group[0]].scale, r, rows[n_out:])
+    if db_stacked is None:  # where one read does not pay
+        return False
+    for i, (features, _) in zip(group, _blocks(projs, group)[1]):
+        db[i] = db_stacked[features].to(masters[i]) if need_b[i] else None
+    _stacked_da(projs, group, rows[n_out:], x, need_a, masters, da)
+    return True
 
 
 def _adapt_groups(y, projs, groups, x_loras, x, a_masters, b_masters, dtype):
@@ -1129,8 +1157,10 @@ class _LoRAMLP(torch.autograd.Function):
                 xa, a, b = saved[:3]
                 _expect(a, xc.dtype, f"saved lora_A of {projs[0].name}")
                 _expect(b, xc.dtype, f"saved lora_B of {projs[0].name}")
-                dyb = _adapt_backward(projs[:2], ctx.groups[0], dgu, xc, xa, b, need_a, need_b, masters, da, db)
-                gu_rows[n_gu:] = dyb.t()
+                if not _adapt_backward_one_read(ctx.glu.adapter_grads, projs[:2], ctx.groups[0], gu_rows, xc, xa, b,
+                                                need_a, need_b, masters, da, db):
+                    dyb = _adapt_backward(projs[:2], ctx.groups[0], dgu, xc, xa, b, need_a, need_b, masters, da, db)
+                    gu_rows[n_gu:] = dyb.t()
                 dx = _base_backward(projs[:2], gu_rows.t(), rows=a) if need[0] else None
                 dx_loras = [None, None]
             else:

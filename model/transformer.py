@@ -75,7 +75,9 @@ class Ops:
         self.softcap_attention = None  # softcapped attention without a (T, T) tensor (`Transformer.layer_mask`)
         self.merge_table = None  # the merged weights of every adapter in one launch (`MergedAdapters`)
         self.sample_tokens = None  # a rollout's draw of each row's token in two launches (`GroupSampler`)
+        self.adapter_grads = None  # the MLP adapters' s dY B and dB from one read of [dG | dU] (`GLU`)
         if use_kernels:
+            from kernels.adapter_grads import adapter_grads
             from kernels.add_rms_norm import add_rms_norm
             from kernels.decode_attention import decode_attention
             from kernels.dora_backward import dora_backward
@@ -94,6 +96,7 @@ class Ops:
             self.add_rms_norm = add_rms_norm
             self.rms_norm_and_residual = rms_norm_and_residual
             self._glu_pairs = {"silu": (swiglu_forward, swiglu_backward), "gelu": (geglu_forward, geglu_backward)}
+            self.adapter_grads = adapter_grads
             self.dora = DoRAOps(dora_backward, dora_norms, NormsTable)
             self.softcap_attention = softcap_attention
             self.merge_table = MergeTable
@@ -115,7 +118,8 @@ class Ops:
         if not self.use_kernels:
             return GLU(function, partial(affine_forward, function), partial(autograd_backward, function), inplace=False)
         forward, backward = self._glu_pairs["silu" if act == "silu" else "gelu"]
-        return GLU(function, partial(forward, **kw), partial(backward, inplace=True, write_h=True, **kw), inplace=True)
+        return GLU(function, partial(forward, **kw), partial(backward, inplace=True, write_h=True, **kw), inplace=True,
+                   adapter_grads=self.adapter_grads)
 
 
 class RMSNorm(nn.Module):

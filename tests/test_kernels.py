@@ -12,12 +12,14 @@ import torch
 import torch.nn.functional as F
 
 import kernels.fused_linear_cross_entropy as flce_module
+from kernels.adapter_grads import MAX_RANK, MIN_ELEMENTS, adapter_grads
 from kernels.cross_entropy import cross_entropy
 from kernels.dora_backward import dora_backward
 from kernels.dora_norm import MergeTable, NormsTable, dora_norms
 from kernels.fused_linear_cross_entropy import fused_linear_cross_entropy
 from kernels.geglu import geglu, geglu_backward, geglu_forward
 from kernels.references import (
+    adapter_grads_reference,
     cross_entropy_reference,
     dora_backward_reference,
     dora_norms_reference,
@@ -653,6 +655,41 @@ def test_dora_backward(dtype, N, C, transposed):
     close(dy, ref_dp, dtype, "dP in place")
 
 
+def check_adapter_grads(device, dtype, members, out, N, r, scale=0.5):
+    """The LoRA dY products from one read (kernels/adapter_grads.py) against the fp64 reference: dB in fp32, s dY B
+    in the buffer's last rows in the inputs' dtype, dY's rows untouched; a second launch gives the same bits."""
+    rows = torch.randn(members * (out + r), N, device=device).to(dtype)  # the MLP's [dG | dU | spare rows]
+    dyt, q_out = rows[:members * out], rows[members * out:]
+    p = torch.randn(N, members * r, device=device).to(dtype)
+    b = torch.zeros(members * out, members * r, device=device, dtype=dtype)
+    for m in range(members):
+        b[m * out:(m + 1) * out, m * r:(m + 1) * r] = torch.randn(out, r, device=device).to(dtype)
+    kept, q_kept = dyt.clone(), q_out.clone()
+    db = adapter_grads(dyt, p, b, scale, r, q_out)
+    if db is None:  # on a GPU, where one read does not pay: nothing written
+        assert dyt.is_cuda and (dyt.numel() < MIN_ELEMENTS or r > MAX_RANK) and torch.equal(q_out, q_kept)
+        return
+    q_ref = torch.empty(members * r, N, dtype=torch.float64, device=device)
+    db_ref = adapter_grads_reference(dyt.double(), p.double(), b.double(), scale, r, q_ref)
+    assert db.dtype == torch.float32 and db.shape == (members * out, r) and db.is_contiguous()
+    close(db.double(), db_ref, torch.float32, "dB", scale=10)
+    close(q_out.double(), q_ref.to(dtype).double(), dtype, "s dY B", scale=2)
+    assert torch.equal(dyt, kept), "dY was written"
+    q_first = q_out.clone()
+    assert torch.equal(adapter_grads(dyt, p, b, scale, r, q_out), db) and torch.equal(q_out, q_first), \
+        "two launches differ"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("members,out,N,r", [(2, 128, 300, 16), (2, 80, 257, 4), (1, 40, 17, 8), (3, 70, 129, 16),
+                                             (2, 64, 513, 32), (2, 96, 0, 16)])
+def test_adapter_grads(dtype, members, out, N, r):
+    """s dY B and dB_m = dY_mᵀ P_m from one read of dYᵀ: gate/up-like groups, widths that leave a partial feature
+    tile (80, 70), token counts that leave a partial token block, ranks padded to the dot's 16 (4, 8), a lone
+    member and three, and no tokens (dB zero)."""
+    check_adapter_grads(DEVICE, dtype, members, out, N, r)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("ends,r,in_features", [((40, 56, 72), 4, 50), ((24, 48), 16, 37), ((33,), 8, 300),
                                                 ((20, 30, 45), 24, 19), ((70, 100, 130), 4, 65), ((75,), 136, 40)])
@@ -865,6 +902,18 @@ def test_gpu_rope(dtype, Hq, Hk, D):
 @pytest.mark.parametrize("inter", [5632, 9216])
 def test_gpu_activation(act, dtype, inter):
     check_activation("cuda", dtype, (4, 2048, inter), act)
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("out,N,r", [(18944, 4096, 16), (14336, 4096, 16), (14336, 4096, 32), (4864, 8000, 8),
+                                     (14336, 4096, 64), (1536, 4096, 16)])
+def test_gpu_adapter_grads(dtype, out, N, r):
+    """The one-read LoRA dY products at the MLPs of Qwen2.5-7B and Llama-3.1-8B (2 × 2048 tokens; r 16 and 32) and
+    Qwen2.5-0.5B (r 8, a partial token block); where one read does not pay (r 64, SmolLM2-135M's MLP) the launcher
+    declines and writes nothing."""
+    check_adapter_grads("cuda", dtype, 2, out, N, r)
 
 
 @gpu

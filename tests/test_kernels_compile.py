@@ -207,7 +207,31 @@ def kernel_cases():
             sig = {**signature(dtype), **{k: "constexpr" for k in constexprs}}
             cases.append(Case("-".join([kernel, *label, dtype, flag_id(combo), f"sm{arch}"]), module, kernel, sig,
                               constexprs, warps, arch))
-    return cases + decode_attention_cases(da) + softcap_attention_cases(sa) + decode_gemm_cases()
+    return cases + decode_attention_cases(da) + softcap_attention_cases(sa) + decode_gemm_cases() + \
+        adapter_grads_cases()
+
+
+def adapter_grads_cases():
+    """The LoRA dY products from one read (kernels/adapter_grads.py) at its launcher's configurations, every dtype,
+    ranks padded to 16 and 64, with the pointers 16-byte aligned as torch's tensors make them: the tiles of dY then
+    pipeline through shared memory, which is what needs the most of it."""
+    import torch
+
+    import kernels.adapter_grads as ag
+    names = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+    cases = []
+    for dtype, R, arch in product(DTYPES, (16, 64), ARCHS):
+        block_f, block_t, warps, stages = ag.launch_config(names[dtype])
+        operand = getattr(tl, {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}[dtype])
+        constexprs = dict(RANK=R, R=R, BLOCK_F=block_f, BLOCK_T=block_t, DTYPE=operand, OPERAND=operand,
+                          PRECISION="ieee" if dtype == "fp32" else "tf32")
+        sig = {"dyt_ptr": f"*{dtype}", "p_ptr": f"*{dtype}", "b_ptr": f"*{dtype}", "db_ptr": "*fp32", "q_ptr": "*fp32",
+               **dict.fromkeys(("N", "M", "OUT", "stride_dyt", "stride_p", "stride_b"), "i32"), "scale": "fp32",
+               "runs": "i32", "tiles_per_run": "i32", **dict.fromkeys(constexprs, "constexpr")}
+        cases.append(Case(f"_adapter_grads_kernel-R{R}-{dtype}-sm{arch}", ag.__name__, "_adapter_grads_kernel", sig,
+                          constexprs, warps, arch, stages, aligned=("dyt_ptr", "p_ptr", "b_ptr", "db_ptr", "q_ptr", "N",
+                                                                    "stride_dyt", "stride_p", "stride_b")))
+    return cases
 
 
 def decode_attention_cases(da):

@@ -9,6 +9,7 @@ import torch.nn as nn
 from bitsandbytes.functional import dequantize_4bit, quantize_4bit
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from kernels.adapter_grads import adapter_grads
 from model import LoRAConfig, load_model
 from model.lora import LoRALinear, lora_mlp, lora_parameters, lora_projections
 from model.qlora import NF4Weight, quantize_linear_, quantize_model
@@ -251,14 +252,16 @@ def test_nf4_decoding_replays_as_eager(llama_folder):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("case", ["mlp", "q/k/v", "o"])
+@pytest.mark.parametrize("case", ["mlp", "mlp-one-read", "q/k/v", "o"])
 def test_folded_adapters_on_gpu(case):
     """The folds on CUDA in bf16 at a model's widths (the Triton kernel writing W into [W | B], cuBLAS on the
-    strided [X | s X Aᵀ] and [dY | s dY B], the kernels' activation), against the unfused reference."""
+    strided [X | s X Aᵀ] and [dY | s dY B], the kernels' activation), against the unfused reference; with 6000
+    tokens [dG | dU] is large enough that gate's and up's s dY B and dB come from one read of it
+    (kernels/adapter_grads.py), which is seen to run."""
     h, i = 1024, 2816
-    specs = {"mlp": [("gate_proj", h, i, False), ("up_proj", h, i, False), ("down_proj", i, h, False)],
-             "q/k/v": [("q_proj", h, 1024, True), ("k_proj", h, 256, True), ("v_proj", h, 256, True)],
-             "o": [("o_proj", h, h, False)]}[case]
+    specs = {"q/k/v": [("q_proj", h, 1024, True), ("k_proj", h, 256, True), ("v_proj", h, 256, True)],
+             "o": [("o_proj", h, h, False)]}.get(
+        case, [("gate_proj", h, i, False), ("up_proj", h, i, False), ("down_proj", i, h, False)])
 
     def make(dtype):
         projs = [make_proj(a, b, bias, 16, dtype, name, seed).cuda() for seed, (name, a, b, bias) in enumerate(specs)]
@@ -267,10 +270,18 @@ def test_folded_adapters_on_gpu(case):
         return projs
 
     quant, ref = nf4_pair(torch.bfloat16, make)
-    x = torch.randn(2, 300, h, device="cuda").to(torch.bfloat16)
-    if case == "mlp":
-        silu = glu("silu", use_kernels=True)
+    x = torch.randn(2, 3000 if case == "mlp-one-read" else 300, h, device="cuda").to(torch.bfloat16)
+    ran = []  # whether gate/up's one read ran, each time it was offered
+
+    def one_read(*args):
+        db = adapter_grads(*args)
+        ran.append(db is not None)
+        return db
+
+    if case.startswith("mlp"):
+        silu = glu("silu", use_kernels=True)._replace(adapter_grads=one_read)
         fused, unfused = (lambda t: lora_mlp(t, quant, silu)), (lambda t: unfused_mlp(t, ref, "silu"))
     else:
         fused, unfused = (lambda t: lora_projections(t, quant)), (lambda t: tuple(p(t) for p in ref))
     compare(run(fused, x, quant), run(unfused, x, ref), torch.bfloat16, f"folded {case} on CUDA")
+    assert ran == ([case == "mlp-one-read"] if case.startswith("mlp") else []), ran

@@ -1,0 +1,114 @@
+"""Two LoRA gradients of a group of projections that read one input, from one read of their output's gradient:
+
+    Q    = s dY B             (N, Σr)    member m's columns: s dY_m B_m   (B block-diagonal, as model/lora.py builds it)
+    dB_m = dY_mᵀ P_m          (out, r)   P = s X Aᵀ (N, Σr), saved by forward
+
+for M members of `out` output features and rank r each (gate and up of an MLP: M = 2, out = I), with dY stored
+transposed, dYᵀ (M·out, N) with unit stride along N, as the MLP keeps [dG | dU] (model/lora.py). As two cuBLAS
+GEMMs (three: dB is one a member) each of them reads all of dY, the widest tensor of a layer's backward (an (N, 2I)
+tensor: 235 MB at Llama-3.1-8B's 2 × 2048 tokens); here it is read once.
+
+A program takes BLOCK_T tokens and a run of BLOCK_F-feature tiles of one member. Each tile d = dYᵀ[tile, tokens]
+(BLOCK_F, BLOCK_T) is loaded once and feeds two products on the tensor cores:
+
+    d P_m[tokens]        (BLOCK_F, R)   the tile's dB over the program's tokens: a partial sum, stored in fp32
+    dᵀ B_m[tile]         (BLOCK_T, R)   added to the program's Q, in fp32 registers
+
+and at the end the program stores its Q times s (fp32). R is r padded to a power of two of at least 16 (what
+tl.dot takes), the padding loaded as zeros. The two contractions run along different axes (dB's over tokens, Q's
+over features), so one of them must leave partial sums: dB's, one (BLOCK_F, R) block a tile and token block, in
+all cdiv(N, BLOCK_T) · M · out · R fp32 (4R / BLOCK_T bytes a dY element: 1/4 of dY's bytes at R 16 and BLOCK_T
+256), and Q's, one (BLOCK_T, R) block a run of tiles. The launcher sums each set along its partials' axis in a
+fixed order (torch.sum): the results do not depend on the programs' order. dB stays fp32; Q is rounded once, into
+the caller's buffer.
+
+Reference: kernels.references.adapter_grads_reference.
+"""
+import torch
+import triton
+import triton.language as tl
+
+from kernels.decode_linear import dot_constexprs
+from kernels.references import check_adapter_grads_args
+from kernels.softcap_attention import _dot
+
+# Where one read pays (an H100, against cuBLAS's GEMMs): dY of at least 2^25 elements (Qwen2.5-0.5B's MLP at 8192
+# tokens: 80M, 33 µs saved a layer; SmolLM2-135M's at 4096 tokens: 13M, 4 µs lost) and ranks up to 32 (at 64 the
+# partial sums and the (BLOCK_T, R) accumulator cost what the read saves).
+MIN_ELEMENTS, MAX_RANK = 1 << 25, 32
+PROGRAMS_PER_SM = 4  # about two resident programs an SM (80 KB of shared memory each), two waves
+
+
+def launch_config(dtype):
+    """(BLOCK_F, BLOCK_T, num_warps, num_stages): a 64 × 256 tile of half-precision dY, 32 KB a pipeline stage, two
+    stages (two programs fit an SM's shared memory; three stages leave room for one); fp32 tiles of the same bytes in
+    one stage (fp32 runs on the GPU only when a model trains in fp32)."""
+    return (64, 256, 4, 2) if dtype != torch.float32 else (32, 128, 4, 1)
+
+
+def runs_per_member(tiles, token_blocks, members, programs):
+    """How many runs of tiles each member's tiles are cut into, so that the launch has about `programs` programs
+    (at least one tile a run)."""
+    return max(1, min(tiles, triton.cdiv(programs, max(1, token_blocks) * members)))
+
+
+@triton.jit
+def _adapter_grads_kernel(dyt_ptr, p_ptr, b_ptr, db_ptr, q_ptr, N, M, OUT, stride_dyt, stride_p, stride_b, scale,
+                          runs, tiles_per_run, RANK: tl.constexpr, R: tl.constexpr, BLOCK_F: tl.constexpr,
+                          BLOCK_T: tl.constexpr, DTYPE: tl.constexpr, OPERAND: tl.constexpr, PRECISION: tl.constexpr):
+    token_block, run = tl.program_id(0), tl.program_id(1)
+    member, run_in_member = run // runs, run % runs
+    tokens = token_block * BLOCK_T + tl.arange(0, BLOCK_T)
+    token_mask = tokens < N
+    ranks = tl.arange(0, R)
+    rank_mask = ranks < RANK
+    columns = member * RANK + ranks  # the member's columns of P and of the block B
+    p = tl.load(p_ptr + tokens[:, None].to(tl.int64) * stride_p + columns[None, :],
+                mask=token_mask[:, None] & rank_mask[None, :], other=0.0)  # (BLOCK_T, R)
+    q = tl.zeros((BLOCK_T, R), dtype=tl.float32)
+    first = run_in_member * tiles_per_run
+    last = tl.minimum(first + tiles_per_run, tl.cdiv(OUT, BLOCK_F))
+    for tile in range(first, last):
+        in_member = tile * BLOCK_F + tl.arange(0, BLOCK_F)
+        feature_mask = in_member < OUT
+        features = (member * OUT + in_member).to(tl.int64)
+        d = tl.load(dyt_ptr + features[:, None] * stride_dyt + tokens[None, :],
+                    mask=feature_mask[:, None] & token_mask[None, :], other=0.0)  # (BLOCK_F, BLOCK_T)
+        b = tl.load(b_ptr + features[:, None] * stride_b + columns[None, :],
+                    mask=feature_mask[:, None] & rank_mask[None, :], other=0.0)  # (BLOCK_F, R)
+        db = _dot(d, p, DTYPE, OPERAND, PRECISION)  # (BLOCK_F, R)
+        tl.store(db_ptr + (token_block.to(tl.int64) * M * OUT + features[:, None]) * R + ranks[None, :], db,
+                 mask=feature_mask[:, None])
+        q += _dot(tl.trans(d), b, DTYPE, OPERAND, PRECISION)  # (BLOCK_T, R)
+    # Q's partials (runs, M · R, N): this program's run, its member's R rows, its tokens
+    rows = (run_in_member.to(tl.int64) * M + member) * R + ranks
+    tl.store(q_ptr + rows[None, :] * N + tokens[:, None], q * scale, mask=token_mask[:, None])
+
+
+def adapter_grads(dyt, p, b, scale, r, q_out):
+    """dB (M·out, r) fp32, the members' dB_m stacked, for dyt = dYᵀ (M·out, N) with unit stride along N, p = s X Aᵀ
+    (N, M·r) and b the block-diagonal B (M·out, M·r), one half-precision or fp32 dtype; s dY B goes into q_out
+    (M·r, N) as its transpose, in dyt's dtype. None, with nothing written, where one read does not pay
+    (`MIN_ELEMENTS`, `MAX_RANK`): the caller's GEMMs are as fast there."""
+    check_adapter_grads_args(dyt, p, b, r, q_out)
+    if dyt.is_cuda and (dyt.numel() < MIN_ELEMENTS or r > MAX_RANK):
+        return None
+    F, N = dyt.shape
+    M = p.shape[1] // r
+    out = F // M
+    R = max(16, triton.next_power_of_2(r))
+    block_f, block_t, warps, stages = launch_config(dyt.dtype)
+    tiles, token_blocks = triton.cdiv(out, block_f), triton.cdiv(N, block_t)
+    sms = torch.cuda.get_device_properties(dyt.device).multi_processor_count if dyt.is_cuda else 4
+    runs = runs_per_member(tiles, token_blocks, M, PROGRAMS_PER_SM * sms)
+    tiles_per_run = triton.cdiv(tiles, runs)
+    db_partial = torch.empty(token_blocks, F, R, dtype=torch.float32, device=dyt.device)
+    q_partial = torch.empty(runs, M * R, N, dtype=torch.float32, device=dyt.device)
+    if N > 0:
+        _adapter_grads_kernel[(token_blocks, M * runs)](
+            dyt, p, b, db_partial, q_partial, N, M, out, dyt.stride(0), p.stride(0), b.stride(0), scale, runs,
+            tiles_per_run, RANK=r, R=R, BLOCK_F=block_f, BLOCK_T=block_t, **dot_constexprs(dyt), num_warps=warps,
+            num_stages=stages)
+    db = db_partial.sum(0)[:, :r]
+    q_out.view(M, r, N).copy_(q_partial.sum(0).view(M, R, N)[:, :r])
+    return db if R == r else db.contiguous()
