@@ -895,21 +895,21 @@ def _stacked_da(projs, group, dybt, x, need_a, masters, da):
             da[i] = da_stacked[c] if need_a[i] else None  # rows of the stack: contiguous
 
 
-def _adapt_backward_one_read(fn, projs, group, rows, x, xa, b, need_a, need_b, masters, da, db):
-    """`_adapt_backward` of a group whose dY is stored transposed in the first rows of `rows` ((Σout + Σr, N), the
-    MLP's [dG | dU] buffer), with s dY B written as (s dY B)ᵀ into its last Σr rows. fn (`GLU.adapter_grads`) takes
-    s dY B and the members' dB from one read of dY where its members share one width and rank and some dB is wanted;
-    False where it does not run (the caller's GEMMs then do the work)."""
-    r, n_out = projs[group[0]].r, sum(projs[i].out_features for i in group)
+def _adapt_backward_one_read(fn, projs, group, dyt, q_out, x, xa, b, need_a, need_b, masters, da, db):
+    """`_adapt_backward` of a group whose dY is stored transposed, dyt = dYᵀ (Σout, N) with unit stride along N (the
+    MLP's [dG | dU]), writing (s dY B)ᵀ into q_out (Σr, N). fn (`GLU.adapter_grads`) takes s dY B and the members' dB
+    from one read of dY, where the members share one width and one rank and some dB is wanted; returns False where
+    it does not run (nothing written: the caller's GEMMs then do the work)."""
+    r = projs[group[0]].r
     if fn is None or len({projs[i].r for i in group}) > 1 or len({projs[i].out_features for i in group}) > 1 or \
             not any(need_b[i] for i in group):
         return False
-    db_stacked = fn(rows[:n_out], xa, b, projs[group[0]].scale, r, rows[n_out:])
+    db_stacked = fn(dyt, xa, b, projs[group[0]].scale, r, q_out)
     if db_stacked is None:  # where one read does not pay
         return False
     for i, (features, _) in zip(group, _blocks(projs, group)[1]):
         db[i] = db_stacked[features].to(masters[i]) if need_b[i] else None
-    _stacked_da(projs, group, rows[n_out:], x, need_a, masters, da)
+    _stacked_da(projs, group, q_out, x, need_a, masters, da)
     return True
 
 
@@ -918,16 +918,27 @@ def _adapt_groups(y, projs, groups, x_loras, x, a_masters, b_masters, dtype):
     return [t for g in groups for t in _adapt(y, projs, g, _read(g, x_loras, x), a_masters, b_masters, dtype)]
 
 
-def _adapt_groups_backward(projs, groups, saved, dy, x_loras, x, dx, need_x, need_a, need_b, masters, da, db):
+def _adapt_groups_backward(projs, groups, saved, dy, x_loras, x, dx, need_x, need_a, need_b, masters, da, db,
+                           one_read=None):
     """`_adapt_backward` for every group; saved starts with what `_adapt_groups` returned. A group that reads
     X adds its (s dY B) A into dx (unless dx is None: X needs no gradient); a dropout group's is its dX̃_i,
-    returned where need_x[i] asks for it (in a list indexed like x_loras)."""
+    returned where need_x[i] asks for it (in a list indexed like x_loras). one_read: `GLU.adapter_grads`, tried
+    where dY is stored transposed (the MLP's [dG | dU]; `_adapt_backward_one_read`)."""
     dx_loras = [None] * len(x_loras)
     for n, g in enumerate(groups):
         xa, a, b = saved[3 * n:3 * n + 3]
         _expect(a, x.dtype, f"saved lora_A of {projs[g[0]].name}")
         _expect(b, x.dtype, f"saved lora_B of {projs[g[0]].name}")
-        dyb = _adapt_backward(projs, g, dy, _read(g, x_loras, x), xa, b, need_a, need_b, masters, da, db)
+        xr = _read(g, x_loras, x)
+        dyb = None
+        if one_read is not None and dy.stride(0) == 1:
+            cols, _ = _blocks(projs, g)
+            q = dy.new_empty(xa.shape[1], len(dy))  # (s dY B)ᵀ (Σr, N)
+            if _adapt_backward_one_read(one_read, projs, g, dy[:, cols].t(), q, xr, xa, b, need_a, need_b, masters,
+                                        da, db):
+                dyb = q.t()
+        if dyb is None:
+            dyb = _adapt_backward(projs, g, dy, xr, xa, b, need_a, need_b, masters, da, db)
         if x_loras[g[0]] is None:
             if dx is not None:
                 dx.addmm_(dyb, a)
@@ -1157,8 +1168,8 @@ class _LoRAMLP(torch.autograd.Function):
                 xa, a, b = saved[:3]
                 _expect(a, xc.dtype, f"saved lora_A of {projs[0].name}")
                 _expect(b, xc.dtype, f"saved lora_B of {projs[0].name}")
-                if not _adapt_backward_one_read(ctx.glu.adapter_grads, projs[:2], ctx.groups[0], gu_rows, xc, xa, b,
-                                                need_a, need_b, masters, da, db):
+                if not _adapt_backward_one_read(ctx.glu.adapter_grads, projs[:2], ctx.groups[0], gu_rows[:n_gu],
+                                                gu_rows[n_gu:], xc, xa, b, need_a, need_b, masters, da, db):
                     dyb = _adapt_backward(projs[:2], ctx.groups[0], dgu, xc, xa, b, need_a, need_b, masters, da, db)
                     gu_rows[n_gu:] = dyb.t()
                 dx = _base_backward(projs[:2], gu_rows.t(), rows=a) if need[0] else None
@@ -1166,7 +1177,7 @@ class _LoRAMLP(torch.autograd.Function):
             else:
                 dx = _base_backward(projs[:2], dgu, amax=amax) if need[0] else None
                 dx_loras = _adapt_groups_backward(projs[:2], ctx.groups, saved, dgu, x_loras, xc, dx, need[1:3],
-                                                  need_a, need_b, masters, da, db)
+                                                  need_a, need_b, masters, da, db, one_read=ctx.glu.adapter_grads)
         x_dtype = ctx.dtypes[0]  # X's, and X̃_gate's and X̃_up's (asserted in forward)
         dxs = [_to(t, x_dtype) for t in (dx, *dx_loras)]
         return (None, None, None, None, None,

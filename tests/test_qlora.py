@@ -283,5 +283,10 @@ def test_folded_adapters_on_gpu(case):
         fused, unfused = (lambda t: lora_mlp(t, quant, silu)), (lambda t: unfused_mlp(t, ref, "silu"))
     else:
         fused, unfused = (lambda t: lora_projections(t, quant)), (lambda t: tuple(p(t) for p in ref))
-    compare(run(fused, x, quant), run(unfused, x, ref), torch.bfloat16, f"folded {case} on CUDA")
+    expected = run(unfused, x, ref)
+    compare(run(fused, x, quant), expected, torch.bfloat16, f"folded {case} on CUDA")
     assert ran == ([case == "mlp-one-read"] if case.startswith("mlp") else []), ran
+    if case == "mlp-one-read":  # the unfolded path (full-precision weights) takes the one read too
+        ran.clear()
+        compare(run(lambda t: lora_mlp(t, ref, silu), x, ref), expected, torch.bfloat16, "unfolded MLP on CUDA")
+        assert ran == [True], ran
