@@ -85,9 +85,7 @@ joins the base GEMM along K instead of adding into its output in a pass of its o
 one rounding of the sum, and the output is written once and never read and written again. The price is a copy of
 X (or dY) beside the thin product, worth it where the output is wider than the input: forward for q|k|v, o and
 gate|up, backward for down; gate|up's backward needs no copy, as its [dG | dU] buffer carries Σr spare rows from
-the forward for s dY B. With the kernels, s dY B and gate's and up's dB come from one read of [dG | dU]
-(`GLU.adapter_grads`, kernels/adapter_grads.py) rather than three GEMMs that each read it, where that pays (a large
-[dG | dU], r ≤ 32). Dropout, DoRA, full-precision weights (W would be copied) and --fp8 keep the adds.
+the forward for s dY B. Dropout, DoRA, full-precision weights (W would be copied) and --fp8 keep the adds.
 
 The MLP, with act(g) = g·σ(g) (SwiGLU) or gelu(g) (GeGLU):
 
@@ -99,6 +97,9 @@ The MLP, with act(g) = g·σ(g) (SwiGLU) or gelu(g) (GeGLU):
     dU  = dH ⊙ act(G)
     dG  = dH ⊙ U ⊙ act'(G),    SwiGLU: act'(g) = σ(g) (1 + g (1 - σ(g)))
     then gate and up backward as one projection of X: [dG | dU] against [W_g; W_u].
+
+With the kernels, gate's and up's s dY B and dB come from one read of [dG | dU] (`GLU.adapter_grads`,
+kernels/adapter_grads.py) rather than from three GEMMs that each read it, where that pays (a large [dG | dU], r ≤ 32).
 
 Backward runs in that order: dH and dB_d (neither reads H), then the activation's backward, which reads G
 and U for dG and dU and writes H over dH as it goes (H is not saved, and no forward runs again), then dA_d
