@@ -32,9 +32,9 @@ from kernels.decode_linear import dot_constexprs
 from kernels.references import check_adapter_grads_args
 from kernels.softcap_attention import _dot
 
-# Where one read pays (an H100, against cuBLAS's GEMMs): dY of at least 2^25 elements (Qwen2.5-0.5B's MLP at 8192
-# tokens: 80M, 33 µs saved a layer; SmolLM2-135M's at 4096 tokens: 13M, 4 µs lost) and ranks up to 32 (at 64 the
-# partial sums and the (BLOCK_T, R) accumulator cost what the read saves).
+# Where one read is faster than cuBLAS's GEMMs on an H100 (the measurements: docs/benchmarks.md, "gate | up's s dY B
+# and dB from one read"): dY of at least 2^25 elements (below, the launches and the partial sums cost more than the
+# read saves) and ranks up to 32 (above, the partial sums and the (BLOCK_T, R) accumulator do).
 MIN_ELEMENTS, MAX_RANK = 1 << 25, 32
 PROGRAMS_PER_SM = 4  # about two resident programs an SM (80 KB of shared memory each), two waves
 
