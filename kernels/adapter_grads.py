@@ -85,16 +85,18 @@ def _adapter_grads_kernel(dyt_ptr, p_ptr, b_ptr, db_ptr, q_ptr, N, M, OUT, strid
     tl.store(q_ptr + rows[None, :] * N + tokens[:, None], q * scale, mask=token_mask[:, None])
 
 
-def adapter_grads(dyt, p, b, scale, r, q_out):
-    """dB (M·out, r) fp32, the members' dB_m stacked, for dyt = dYᵀ (M·out, N) with unit stride along N, p = s X Aᵀ
-    (N, M·r) and b the block-diagonal B (M·out, M·r), one half-precision or fp32 dtype; s dY B goes into q_out
-    (M·r, N) as its transpose, in dyt's dtype. None, with nothing written, where one read does not pay
-    (`MIN_ELEMENTS`, `MAX_RANK`): the caller's GEMMs are as fast there."""
+def adapter_grads(dyt, p, b, scale, r, q_out=None):
+    """(dB, (s dY B)ᵀ) for dyt = dYᵀ (M·out, N) with unit stride along N, p = s X Aᵀ (N, M·r) and b the
+    block-diagonal B (M·out, M·r), one half-precision or fp32 dtype: dB (M·out, r) fp32, the members' dB_m stacked,
+    and (s dY B)ᵀ (M·r, N) in dyt's dtype, written into q_out when given. None, with nothing written or allocated,
+    where one read does not pay (`MIN_ELEMENTS`, `MAX_RANK`): the caller's GEMMs are as fast there."""
     check_adapter_grads_args(dyt, p, b, r, q_out)
     if dyt.is_cuda and (dyt.numel() < MIN_ELEMENTS or r > MAX_RANK):
         return None
     F, N = dyt.shape
     M = p.shape[1] // r
+    if q_out is None:
+        q_out = dyt.new_empty(M * r, N)
     out = F // M
     R = max(16, triton.next_power_of_2(r))
     block_f, block_t, warps, stages = launch_config(dyt.dtype)
@@ -111,4 +113,4 @@ def adapter_grads(dyt, p, b, scale, r, q_out):
             num_stages=stages)
     db = db_partial.sum(0)[:, :r]
     q_out.view(M, r, N).copy_(q_partial.sum(0).view(M, R, N)[:, :r])
-    return db if R == r else db.contiguous()
+    return (db if R == r else db.contiguous()), q_out

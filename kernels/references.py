@@ -309,31 +309,33 @@ def dora_backward_reference(dy, p, g, inv, out=None):
 # ----------------------------------------------------------------------------- LoRA's dY products
 
 def check_adapter_grads_args(dyt, p, b, r, q_out):
-    """dYᵀ (M·out, N) with unit stride along N, P (N, M·r), the block B (M·out, M·r) and q_out (M·r, N), one dtype."""
+    """dYᵀ (M·out, N) with unit stride along N, P (N, M·r), the block B (M·out, M·r) and q_out (M·r, N) or None, one
+    dtype."""
     assert dyt.dtype in DTYPES, f"adapter_grads: dY must be fp32/bf16/fp16, got {dyt.dtype}"
     assert dyt.dim() == p.dim() == b.dim() == 2 and r > 0 and p.shape[1] % r == 0, \
         f"adapter_grads: 2-D dYᵀ, P, B and P's columns a multiple of r; got {tuple(dyt.shape)}, {tuple(p.shape)}, r={r}"
     members = p.shape[1] // r
     F, N = dyt.shape
-    assert F % members == 0 and p.shape[0] == N and b.shape == (F, members * r) and q_out.shape == (members * r, N), \
-        f"adapter_grads: dYᵀ (M·out, N), P (N, M·r), B (M·out, M·r), q_out (M·r, N); got {tuple(dyt.shape)}, " \
-        f"{tuple(p.shape)}, {tuple(b.shape)}, {tuple(q_out.shape)}"
-    assert p.dtype == b.dtype == q_out.dtype == dyt.dtype, "adapter_grads: dYᵀ, P, B and q_out must share a dtype"
+    assert F % members == 0 and p.shape[0] == N and b.shape == (F, members * r), \
+        f"adapter_grads: dYᵀ (M·out, N), P (N, M·r), B (M·out, M·r); got {tuple(dyt.shape)}, {tuple(p.shape)}, " \
+        f"{tuple(b.shape)}"
+    assert p.dtype == b.dtype == dyt.dtype, "adapter_grads: dYᵀ, P and B must share a dtype"
     assert N < 2 or dyt.stride(1) == 1, "adapter_grads: dYᵀ must have unit stride along N"
-    assert p.stride(1) == 1 and b.stride(1) == 1 and q_out.is_contiguous(), \
-        "adapter_grads: P and B with unit column stride, q_out contiguous"
+    assert p.stride(1) == 1 and b.stride(1) == 1, "adapter_grads: P and B with unit column stride"
+    assert q_out is None or (q_out.shape == (members * r, N) and q_out.dtype == dyt.dtype and q_out.is_contiguous()), \
+        f"adapter_grads: q_out (M·r, N) contiguous in dYᵀ's dtype, got {tuple(q_out.shape)} {q_out.dtype}"
 
 
-def adapter_grads_reference(dyt, p, b, scale, r, q_out):
-    """`kernels.adapter_grads.adapter_grads` in torch: dB_m = dY_mᵀ P_m stacked (M·out, r) in fp32, and (s dY B)ᵀ
-    written into q_out. It also takes fp64, which the kernel does not."""
+def adapter_grads_reference(dyt, p, b, scale, r, q_out=None):
+    """`kernels.adapter_grads.adapter_grads` in torch: (dB_m = dY_mᵀ P_m stacked (M·out, r) in fp32, (s dY B)ᵀ in
+    dyt's dtype, into q_out when given). It also takes fp64, which the kernel does not."""
     members = p.shape[1] // r
     out = dyt.shape[0] // members
     acc = torch.float64 if dyt.dtype == torch.float64 else torch.float32
     d, pa = dyt.to(acc), p.to(acc)
     db = torch.cat([d[m * out:(m + 1) * out] @ pa[:, m * r:(m + 1) * r] for m in range(members)])
-    q_out.copy_(b.t().to(acc) @ d * scale)
-    return db
+    q = b.t().to(acc) @ d * scale
+    return db, q.to(dyt.dtype) if q_out is None else q_out.copy_(q)
 
 
 # ----------------------------------------------------------------------------- DoRA's norms

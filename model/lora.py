@@ -134,7 +134,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from kernels.references import dora_backward_reference, merged_weight_reference
-from model.fp8 import fp8_input_grad, fp8_linear
+from model.fp8 import fp8_input_grad, fp8_linear, stored_transposed
 
 ALL_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 COMPUTE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)  # float64: gradcheck only
@@ -896,22 +896,23 @@ def _stacked_da(projs, group, dybt, x, need_a, masters, da):
             da[i] = da_stacked[c] if need_a[i] else None  # rows of the stack: contiguous
 
 
-def _adapt_backward_one_read(fn, projs, group, dyt, q_out, x, xa, b, need_a, need_b, masters, da, db):
+def _adapt_backward_one_read(fn, projs, group, dyt, x, xa, b, need_a, need_b, masters, da, db, q_out=None):
     """`_adapt_backward` of a group whose dY is stored transposed, dyt = dYᵀ (Σout, N) with unit stride along N (the
-    MLP's [dG | dU]), writing (s dY B)ᵀ into q_out (Σr, N). fn (`GLU.adapter_grads`) takes s dY B and the members' dB
-    from one read of dY, where the members share one width and one rank and some dB is wanted; returns False where
-    it does not run (nothing written: the caller's GEMMs then do the work)."""
+    MLP's [dG | dU]). fn (`GLU.adapter_grads`) takes s dY B and the members' dB from one read of dY, where the
+    members share one width and one rank and some dB is wanted. Returns (s dY B)ᵀ (Σr, N), written into q_out when
+    given, or None where the one read does not run (nothing written: the caller's GEMMs then do the work)."""
     r = projs[group[0]].r
     if fn is None or len({projs[i].r for i in group}) > 1 or len({projs[i].out_features for i in group}) > 1 or \
             not any(need_b[i] for i in group):
-        return False
-    db_stacked = fn(dyt, xa, b, projs[group[0]].scale, r, q_out)
-    if db_stacked is None:  # where one read does not pay
-        return False
+        return None
+    result = fn(dyt, xa, b, projs[group[0]].scale, r, q_out)
+    if result is None:  # where one read does not pay
+        return None
+    db_stacked, dybt = result
     for i, (features, _) in zip(group, _blocks(projs, group)[1]):
         db[i] = db_stacked[features].to(masters[i]) if need_b[i] else None
-    _stacked_da(projs, group, q_out, x, need_a, masters, da)
-    return True
+    _stacked_da(projs, group, dybt, x, need_a, masters, da)
+    return dybt
 
 
 def _adapt_groups(y, projs, groups, x_loras, x, a_masters, b_masters, dtype):
@@ -923,23 +924,20 @@ def _adapt_groups_backward(projs, groups, saved, dy, x_loras, x, dx, need_x, nee
                            one_read=None):
     """`_adapt_backward` for every group; saved starts with what `_adapt_groups` returned. A group that reads
     X adds its (s dY B) A into dx (unless dx is None: X needs no gradient); a dropout group's is its dX̃_i,
-    returned where need_x[i] asks for it (in a list indexed like x_loras). one_read: `GLU.adapter_grads`, tried
-    where dY is stored transposed (the MLP's [dG | dU]; `_adapt_backward_one_read`)."""
+    returned where need_x[i] asks for it (in a list indexed like x_loras). one_read: `GLU.adapter_grads` (or None),
+    tried where dY is stored transposed (the MLP's [dG | dU]; `_adapt_backward_one_read`)."""
     dx_loras = [None] * len(x_loras)
     for n, g in enumerate(groups):
         xa, a, b = saved[3 * n:3 * n + 3]
         _expect(a, x.dtype, f"saved lora_A of {projs[g[0]].name}")
         _expect(b, x.dtype, f"saved lora_B of {projs[g[0]].name}")
         xr = _read(g, x_loras, x)
-        dyb = None
-        if one_read is not None and dy.stride(0) == 1:
+        dybt = None
+        if one_read is not None and stored_transposed(dy):
             cols, _ = _blocks(projs, g)
-            q = dy.new_empty(xa.shape[1], len(dy))  # (s dY B)ᵀ (Σr, N)
-            if _adapt_backward_one_read(one_read, projs, g, dy[:, cols].t(), q, xr, xa, b, need_a, need_b, masters,
-                                        da, db):
-                dyb = q.t()
-        if dyb is None:
-            dyb = _adapt_backward(projs, g, dy, xr, xa, b, need_a, need_b, masters, da, db)
+            dybt = _adapt_backward_one_read(one_read, projs, g, dy[:, cols].t(), xr, xa, b, need_a, need_b, masters,
+                                            da, db)
+        dyb = _adapt_backward(projs, g, dy, xr, xa, b, need_a, need_b, masters, da, db) if dybt is None else dybt.t()
         if x_loras[g[0]] is None:
             if dx is not None:
                 dx.addmm_(dyb, a)
@@ -1169,8 +1167,8 @@ class _LoRAMLP(torch.autograd.Function):
                 xa, a, b = saved[:3]
                 _expect(a, xc.dtype, f"saved lora_A of {projs[0].name}")
                 _expect(b, xc.dtype, f"saved lora_B of {projs[0].name}")
-                if not _adapt_backward_one_read(ctx.glu.adapter_grads, projs[:2], ctx.groups[0], gu_rows[:n_gu],
-                                                gu_rows[n_gu:], xc, xa, b, need_a, need_b, masters, da, db):
+                if _adapt_backward_one_read(ctx.glu.adapter_grads, projs[:2], ctx.groups[0], gu_rows[:n_gu], xc, xa, b,
+                                            need_a, need_b, masters, da, db, q_out=gu_rows[n_gu:]) is None:
                     dyb = _adapt_backward(projs[:2], ctx.groups[0], dgu, xc, xa, b, need_a, need_b, masters, da, db)
                     gu_rows[n_gu:] = dyb.t()
                 dx = _base_backward(projs[:2], gu_rows.t(), rows=a) if need[0] else None

@@ -657,7 +657,8 @@ def test_dora_backward(dtype, N, C, transposed):
 
 def check_adapter_grads(device, dtype, members, out, N, r, scale=0.5):
     """The LoRA dY products from one read (kernels/adapter_grads.py) against the fp64 reference: dB in fp32, s dY B
-    in the buffer's last rows in the inputs' dtype, dY's rows untouched; a second launch gives the same bits."""
+    in the buffer's last rows in the inputs' dtype, dY's rows untouched; a second launch gives the same bits, and
+    so does one that allocates s dY B itself."""
     rows = torch.randn(members * (out + r), N, device=device).to(dtype)  # the MLP's [dG | dU | spare rows]
     dyt, q_out = rows[:members * out], rows[members * out:]
     p = torch.randn(N, members * r, device=device).to(dtype)
@@ -665,19 +666,22 @@ def check_adapter_grads(device, dtype, members, out, N, r, scale=0.5):
     for m in range(members):
         b[m * out:(m + 1) * out, m * r:(m + 1) * r] = torch.randn(out, r, device=device).to(dtype)
     kept, q_kept = dyt.clone(), q_out.clone()
-    db = adapter_grads(dyt, p, b, scale, r, q_out)
-    if db is None:  # on a GPU, where one read does not pay: nothing written
+    result = adapter_grads(dyt, p, b, scale, r, q_out)
+    if result is None:  # on a GPU, where one read does not pay: nothing written
         assert dyt.is_cuda and (dyt.numel() < MIN_ELEMENTS or r > MAX_RANK) and torch.equal(q_out, q_kept)
         return
-    q_ref = torch.empty(members * r, N, dtype=torch.float64, device=device)
-    db_ref = adapter_grads_reference(dyt.double(), p.double(), b.double(), scale, r, q_ref)
+    db, q = result
+    db_ref, q_ref = adapter_grads_reference(dyt.double(), p.double(), b.double(), scale, r)
+    assert q is q_out, "s dY B not written into the given rows"
     assert db.dtype == torch.float32 and db.shape == (members * out, r) and db.is_contiguous()
     close(db.double(), db_ref, torch.float32, "dB", scale=10)
     close(q_out.double(), q_ref.to(dtype).double(), dtype, "s dY B", scale=2)
     assert torch.equal(dyt, kept), "dY was written"
     q_first = q_out.clone()
-    assert torch.equal(adapter_grads(dyt, p, b, scale, r, q_out), db) and torch.equal(q_out, q_first), \
-        "two launches differ"
+    db2, _ = adapter_grads(dyt, p, b, scale, r, q_out)
+    assert torch.equal(db2, db) and torch.equal(q_out, q_first), "two launches differ"
+    db3, q3 = adapter_grads(dyt, p, b, scale, r)
+    assert torch.equal(db3, db) and torch.equal(q3, q_first), "the launch that allocates s dY B differs"
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -274,9 +274,9 @@ def test_folded_adapters_on_gpu(case):
     ran = []  # whether gate/up's one read ran, each time it was offered
 
     def one_read(*args):
-        db = adapter_grads(*args)
-        ran.append(db is not None)
-        return db
+        result = adapter_grads(*args)
+        ran.append(result is not None)
+        return result
 
     if case.startswith("mlp"):
         silu = glu("silu", use_kernels=True)._replace(adapter_grads=one_read)
