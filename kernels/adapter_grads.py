@@ -17,7 +17,7 @@ A program takes BLOCK_T tokens and a run of BLOCK_F-feature tiles of one member.
 and at the end the program stores its Q times s (fp32). R is r padded to a power of two of at least 16 (what
 tl.dot takes), the padding loaded as zeros. The two contractions run along different axes (dB's over tokens, Q's
 over features), so one of them must leave partial sums: dB's, one (BLOCK_F, R) block a tile and token block, in
-all cdiv(N, BLOCK_T) · M · out · R fp32 (4R / BLOCK_T bytes a dY element: 1/4 of dY's bytes at R 16 and BLOCK_T
+all cdiv(N, BLOCK_T) · M · out · R fp32 (4R / BLOCK_T bytes a dY element: 1/8 of dY's bytes at R 16 and BLOCK_T
 256), and Q's, one (BLOCK_T, R) block a run of tiles. The launcher sums each set along its partials' axis in a
 fixed order (torch.sum): the results do not depend on the programs' order. dB stays fp32; Q is rounded once, into
 the caller's buffer.
