@@ -122,7 +122,7 @@ def main(cfg) -> int:
         step = ckpts.restore(ck, model, optimizer, scaler, batches)
         if step >= max_steps and ckpts.result_done():
             log(f"the run in {cfg.out_dir} is complete ({step} of {max_steps} steps, adapter in "
-                f"{ckpts.result_folder}); nothing to do")
+                f"{ckpts.result_folder}); nothing to do. Raise --max-steps (with --resume-anyway) to train on")
             return 0
         run.open(step, cfg)
         ckpts.set_aside_newer(step)

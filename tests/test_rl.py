@@ -76,6 +76,20 @@ def test_resume_is_exact(setup, tmp_path):
     assert [strip(r) for r in got] == [strip(r) for r in want] and "kl" in want[0]
 
 
+def test_resuming_a_finished_run_says_how_to_go_on(setup, tmp_path, capsys):
+    """--resume auto on a finished run: one line that it is complete and how to train on, exit 0; the longer run
+    it names then trains on from the checkpoint."""
+    out = tmp_path / "run"
+    assert rl.cli(args(setup, out, "--max-steps", "1", "--save-every", "1")) == 0
+    capsys.readouterr()
+    assert rl.cli(args(setup, out, "--max-steps", "1", "--save-every", "1", "--resume", "auto")) == 0
+    assert (f"the run in {out} is complete (1 of 1 steps, adapter in {out / 'adapter'}); nothing to do. Raise "
+            "--max-steps (with --resume-anyway) to train on") in capsys.readouterr().out
+    assert rl.cli(args(setup, out, "--max-steps", "2", "--save-every", "1", "--resume", "auto",
+                       "--resume-anyway")) == 0
+    assert [r["step"] for r in read_metrics(out) if "loss" in r] == [1, 2]
+
+
 @pytest.mark.parametrize("reward, match", [
     ("nofile.py:f", "no file 'nofile.py'"),
     ("{dir}/rewards.py:missing", "has no function 'missing'"),
