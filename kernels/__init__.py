@@ -8,7 +8,8 @@ their modules (`from kernels.rms_norm import rms_norm`).
     add_rms_norm.py                a residual add and the RMSNorm after it (decoding)
     rope.py                        rotary position embedding of q and k
     swiglu.py, geglu.py            the gated MLP activations
-    glu.py                         the launchers SwiGLU and GeGLU share (and the amax of what they store)
+    glu.py                         the launchers SwiGLU and GeGLU share (the amax of what they store, and the
+                                   LoRA adapters' low-rank terms added as they read gate, up and dh)
     tanh.py                        tanh for kernels (softcapping, tanh-approximate gelu)
     dora_backward.py               DoRA's backward through its column scaling, in one pass
     dora_norm.py                   DoRA's column scales of a projection group, and merged weights W + s·B·A

@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.glu import block_amax, glu_backward, glu_forward, load_gate_up
+from kernels.glu import add_gate_up_terms, block_amax, glu_backward, glu_forward, load_gate_up, lowrank_term, tile
 from kernels.references import check_glu_args
 from kernels.tanh import tanh
 
@@ -47,12 +47,16 @@ def _gelu_and_grad(g, APPROX_TANH: tl.constexpr):
 
 
 @triton.jit
-def _geglu_forward_kernel(gate_ptr, up_ptr, scale_ptr, bias_ptr, h_ptr, amax_ptr, n, n_cols,
+def _geglu_forward_kernel(gate_ptr, up_ptr, scale_ptr, bias_ptr, h_ptr, amax_ptr, n, n_cols, terms,
                           APPROX_TANH: tl.constexpr, AFFINE: tl.constexpr, HAS_BIAS: tl.constexpr,
-                          AMAX: tl.constexpr, BLOCK: tl.constexpr):
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < n
+                          AMAX: tl.constexpr, TERMS: tl.constexpr, BLOCK: tl.constexpr, BLOCK_R: tl.constexpr,
+                          BLOCK_C: tl.constexpr, BLOCK_K: tl.constexpr, DTYPE: tl.constexpr, OPERAND: tl.constexpr,
+                          PRECISION: tl.constexpr):
+    offs, mask, rows, cols = tile(n, n_cols, TERMS, BLOCK, BLOCK_R, BLOCK_C)
     g, u = load_gate_up(gate_ptr, up_ptr, scale_ptr, bias_ptr, offs, mask, n, n_cols, AFFINE, HAS_BIAS)
+    if TERMS:
+        g, u = add_gate_up_terms(g, u, terms, rows, cols, n, n_cols, BLOCK_R, BLOCK_C, BLOCK_K, DTYPE,
+                                 OPERAND, PRECISION)
     gelu, _ = _gelu_and_grad(g, APPROX_TANH)
     h = (gelu * u).to(h_ptr.dtype.element_ty)
     tl.store(h_ptr + offs, h, mask=mask)
@@ -62,12 +66,20 @@ def _geglu_forward_kernel(gate_ptr, up_ptr, scale_ptr, bias_ptr, h_ptr, amax_ptr
 
 @triton.jit
 def _geglu_backward_kernel(dh_ptr, gate_ptr, up_ptr, scale_ptr, bias_ptr, dgate_ptr, dup_ptr, amax_ptr, n, n_cols,
-                           APPROX_TANH: tl.constexpr, AFFINE: tl.constexpr, HAS_BIAS: tl.constexpr,
-                           AMAX: tl.constexpr, WRITE_H: tl.constexpr, BLOCK: tl.constexpr):
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < n
+                           terms, dh_term, APPROX_TANH: tl.constexpr, AFFINE: tl.constexpr, HAS_BIAS: tl.constexpr,
+                           AMAX: tl.constexpr, WRITE_H: tl.constexpr, TERMS: tl.constexpr,
+                           GATE_UP_TERMS: tl.constexpr, DH_TERM: tl.constexpr, BLOCK: tl.constexpr,
+                           BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_K: tl.constexpr, DTYPE: tl.constexpr,
+                           OPERAND: tl.constexpr, PRECISION: tl.constexpr):
+    offs, mask, rows, cols = tile(n, n_cols, TERMS, BLOCK, BLOCK_R, BLOCK_C)
     dh = tl.load(dh_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    if DH_TERM:
+        dh += lowrank_term(dh_term, rows, cols, n // n_cols, n_cols, BLOCK_R, BLOCK_C, BLOCK_K, DTYPE, OPERAND,
+                           PRECISION)
     g, u = load_gate_up(gate_ptr, up_ptr, scale_ptr, bias_ptr, offs, mask, n, n_cols, AFFINE, HAS_BIAS)
+    if GATE_UP_TERMS:
+        g, u = add_gate_up_terms(g, u, terms, rows, cols, n, n_cols, BLOCK_R, BLOCK_C, BLOCK_K, DTYPE,
+                                 OPERAND, PRECISION)
     gelu, dgelu = _gelu_and_grad(g, APPROX_TANH)
     dgate = (dh * u * dgelu).to(dgate_ptr.dtype.element_ty)
     dup = (dh * gelu).to(dup_ptr.dtype.element_ty)
@@ -79,23 +91,25 @@ def _geglu_backward_kernel(dh_ptr, gate_ptr, up_ptr, scale_ptr, bias_ptr, dgate_
         tl.store(dh_ptr + offs, (gelu * u).to(dh_ptr.dtype.element_ty), mask=mask)
 
 
-def geglu_forward(gate, up, approximate="tanh", scale=None, bias=None, amax=None):
+def geglu_forward(gate, up, approximate="tanh", scale=None, bias=None, amax=None, terms=None):
     """h = gelu(gate) * up, a new contiguous tensor of gate's shape and dtype. scale, bias: a per-row affine
-    of gate and up first (kernels/glu.py). amax: a 0-d tensor of h's dtype to fill with max |h|."""
+    of gate and up first; terms: low-rank terms ((L_gate, R_gate), (L_up, R_up)) added to them (kernels/glu.py).
+    amax: a 0-d tensor of h's dtype to fill with max |h|."""
     check_glu_args("geglu", gate, up, approximate=approximate)
-    return glu_forward(_geglu_forward_kernel, gate, up, scale, bias, amax, APPROX_TANH=approximate == "tanh")
+    return glu_forward(_geglu_forward_kernel, gate, up, scale, bias, amax, terms, APPROX_TANH=approximate == "tanh")
 
 
 def geglu_backward(dh, gate, up, approximate="tanh", inplace=False, scale=None, bias=None, write_h=False,
-                   amax=None):
+                   amax=None, terms=None, dh_term=None):
     """(dgate, dup). inplace=True writes them into gate and up (which must be contiguous) and
     returns those tensors; use it only when the caller owns gate and up and is done with them.
     scale, bias: the gradients with respect to the per-row affine of gate and up (kernels/glu.py), in new
     tensors. write_h: also h = gelu(G) * U, written over dh, and (dgate, dup, h) returned (kernels/glu.py).
-    amax: a 0-d tensor of their dtype to fill with the largest |dgate| or |dup|."""
+    amax: a 0-d tensor of their dtype to fill with the largest |dgate| or |dup|. terms, dh_term: low-rank
+    terms added to gate and up (as forward) and to dh (kernels/glu.py); dgate and dup are then dG and dU."""
     check_glu_args("geglu", dh, gate, up, approximate=approximate)
     return glu_backward(_geglu_backward_kernel, dh, gate, up, inplace, "geglu_backward", scale, bias, write_h,
-                        amax, APPROX_TANH=approximate == "tanh")
+                        amax, terms, dh_term, APPROX_TANH=approximate == "tanh")
 
 
 class _GeGLU(torch.autograd.Function):

@@ -1,9 +1,10 @@
 """The launchers SwiGLU and GeGLU share: one elementwise Triton program per BLOCK elements of
 gate and up, the forward writing h, the backward writing dgate and dup.
 
-A GLU kernel takes (gate_ptr, up_ptr, scale_ptr, bias_ptr, h_ptr, amax_ptr, n, n_cols, ...) forward and
-(dh_ptr, gate_ptr, up_ptr, scale_ptr, bias_ptr, dgate_ptr, dup_ptr, amax_ptr, n, n_cols, ...) backward, plus
-its own constexprs, AFFINE, HAS_BIAS, AMAX and BLOCK; `load_gate_up` reads gate and up for both. With
+A GLU kernel takes (gate_ptr, up_ptr, scale_ptr, bias_ptr, h_ptr, amax_ptr, n, n_cols, terms, ...) forward and
+(dh_ptr, gate_ptr, up_ptr, scale_ptr, bias_ptr, dgate_ptr, dup_ptr, amax_ptr, n, n_cols, terms, dh_term, ...)
+backward, plus its own constexprs, AFFINE, HAS_BIAS, AMAX, the low-rank ones (`terms_args`) and BLOCK; `tile`
+places a program's elements and `load_gate_up` reads gate and up for both. With
 inplace=True the backward writes dgate over gate and dup over up, each element being read before it
 is overwritten: for fused callers (the LoRA MLP) that own gate and up and are done with them.
 
@@ -23,13 +24,74 @@ amax: the largest |value| the call stores (h forward, dgate and dup backward), a
 a given 0-d tensor of their dtype: each program stores its block's (`block_amax`, constexpr AMAX), one
 reduction over those follows. With --fp8 (model/fp8.py) the MLP's H and [dG | dU] take one e4m3 scale each from
 their amax: this saves the pass over them that would find it.
+
+Low-rank terms (the LoRA MLP's adapters, model/lora.py): for gate and up of shape (rows, n_cols), `terms` =
+((L_gate, R_gate), (L_up, R_up)) with each L (rows, k) and R (n_cols, k), and backward's `dh_term` = (L_h, R_h)
+likewise, the kernels read
+
+    G = gate + L_gate R_gateᵀ,   U = up + L_up R_upᵀ,   dH = dh + L_h R_hᵀ        (Σ over k, in fp32 registers)
+
+in place of gate, up and dh: the adapters' products s (X Aᵀ) Bᵀ and s (dY B) A, which would otherwise be added
+into the full (rows, n_cols) tensors in a pass of their own (a read and a write of each) before the activation
+reads them. Backward recomputes G and U from the same terms, with the forward's bits. A program then takes a
+BLOCK_R × BLOCK_C tile (rows × columns, constexpr TERMS) in place of BLOCK consecutive elements, so that each
+term is a tensor-core product over k (`lowrank_term`); L and R are small and read from L2. gate's and up's terms
+are not taken with the affine (they would belong before it).
 """
 import torch
 import triton
 import triton.language as tl
 
+from kernels.decode_linear import dot_constexprs
+from kernels.softcap_attention import _dot
+
 BLOCK = 1024
 NUM_WARPS = 4
+# With low-rank terms: a tile of BLOCK_R rows × BLOCK_C columns, and the terms' k in chunks of BLOCK_K (an adapter's
+# rank 16 in one tensor-core product). Where they pay on an H100 (the measurements: docs/benchmarks.md, "The MLP
+# adapters inside the activation"): gate of at least 2^24 elements; below, the add pass beside the 1-d kernel is
+# faster.
+BLOCK_R, BLOCK_C, BLOCK_K, TILE_WARPS = 64, 32, 16, 4
+MIN_TERM_ELEMENTS = 1 << 24
+
+
+def terms_pay(gate):
+    """Whether the low-rank terms belong inside the kernels for a gate like `gate` (module docstring): on a GPU where
+    it is large enough, and always in Triton's interpreter (CPU), where the tests run them."""
+    return not gate.is_cuda or gate.numel() >= MIN_TERM_ELEMENTS
+
+
+@triton.jit
+def tile(n, n_cols, TERMS: tl.constexpr, BLOCK: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    """(offs, mask, rows, cols) of the program's elements: BLOCK consecutive ones (offs 1-d; rows and cols are offs,
+    unused), or with TERMS a BLOCK_R × BLOCK_C tile of the (n // n_cols, n_cols) operands (offs 2-d)."""
+    if TERMS:
+        col_tiles = tl.cdiv(n_cols, BLOCK_C)
+        rows = (tl.program_id(0) // col_tiles) * BLOCK_R + tl.arange(0, BLOCK_R)
+        cols = (tl.program_id(0) % col_tiles) * BLOCK_C + tl.arange(0, BLOCK_C)
+        offs = rows[:, None].to(tl.int64) * n_cols + cols[None, :]
+        mask = (rows[:, None] < n // n_cols) & (cols[None, :] < n_cols)
+        return offs, mask, rows, cols
+    else:
+        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        return offs, offs < n, offs, offs
+
+
+@triton.jit
+def lowrank_term(term, rows, cols, n_rows, n_cols, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+                 BLOCK_K: tl.constexpr, DTYPE: tl.constexpr, OPERAND: tl.constexpr, PRECISION: tl.constexpr):
+    """Σ_c L[rows, c] R[cols, c] (BLOCK_R, BLOCK_C) in fp32, for term = (L, its two strides, R, its two strides, k):
+    one tensor-core product a chunk of BLOCK_K along k, zeros outside L and R."""
+    l_ptr, l_stride0, l_stride1, r_ptr, r_stride0, r_stride1, k = term
+    acc = tl.zeros((BLOCK_R, BLOCK_C), dtype=tl.float32)
+    for k0 in range(0, k, BLOCK_K):
+        c = k0 + tl.arange(0, BLOCK_K)
+        left = tl.load(l_ptr + rows[:, None] * l_stride0 + c[None, :] * l_stride1,
+                       mask=(rows[:, None] < n_rows) & (c[None, :] < k), other=0.0)  # (BLOCK_R, BLOCK_K)
+        right = tl.load(r_ptr + cols[None, :] * r_stride0 + c[:, None] * r_stride1,
+                        mask=(cols[None, :] < n_cols) & (c[:, None] < k), other=0.0)  # (BLOCK_K, BLOCK_C)
+        acc += _dot(left, right, DTYPE, OPERAND, PRECISION)
+    return acc
 
 
 @triton.jit
@@ -50,9 +112,22 @@ def load_gate_up(gate_ptr, up_ptr, scale_ptr, bias_ptr, offs, mask, n, n_cols,
 
 
 @triton.jit
+def add_gate_up_terms(g, u, terms, rows, cols, n, n_cols, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+                      BLOCK_K: tl.constexpr, DTYPE: tl.constexpr, OPERAND: tl.constexpr, PRECISION: tl.constexpr):
+    """(G, U) = (g + L_gate R_gateᵀ, u + L_up R_upᵀ) on the program's tile, terms = (gate's, up's) (`lowrank_term`)."""
+    gate_term, up_term = terms
+    g += lowrank_term(gate_term, rows, cols, n // n_cols, n_cols, BLOCK_R, BLOCK_C, BLOCK_K, DTYPE, OPERAND,
+                      PRECISION)
+    u += lowrank_term(up_term, rows, cols, n // n_cols, n_cols, BLOCK_R, BLOCK_C, BLOCK_K, DTYPE, OPERAND,
+                      PRECISION)
+    return g, u
+
+
+@triton.jit
 def block_amax(stored, mask):
-    """max |stored| over the masked block, in stored's dtype (exact): a program's share of a call's amax."""
-    return tl.max(tl.where(mask, tl.abs(stored.to(tl.float32)), 0.0), axis=0).to(stored.dtype)
+    """max |stored| over the masked block (1-d or a 2-d tile), in stored's dtype (exact): a program's share of a
+    call's amax."""
+    return tl.max(tl.ravel(tl.where(mask, tl.abs(stored.to(tl.float32)), 0.0)), axis=0).to(stored.dtype)
 
 
 def amax_args(like, programs, amax):
@@ -73,9 +148,11 @@ def reduce_amax(args, amax):
 
 def affine_args(gate, scale, bias):
     """The kernels' (scale, bias, n_cols, AFFINE, HAS_BIAS) for a per-row affine of (rows, n_cols) gate and up;
-    without `scale`, gate stands in for the pointers the kernel never reads."""
+    without `scale`, gate stands in for the pointers the kernel never reads (n_cols: gate's last dimension, which
+    the low-rank terms' tiles read)."""
     if scale is None:
-        return dict(scale_ptr=gate, bias_ptr=gate, n_cols=1, AFFINE=False, HAS_BIAS=False)
+        return dict(scale_ptr=gate, bias_ptr=gate, n_cols=gate.shape[-1] if gate.dim() else 1, AFFINE=False,
+                    HAS_BIAS=False)
     rows = len(gate)
     assert gate.dim() == 2 and scale.shape == (2 * rows,) and scale.is_contiguous(), \
         f"glu: a per-row scale is ({2 * rows},) for gate and up of {rows} rows, got {tuple(scale.shape)}"
@@ -84,28 +161,62 @@ def affine_args(gate, scale, bias):
                 HAS_BIAS=bias is not None)
 
 
-def glu_forward(kernel, gate, up, scale=None, bias=None, amax=None, **constexprs):
+def _term(left, right, rows, n_cols, name):
+    """A low-rank term as the kernels take it: (L, its strides, R, its strides, k), L (rows, k) and R (n_cols, k)."""
+    k = left.shape[-1]
+    assert left.shape == (rows, k) and right.shape == (n_cols, k), \
+        f"glu: {name} must be L ({rows}, k) and R ({n_cols}, k), got {tuple(left.shape)} and {tuple(right.shape)}"
+    return (left, left.stride(0), left.stride(1), right, right.stride(0), right.stride(1), k)
+
+
+def terms_args(gate, scale, terms=None, dh_term=None, backward=False):
+    """The kernels' low-rank arguments and their grid's size: `terms` = ((L_gate, R_gate), (L_up, R_up)),
+    `dh_term` = (L_h, R_h) of dh (backward only), each None or given (see the module docstring). Without either,
+    the 1-d blocks of BLOCK elements (the tile constexprs then unused)."""
+    n = gate.numel()
+    args = dict(terms=None, TERMS=terms is not None or dh_term is not None, BLOCK_R=BLOCK_R, BLOCK_C=BLOCK_C,
+                BLOCK_K=BLOCK_K, **dot_constexprs(gate))
+    if backward:
+        args.update(dh_term=None, GATE_UP_TERMS=terms is not None, DH_TERM=dh_term is not None)
+    if not args["TERMS"]:
+        return args, triton.cdiv(n, BLOCK)
+    assert terms is None or scale is None, "glu: gate's and up's low-rank terms are not taken with a per-row affine"
+    assert gate.dim() == 2, f"glu: low-rank terms need 2-d gate and up (rows, n_cols), got {tuple(gate.shape)}"
+    rows, n_cols = gate.shape
+    for t in (*(terms[0] + terms[1] if terms else ()), *(dh_term or ())):
+        assert t.device == gate.device and t.dtype == gate.dtype, \
+            f"glu: the low-rank terms must be {gate.dtype} on {gate.device}, got {t.dtype} on {t.device}"
+    if terms is not None:
+        args["terms"] = (_term(*terms[0], rows, n_cols, "the gate term"), _term(*terms[1], rows, n_cols, "the up term"))
+    if dh_term is not None:
+        args["dh_term"] = _term(*dh_term, rows, n_cols, "the dh term")
+    return args, triton.cdiv(rows, BLOCK_R) * triton.cdiv(n_cols, BLOCK_C)
+
+
+def glu_forward(kernel, gate, up, scale=None, bias=None, amax=None, terms=None, **constexprs):
     """h = act(G) * U by `kernel`, a new contiguous tensor of gate's shape and dtype; G, U = gate, up, or their
-    per-row affine by scale and bias (see the module docstring). amax: a 0-d tensor to fill with max |h|."""
+    per-row affine by scale and bias, or gate and up with low-rank terms ((L_gate, R_gate), (L_up, R_up)) added
+    (see the module docstring). amax: a 0-d tensor to fill with max |h|."""
     gate, up = gate.contiguous(), up.contiguous()
     h = torch.empty_like(gate)
     n = h.numel()
     if n > 0:
-        programs = triton.cdiv(n, BLOCK)
+        lowrank, programs = terms_args(gate, scale, terms)
         extra = amax_args(h, programs, amax)
-        kernel[(programs,)](gate, up, h_ptr=h, n=n, **affine_args(gate, scale, bias), **extra, **constexprs,
-                            BLOCK=BLOCK, num_warps=NUM_WARPS)
+        kernel[(programs,)](gate, up, h_ptr=h, n=n, **affine_args(gate, scale, bias), **extra, **lowrank,
+                            **constexprs, BLOCK=BLOCK, num_warps=TILE_WARPS if lowrank["TERMS"] else NUM_WARPS)
         reduce_amax(extra, amax)
     elif amax is not None:
         amax.zero_()
     return h
 
 
-def glu_backward(kernel, dh, gate, up, inplace, name, scale=None, bias=None, write_h=False, amax=None,
-                 **constexprs):
+def glu_backward(kernel, dh, gate, up, inplace, name, scale=None, bias=None, write_h=False, amax=None, terms=None,
+                 dh_term=None, **constexprs):
     """(dG, dU) by `kernel`: gate and up themselves when inplace (and no scale), else new tensors, rows of one
     (2, ...) buffer, so that dG and dU lie one after the other. write_h: (dG, dU, h), h written over dh (over
-    its contiguous copy when dh is strided). amax: a 0-d tensor to fill with the largest |dG| or |dU|."""
+    its contiguous copy when dh is strided). amax: a 0-d tensor to fill with the largest |dG| or |dU|. terms,
+    dh_term: low-rank terms added to gate and up (as forward) and to dh (see the module docstring)."""
     dh = dh.contiguous()
     if inplace and scale is None:
         if not (gate.is_contiguous() and up.is_contiguous()):
@@ -116,10 +227,11 @@ def glu_backward(kernel, dh, gate, up, inplace, name, scale=None, bias=None, wri
         dgate, dup = gate.new_empty((2, *gate.shape)).unbind(0)
     n = dh.numel()
     if n > 0:
-        programs = triton.cdiv(n, BLOCK)
+        lowrank, programs = terms_args(gate, scale, terms, dh_term, backward=True)
         extra = amax_args(dgate, programs, amax)
         kernel[(programs,)](dh, gate, up, dgate_ptr=dgate, dup_ptr=dup, n=n, **affine_args(gate, scale, bias),
-                            **extra, **constexprs, WRITE_H=write_h, BLOCK=BLOCK, num_warps=NUM_WARPS)
+                            **extra, **lowrank, **constexprs, WRITE_H=write_h, BLOCK=BLOCK,
+                            num_warps=TILE_WARPS if lowrank["TERMS"] else NUM_WARPS)
         reduce_amax(extra, amax)
     elif amax is not None:
         amax.zero_()

@@ -24,16 +24,21 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.glu import block_amax, glu_backward, glu_forward, load_gate_up
+from kernels.glu import add_gate_up_terms, block_amax, glu_backward, glu_forward, load_gate_up, lowrank_term, tile
 from kernels.references import check_glu_args
 
 
 @triton.jit
-def _swiglu_forward_kernel(gate_ptr, up_ptr, scale_ptr, bias_ptr, h_ptr, amax_ptr, n, n_cols,
-                           AFFINE: tl.constexpr, HAS_BIAS: tl.constexpr, AMAX: tl.constexpr, BLOCK: tl.constexpr):
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < n
+def _swiglu_forward_kernel(gate_ptr, up_ptr, scale_ptr, bias_ptr, h_ptr, amax_ptr, n, n_cols, terms,
+                           AFFINE: tl.constexpr, HAS_BIAS: tl.constexpr, AMAX: tl.constexpr, TERMS: tl.constexpr,
+                           BLOCK: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+                           BLOCK_K: tl.constexpr, DTYPE: tl.constexpr, OPERAND: tl.constexpr,
+                           PRECISION: tl.constexpr):
+    offs, mask, rows, cols = tile(n, n_cols, TERMS, BLOCK, BLOCK_R, BLOCK_C)
     g, u = load_gate_up(gate_ptr, up_ptr, scale_ptr, bias_ptr, offs, mask, n, n_cols, AFFINE, HAS_BIAS)
+    if TERMS:
+        g, u = add_gate_up_terms(g, u, terms, rows, cols, n, n_cols, BLOCK_R, BLOCK_C, BLOCK_K, DTYPE,
+                                 OPERAND, PRECISION)
     h = (g * tl.sigmoid(g) * u).to(h_ptr.dtype.element_ty)
     tl.store(h_ptr + offs, h, mask=mask)
     if AMAX:
@@ -42,12 +47,20 @@ def _swiglu_forward_kernel(gate_ptr, up_ptr, scale_ptr, bias_ptr, h_ptr, amax_pt
 
 @triton.jit
 def _swiglu_backward_kernel(dh_ptr, gate_ptr, up_ptr, scale_ptr, bias_ptr, dgate_ptr, dup_ptr, amax_ptr, n,
-                            n_cols, AFFINE: tl.constexpr, HAS_BIAS: tl.constexpr, AMAX: tl.constexpr,
-                            WRITE_H: tl.constexpr, BLOCK: tl.constexpr):
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < n
+                            n_cols, terms, dh_term, AFFINE: tl.constexpr, HAS_BIAS: tl.constexpr, AMAX: tl.constexpr,
+                            WRITE_H: tl.constexpr, TERMS: tl.constexpr, GATE_UP_TERMS: tl.constexpr,
+                            DH_TERM: tl.constexpr, BLOCK: tl.constexpr, BLOCK_R: tl.constexpr,
+                            BLOCK_C: tl.constexpr, BLOCK_K: tl.constexpr, DTYPE: tl.constexpr,
+                            OPERAND: tl.constexpr, PRECISION: tl.constexpr):
+    offs, mask, rows, cols = tile(n, n_cols, TERMS, BLOCK, BLOCK_R, BLOCK_C)
     dh = tl.load(dh_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    if DH_TERM:
+        dh += lowrank_term(dh_term, rows, cols, n // n_cols, n_cols, BLOCK_R, BLOCK_C, BLOCK_K, DTYPE, OPERAND,
+                           PRECISION)
     g, u = load_gate_up(gate_ptr, up_ptr, scale_ptr, bias_ptr, offs, mask, n, n_cols, AFFINE, HAS_BIAS)
+    if GATE_UP_TERMS:
+        g, u = add_gate_up_terms(g, u, terms, rows, cols, n, n_cols, BLOCK_R, BLOCK_C, BLOCK_K, DTYPE,
+                                 OPERAND, PRECISION)
     s = tl.sigmoid(g)
     dup = (dh * g * s).to(dup_ptr.dtype.element_ty)
     dgate = (dh * u * s * (1.0 + g * (1.0 - s))).to(dgate_ptr.dtype.element_ty)
@@ -59,22 +72,25 @@ def _swiglu_backward_kernel(dh_ptr, gate_ptr, up_ptr, scale_ptr, bias_ptr, dgate
         tl.store(dh_ptr + offs, (g * s * u).to(dh_ptr.dtype.element_ty), mask=mask)
 
 
-def swiglu_forward(gate, up, scale=None, bias=None, amax=None):
+def swiglu_forward(gate, up, scale=None, bias=None, amax=None, terms=None):
     """h = silu(gate) * up, a new contiguous tensor of gate's shape and dtype. scale, bias: a per-row affine
-    of gate and up first (kernels/glu.py). amax: a 0-d tensor of h's dtype to fill with max |h|."""
+    of gate and up first; terms: low-rank terms ((L_gate, R_gate), (L_up, R_up)) added to them (kernels/glu.py).
+    amax: a 0-d tensor of h's dtype to fill with max |h|."""
     check_glu_args("swiglu", gate, up)
-    return glu_forward(_swiglu_forward_kernel, gate, up, scale, bias, amax)
+    return glu_forward(_swiglu_forward_kernel, gate, up, scale, bias, amax, terms)
 
 
-def swiglu_backward(dh, gate, up, inplace=False, scale=None, bias=None, write_h=False, amax=None):
+def swiglu_backward(dh, gate, up, inplace=False, scale=None, bias=None, write_h=False, amax=None, terms=None,
+                    dh_term=None):
     """(dgate, dup). inplace=True writes them into gate and up (which must be contiguous) and
     returns those tensors; use it only when the caller owns gate and up and is done with them.
     scale, bias: the gradients with respect to the per-row affine of gate and up (kernels/glu.py), in new
     tensors. write_h: also h = silu(G) * U, written over dh, and (dgate, dup, h) returned (kernels/glu.py).
-    amax: a 0-d tensor of their dtype to fill with the largest |dgate| or |dup|."""
+    amax: a 0-d tensor of their dtype to fill with the largest |dgate| or |dup|. terms, dh_term: low-rank
+    terms added to gate and up (as forward) and to dh (kernels/glu.py); dgate and dup are then dG and dU."""
     check_glu_args("swiglu", dh, gate, up)
     return glu_backward(_swiglu_backward_kernel, dh, gate, up, inplace, "swiglu_backward", scale, bias, write_h,
-                        amax)
+                        amax, terms, dh_term)
 
 
 class _SwiGLU(torch.autograd.Function):

@@ -100,6 +100,11 @@ The MLP, with act(g) = g·σ(g) (SwiGLU) or gelu(g) (GeGLU):
 
 With the kernels, gate's and up's s dY B and dB come from one read of [dG | dU] (`GLU.adapter_grads`,
 kernels/adapter_grads.py) rather than from three GEMMs that each read it, where that pays (a large [dG | dU], r ≤ 32).
+Where the adapters are not folded (bf16 and fp8 bases), the activation's kernels add gate's and up's s (X Aᵀ) Bᵀ to
+X W_gᵀ and X W_uᵀ, and down's s (dY B_d) A_d to dY W_d, as they read them (`GLU.lowrank`, kernels/glu.py): the sums
+never exist as tensors of their own, where adding them would read and write [G | U] and dH once more. Forward saves
+[X W_gᵀ | X W_uᵀ], and backward's activation adds the same products again (without dropout on gate, up or down,
+without DoRA on gate and up).
 
 Backward runs in that order: dH and dB_d (neither reads H), then the activation's backward, which reads G
 and U for dG and dU and writes H over dH as it goes (H is not saved, and no forward runs again), then dA_d
@@ -433,6 +438,9 @@ class GLU(NamedTuple):
     inplace: bool  # backward without scale writes dgate, dup over gate, up (saves two [N, I] buffers), h over dh
     adapter_grads: Callable | None = None  # gate's and up's s dY B and dB from one read of [dG | dU]
     # (kernels/adapter_grads.py; None where that does not pay), or None: a GEMM each
+    lowrank: Callable | None = None  # (gate) -> whether forward and backward take, for gate and up like `gate`, the
+    # keywords terms = ((L_gate, R_gate), (L_up, R_up)) and (backward) dh_term = (L_h, R_h): G = gate + L_gate R_gateᵀ,
+    # U likewise, dH = dh + L_h R_hᵀ inside the kernels (kernels/glu.py `terms_pay`); None: never
 
 
 def scale_rows(gate, up, scale=None, bias=None):
@@ -1055,6 +1063,7 @@ class _LoRAMLP(torch.autograd.Function):
             x_loras = [_to(x_gate, dtype), _to(x_up, dtype)]
             dora_gu, dora_d = (any(m is not None for m in ms) for ms in (mags[:2], mags[2:]))
             groups, n_gu = _adapter_groups(projs[:2], x_loras), gate.out_features + up.out_features
+            in_glu = False  # gate's and up's adapters added inside the activation (`_in_activation`)
             if _folded(projs[:2], groups, x_loras, dora_gu):
                 # [G | U] in the first rows of a buffer whose last Σr rows take backward's s dY B, when the
                 # activation's backward writes [dG | dU] over [G | U] (its other rows)
@@ -1063,9 +1072,13 @@ class _LoRAMLP(torch.autograd.Function):
                 gu, saved = _base_folded(projs[:2], groups[0], xc, a_masters, b_masters, dtype, out=gu_rows[:n_gu])
             else:
                 gu = _base(projs[:2], xc, dtype, transposed=True, bias=not dora_gu)  # [G | U] (N, 2I)
-                saved = _adapt_groups(gu, projs[:2], groups, x_loras, xc, a_masters, b_masters, dtype)
+                in_glu = _in_activation(glu, gu, groups, x_loras, dora_gu)
+                saved = _adapt_groups(None if in_glu else gu, projs[:2], groups, x_loras, xc, a_masters, b_masters,
+                                      dtype)
                 gu_rows = gu.t()
-            pre_gu = gu_rows  # what is saved: [G | U] (2I rows, and any spare ones), or DoRA's P before its scaling
+            # what is saved: [G | U] (2I rows, and any spare ones), or DoRA's P before its scaling, or with the adapters
+            # inside the activation X [W_g; W_u]ᵀ alone (backward's activation adds them again)
+            pre_gu = gu_rows
             dora = []  # g, 1 / ‖W + s·B·A‖ of gate/up; then P, g, 1 / ‖W + s·B·A‖ of down
             affine = {}  # DoRA's [G | U] = g ⊙ P + b, which the activation computes as it reads P
             if dora_gu:
@@ -1074,7 +1087,8 @@ class _LoRAMLP(torch.autograd.Function):
                 affine = dict(scale=dora[0], bias=_bias(projs[:2], dtype))
             # max |H|, for its one fp8 scale, where down's base GEMM runs (not in a recompute that skips it)
             amax = xc.new_empty(()) if down.fp8 is not None and (output or dora_d) else None
-            h = glu.forward(*_halves(gu), **affine, amax=amax).t()  # (N, I)
+            terms = _gate_up_terms(projs[:2], groups[0], saved) if in_glu else {}
+            h = glu.forward(*_halves(gu), **affine, amax=amax, **terms).t()  # (N, I)
             keep, h_lora = None, None
             if p_drop > 0:
                 mask = F.dropout(h.new_ones(h.shape), p_drop)  # 0 or 1/(1-p), drawn as F.dropout(h) draws
@@ -1095,7 +1109,7 @@ class _LoRAMLP(torch.autograd.Function):
         for t, name in ((pre_gu, "gate/up"), (y, "output")):
             _expect(t, dtype, f"MLP {name}")
         ctx.save_for_backward(xc, *x_loras, pre_gu, keep, *dora, *saved)
-        ctx.projs, ctx.glu, ctx.p_drop, ctx.groups = projs, glu, p_drop, groups
+        ctx.projs, ctx.glu, ctx.p_drop, ctx.groups, ctx.in_glu = projs, glu, p_drop, groups, in_glu
         ctx.dora_gu, ctx.dora_d, ctx.dora_ops = dora_gu, dora_d, dora_ops
         ctx.residual = residual is not None
         return y
@@ -1125,6 +1139,7 @@ class _LoRAMLP(torch.autograd.Function):
         with torch.autocast(xc.device.type, enabled=False):
             # DoRA: gu holds P, which the activation scales as it reads it (its backward then writes new tensors)
             affine = {} if dora_gu is None else dict(scale=dora_gu[0], bias=_bias(projs[:2], xc.dtype))
+            terms = _gate_up_terms(projs[:2], ctx.groups[0], saved) if ctx.in_glu else {}  # as forward read them
             if dora_d is not None:
                 dm_d = [None]
                 dy = _dora_backward(ctx.dora_ops.backward, (down,), m_dtypes[2:], dy, *dora_d, need_m[2:], dm_d)
@@ -1145,14 +1160,17 @@ class _LoRAMLP(torch.autograd.Function):
                 dh = _base_backward((down,), torch.cat([dy, dyb], dim=1), transposed=True, rows=a_d)
             else:
                 dh = _base_backward((down,), dy, transposed=True)  # (N, I), stored as (I, N) like Gᵀ and Uᵀ
-                if down.r and mask is None:
+                if down.r and mask is None and ctx.glu.lowrank is not None and ctx.glu.lowrank(dh):  # added as the
+                    # activation's backward reads dH
+                    terms["dh_term"] = (a_d.t(), dyb)
+                elif down.r and mask is None:
                     dh.addmm_(dyb, a_d)
                 elif down.r:
                     dh.addcmul_(torch.mm(dyb, a_d), mask)
             # kernels, no DoRA: dG, dU written over Gᵀ and Uᵀ (into gu); H over dH
             # max |[dG | dU]|, for its one fp8 scale, where the base's input gradient reads [dG | dU] itself
             amax = xc.new_empty(()) if projs[0].fp8 is not None and dora_gu is None else None
-            dg, du, h = ctx.glu.backward(dh.t(), g, u, **affine, amax=amax)
+            dg, du, h = ctx.glu.backward(dh.t(), g, u, **affine, amax=amax, **terms)
             del dh
             if down.r and need_a[2]:  # dA_d = s (dY B_d)ᵀ H̃
                 da[2] = _mm_to(dyb.t(), h.t() if mask is None else h.t() * mask, masters[2])
@@ -1181,6 +1199,23 @@ class _LoRAMLP(torch.autograd.Function):
         dxs = [_to(t, x_dtype) for t in (dx, *dx_loras)]
         return (None, None, None, None, None,
                 *_check_grads(ctx, dxs + [da[0], db[0], da[1], db[1], da[2], db[2]] + dm + d_residual))
+
+
+def _in_activation(glu, gu, groups, x_loras, dora):
+    """Whether gate's and up's adapter products s (X Aᵀ) Bᵀ are added to G and U by the activation's kernels as they
+    read [G | U] (gu, (N, 2I)), rather than into [G | U] in a pass of its own: where the kernels take them for that
+    size (`GLU.lowrank`), for one group of both that reads X (no dropout), without DoRA (whose scaling comes after
+    the sum)."""
+    return glu.lowrank is not None and glu.lowrank(_halves(gu)[0]) and len(groups) == 1 and groups[0] == [0, 1] \
+        and x_loras[0] is None and not dora
+
+
+def _gate_up_terms(projs, group, saved):
+    """The activation's keyword `terms` for gate's and up's adapters (`_in_activation`): per member, its rows and
+    columns of the group's block B (2I, Σr), and its columns of R = s X Aᵀ (N, Σr), from what `_adapt` saved."""
+    xa, _, b = saved[:3]
+    _, blocks = _blocks(projs, group)
+    return {"terms": tuple((b[rows, cols], xa[:, cols]) for rows, cols in blocks)}
 
 
 def _magnitudes(projs):

@@ -76,6 +76,7 @@ class Ops:
         self.merge_table = None  # the merged weights of every adapter in one launch (`MergedAdapters`)
         self.sample_tokens = None  # a rollout's draw of each row's token in two launches (`GroupSampler`)
         self.adapter_grads = None  # the MLP adapters' s dY B and dB from one read of [dG | dU] (`GLU`)
+        self.glu_terms = None  # where the MLP adapters' products join the activation's kernels (`GLU.lowrank`)
         if use_kernels:
             from kernels.adapter_grads import adapter_grads
             from kernels.add_rms_norm import add_rms_norm
@@ -84,6 +85,7 @@ class Ops:
             from kernels.dora_norm import MergeTable, NormsTable, dora_norms
             from kernels.fused_linear_cross_entropy import fused_linear_cross_entropy
             from kernels.geglu import geglu, geglu_backward, geglu_forward
+            from kernels.glu import terms_pay
             from kernels.rms_norm import rms_norm, rms_norm_and_residual
             from kernels.rope import apply_rope
             from kernels.rope_cache import rope_into_cache
@@ -97,6 +99,7 @@ class Ops:
             self.rms_norm_and_residual = rms_norm_and_residual
             self._glu_pairs = {"silu": (swiglu_forward, swiglu_backward), "gelu": (geglu_forward, geglu_backward)}
             self.adapter_grads = adapter_grads
+            self.glu_terms = terms_pay
             self.dora = DoRAOps(dora_backward, dora_norms, NormsTable)
             self.softcap_attention = softcap_attention
             self.merge_table = MergeTable
@@ -119,7 +122,7 @@ class Ops:
             return GLU(function, partial(affine_forward, function), partial(autograd_backward, function), inplace=False)
         forward, backward = self._glu_pairs["silu" if act == "silu" else "gelu"]
         return GLU(function, partial(forward, **kw), partial(backward, inplace=True, write_h=True, **kw), inplace=True,
-                   adapter_grads=self.adapter_grads)
+                   adapter_grads=self.adapter_grads, lowrank=self.glu_terms)
 
 
 class RMSNorm(nn.Module):

@@ -632,6 +632,50 @@ def test_activation_per_row_affine(act, dtype, has_bias):
     assert torch.equal(gate, kept[0]) and torch.equal(up, kept[1])
 
 
+@pytest.mark.parametrize("act", list(ACTIVATIONS))
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,n,k,k_h", [(37, 129, 20, 5), (70, 33, 48, 16), (1, 1, 1, 1), (33, 300, 0, 0)])
+def test_activation_lowrank_terms(act, dtype, rows, n, k, k_h):
+    """Low-rank terms (the LoRA MLP's adapters): h, dG, dU from gate + L_g R_gᵀ, up + L_u R_uᵀ and dh + L_h R_hᵀ
+    equal the reference on those sums computed in float64, with L and R strided or not, k from 48 down to zero, odd
+    shapes and a partial tile; the backward's h (over dh) is the forward's to the bit, and the amaxes are those of
+    what is stored."""
+    _, reference, forward, backward = ACTIVATIONS[act]
+    gen = torch.Generator().manual_seed(rows * n + k)
+
+    def rand(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=gen) * scale).to(DEVICE, dtype)
+    gate, up, dh = rand(rows, n, scale=2), rand(rows, n), rand(rows, n)
+    terms = (rand(rows, k, scale=0.5), rand(k, n, scale=0.5).t()), (rand(rows, k, scale=0.5), rand(n, k, scale=0.5))
+    dh_term = rand(k_h, rows, scale=0.5).t(), rand(n, k_h, scale=0.5)
+    # the reference: the sums in float64 from the same operands, the activation in fp32
+    g_ref, u_ref = (x.double().addmm(left.double(), right.double().t()).float().requires_grad_()
+                    for x, (left, right) in zip((gate, up), terms))
+    h_ref = reference(g_ref, u_ref)
+    h_ref.backward(dh.double().addmm(dh_term[0].double(), dh_term[1].double().t()).float())
+    amax = torch.full((), -1.0, dtype=dtype, device=DEVICE)
+    h = forward(gate, up, amax=amax, terms=terms)
+    close(h, h_ref, dtype, "h", scale=2)
+    assert torch.equal(amax, h.abs().amax())
+    dgate, dup, h2 = backward(dh.clone(), gate.clone(), up.clone(), inplace=True, write_h=True, amax=amax,
+                              terms=terms, dh_term=dh_term)
+    close(dgate, g_ref.grad, dtype, "dG", scale=4)
+    close(dup, u_ref.grad, dtype, "dU", scale=2)
+    assert torch.equal(h2, h)
+    assert torch.equal(amax, torch.maximum(dgate.abs().amax(), dup.abs().amax()))
+
+
+def test_activation_lowrank_terms_need_2d_operands_and_no_affine():
+    gate = torch.randn(4, 8, device=DEVICE)
+    term = torch.randn(4, 2, device=DEVICE), torch.randn(8, 2, device=DEVICE)
+    with pytest.raises(AssertionError, match="2-d gate"):
+        swiglu_forward(gate.view(2, 2, 8), gate.view(2, 2, 8), terms=(term, term))
+    with pytest.raises(AssertionError, match="per-row affine"):
+        swiglu_forward(gate, gate, scale=torch.ones(8, device=DEVICE), terms=(term, term))
+    with pytest.raises(AssertionError, match=r"the up term must be L \(4, k\)"):
+        swiglu_forward(gate, gate, terms=(term, (term[0][:3], term[1])))
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("N,C,transposed", [(1, 7, False), (300, 45, False), (4100, 7, False), (517, 200, True),
                                            (129, 1, True), (0, 5, False)])

@@ -67,8 +67,6 @@ def kernel_cases():
     import kernels.dora_norm as dn
     import kernels.fp8_quantize as fq
     import kernels.fp8_quantize_tensor as fqt
-    import kernels.geglu as gg
-    import kernels.glu as glu
     import kernels.nf4_dequantize as nf4
     import kernels.nf4_to_fp8 as nf8
     import kernels.rms_norm as rn
@@ -76,7 +74,6 @@ def kernel_cases():
     import kernels.rope_cache as rc
     import kernels.sample as smp
     import kernels.softcap_attention as sa
-    import kernels.swiglu as sw
     from kernels.references import NF4_ABSMAX_BLOCK, NF4_BLOCK
     specs = []  # (module, kernel, signature(dtype), base constexprs, flag combos, num_warps[, label])
 
@@ -128,16 +125,6 @@ def kernel_cases():
         "logits_ptr": f"*{t}", "logits_row_stride": "i32", "max_ptr": "*fp32", "sum_ptr": "*fp32", "score_ptr": "*fp32",
         "index_ptr": "*i32", "tokens_ptr": "*i64", "logps_ptr": "*fp32", "V": "i32", "chunks": "i32",
         "inv_temperature": "fp32"}, {"BLOCK_C": 16}, [{}], smp.ROWS_NUM_WARPS))
-
-    for mod, name, approx in ((sw, "swiglu", ()), (gg, "geglu", ("APPROX_TANH",))):
-        specs.append((mod.__name__, f"_{name}_forward_kernel", lambda t: {
-            "gate_ptr": f"*{t}", "up_ptr": f"*{t}", "scale_ptr": f"*{t}", "bias_ptr": f"*{t}", "h_ptr": f"*{t}",
-            "amax_ptr": f"*{t}", "n": "i32", "n_cols": "i32"}, {"BLOCK": glu.BLOCK},
-            flags(*approx, "AFFINE", "HAS_BIAS", "AMAX"), glu.NUM_WARPS))
-        specs.append((mod.__name__, f"_{name}_backward_kernel", lambda t: {
-            "dh_ptr": f"*{t}", "gate_ptr": f"*{t}", "up_ptr": f"*{t}", "scale_ptr": f"*{t}", "bias_ptr": f"*{t}",
-            "dgate_ptr": f"*{t}", "dup_ptr": f"*{t}", "amax_ptr": f"*{t}", "n": "i32", "n_cols": "i32"},
-            {"BLOCK": glu.BLOCK}, flags(*approx, "AFFINE", "HAS_BIAS", "AMAX", "WRITE_H"), glu.NUM_WARPS))
 
     for transposed in (False, True):  # the row-major and the transposed (MLP gate/up) tiles
         block_n, block_c, sum_rows = db.launch_config(transposed)
@@ -207,8 +194,49 @@ def kernel_cases():
             sig = {**signature(dtype), **{k: "constexpr" for k in constexprs}}
             cases.append(Case("-".join([kernel, *label, dtype, flag_id(combo), f"sm{arch}"]), module, kernel, sig,
                               constexprs, warps, arch))
-    return cases + decode_attention_cases(da) + softcap_attention_cases(sa) + decode_gemm_cases() + \
+    return cases + glu_cases() + decode_attention_cases(da) + softcap_attention_cases(sa) + decode_gemm_cases() + \
         adapter_grads_cases()
+
+
+def glu_cases():
+    """SwiGLU's and GeGLU's kernels (kernels/glu.py): every flag combination of the elementwise blocks, and the tiles
+    with low-rank terms where the LoRA MLP runs them: gate's and up's terms, dH's, or both (no affine; h written
+    over dH, with and without amax), and dH's beside DoRA's affine of gate and up."""
+    import kernels.geglu as gg
+    import kernels.glu as glu
+    import kernels.swiglu as sw
+    cases = []
+    for (mod, name, approx), dtype, arch in product(((sw, "swiglu", ()), (gg, "geglu", ("APPROX_TANH",))), DTYPES,
+                                                    ARCHS):
+        term = (f"*{dtype}", "i32", "i32", f"*{dtype}", "i32", "i32", "i32")  # (L, its strides, R, its strides, k)
+        operand = getattr(tl, {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}[dtype])
+        base = dict(BLOCK=glu.BLOCK, BLOCK_R=glu.BLOCK_R, BLOCK_C=glu.BLOCK_C, BLOCK_K=glu.BLOCK_K, DTYPE=operand,
+                    OPERAND=operand, PRECISION="ieee" if dtype == "fp32" else "tf32")
+        elementwise = dict(TERMS=False, terms=None)
+        forward = [{**f, **elementwise} for f in flags(*approx, "AFFINE", "HAS_BIAS", "AMAX")] + [
+            {**f, "AFFINE": False, "HAS_BIAS": False, "TERMS": True} for f in flags(*approx, "AMAX")]
+        no_terms = dict(GATE_UP_TERMS=False, DH_TERM=False, dh_term=None, **elementwise)
+        backward = [{**f, **no_terms} for f in flags(*approx, "AFFINE", "HAS_BIAS", "AMAX", "WRITE_H")]
+        for gate_up, dh in ((True, True), (True, False), (False, True)):
+            backward += [{**f, "AFFINE": False, "HAS_BIAS": False, "WRITE_H": True, "TERMS": True,
+                          "GATE_UP_TERMS": gate_up, "DH_TERM": dh, **({} if gate_up else {"terms": None}),
+                          **({} if dh else {"dh_term": None})} for f in flags(*approx, "AMAX")]
+        backward += [{**f, "AFFINE": True, "AMAX": False, "WRITE_H": True, "TERMS": True, "GATE_UP_TERMS": False,
+                      "DH_TERM": True, "terms": None} for f in flags(*approx, "HAS_BIAS")]
+        pointers = ("gate", "up", "scale", "bias", "h", "amax")
+        signatures = (
+            ("forward", forward, {**{f"{a}_ptr": f"*{dtype}" for a in pointers}, "n": "i32", "n_cols": "i32",
+                                  "terms": (term, term)}),
+            ("backward", backward, {**{f"{a}_ptr": f"*{dtype}" for a in ("dh", *pointers[:4], "dgate", "dup", "amax")},
+                                    "n": "i32", "n_cols": "i32", "terms": (term, term), "dh_term": term}))
+        for direction, combos, signature in signatures:
+            for combo in combos:
+                constexprs = {**base, **combo}
+                sig = {**signature, **dict.fromkeys(constexprs, "constexpr")}
+                kernel = f"_{name}_{direction}_kernel"
+                cases.append(Case("-".join([kernel, dtype, flag_id(combo), f"sm{arch}"]), mod.__name__, kernel, sig,
+                                  constexprs, glu.TILE_WARPS if combo["TERMS"] else glu.NUM_WARPS, arch))
+    return cases
 
 
 def adapter_grads_cases():

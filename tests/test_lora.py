@@ -390,6 +390,59 @@ def test_fused_mlp_with_triton_kernels(dtype, act):
             run(lambda t: unfused_mlp(t, projs, act), x, projs), dtype, f"{act} MLP (kernels)")
 
 
+def recording(glu_ops, calls):
+    """The GLU `glu_ops` with its forward and backward recording the keywords of each call into `calls`."""
+    def forward(*args, **kw):
+        calls.append(("forward", sorted(kw)))
+        return glu_ops.forward(*args, **kw)
+
+    def backward(*args, **kw):
+        calls.append(("backward", sorted(kw)))
+        return glu_ops.backward(*args, **kw)
+    return glu_ops._replace(forward=forward, backward=backward)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("act", ["silu", "gelu_tanh"])
+@pytest.mark.parametrize("dropout", ["off", "mixed", "down"])
+def test_fused_mlp_adapters_inside_the_activation(dtype, act, dropout):
+    """With the kernels and no dropout, gate's and up's s (X Aᵀ) Bᵀ and down's s (dY B) A are added by the
+    activation's kernels as they read [G | U] and dH (keywords terms and dh_term), and the output, dX and the LoRA
+    gradients still equal the unfused path's; with dropout on gate (its own X̃: "mixed") the activation takes only
+    dH's term, and with dropout on down only gate's and up's."""
+    projs = mlp_projs(dtype)
+    drops = {"off": (0, 0, 0), "mixed": (P, 0, 0), "down": (0, 0, P)}[dropout]
+    for p, d in zip(projs, drops):
+        p.dropout_p = d
+    calls = []
+    x = torch.randn(2, 9, H).to(dtype)
+    compare(run(lambda t: lora_mlp(t, projs, recording(glu(act, use_kernels=True), calls)), x, projs),
+            run(lambda t: unfused_mlp(t, projs, act), x, projs), dtype, f"{act} MLP, adapters in the activation")
+    gate_up = ["terms"] if dropout != "mixed" else []
+    dh = ["dh_term"] if dropout != "down" else []
+    assert calls == [("forward", sorted(["amax"] + gate_up)), ("backward", sorted(["amax"] + gate_up + dh))]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("act", ["silu", "gelu_tanh"])
+def test_cuda_mlp_adapters_inside_the_activation(act):
+    """On CUDA in bf16, at a size where the activation's kernels take the adapters' terms (gate of 2^24 elements,
+    `terms_pay`), the fused MLP equals the unfused path; at a small size the add passes run instead."""
+    from kernels.glu import MIN_TERM_ELEMENTS
+    width = 4096
+    projs = [make_proj(i, o, False, 16, torch.bfloat16, n, seed).cuda() for seed, (n, i, o) in
+             enumerate([("gate_proj", H, width), ("up_proj", H, width), ("down_proj", width, H)])]
+    set_dropout(projs, "off")
+    for tokens, inside in ((MIN_TERM_ELEMENTS // width, True), (64, False)):
+        calls = []
+        activation = recording(glu(act, use_kernels=True), calls)
+        x = torch.randn(tokens, H, device="cuda").to(torch.bfloat16)
+        compare(run(lambda t, ops=activation: lora_mlp(t, projs, ops), x, projs),
+                run(lambda t: unfused_mlp(t, projs, act), x, projs), torch.bfloat16, f"cuda {act} MLP, {tokens} tokens")
+        assert ("terms" in calls[0][1], "dh_term" in calls[1][1]) == (inside, inside)
+
+
 def test_kernel_mlp_backward_runs_once():
     """With the kernels, backward overwrites the saved G and U: a second backward must fail loudly."""
     projs = mlp_projs(torch.float32)
