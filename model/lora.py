@@ -794,8 +794,14 @@ def _folded(projs, groups, x_loras, dora):
     setting B or A beside them costs no copy of W. The products are then rounded once, and the copy of X or dY into
     [X | s X Aᵀ] or [dY | s dY B] is cheaper than a read and a write of the output, where the output is wider than
     the input (forward) or narrower (backward): the callers decide."""
-    return (len(groups) == 1 and groups[0][0] == 0 and groups[0][-1] == len(projs) - 1 and x_loras[0] is None
-            and not dora and all(p.nf4 is not None and p.fp8 is None for p in projs))
+    return _one_group(projs, groups, x_loras, dora) and all(p.nf4 is not None and p.fp8 is None for p in projs)
+
+
+def _one_group(projs, groups, x_loras, dora):
+    """Whether the projections' adapters form one group that spans every projection and reads X (no dropout),
+    without DoRA: what folding them into the base GEMM (`_folded`) or into the activation (`_in_activation`) needs."""
+    return len(groups) == 1 and groups[0][0] == 0 and groups[0][-1] == len(projs) - 1 and x_loras[0] is None \
+        and not dora
 
 
 def _base_folded(projs, group, x, a_masters, b_masters, dtype, bias=True, residual=None, out=None):
@@ -1072,7 +1078,7 @@ class _LoRAMLP(torch.autograd.Function):
                 gu, saved = _base_folded(projs[:2], groups[0], xc, a_masters, b_masters, dtype, out=gu_rows[:n_gu])
             else:
                 gu = _base(projs[:2], xc, dtype, transposed=True, bias=not dora_gu)  # [G | U] (N, 2I)
-                in_glu = _in_activation(glu, gu, groups, x_loras, dora_gu)
+                in_glu = _in_activation(glu, projs[:2], gu, groups, x_loras, dora_gu)
                 saved = _adapt_groups(None if in_glu else gu, projs[:2], groups, x_loras, xc, a_masters, b_masters,
                                       dtype)
                 gu_rows = gu.t()
@@ -1160,8 +1166,7 @@ class _LoRAMLP(torch.autograd.Function):
                 dh = _base_backward((down,), torch.cat([dy, dyb], dim=1), transposed=True, rows=a_d)
             else:
                 dh = _base_backward((down,), dy, transposed=True)  # (N, I), stored as (I, N) like Gᵀ and Uᵀ
-                if down.r and mask is None and ctx.glu.lowrank is not None and ctx.glu.lowrank(dh):  # added as the
-                    # activation's backward reads dH
+                if down.r and mask is None and _takes_terms(ctx.glu, dh):  # added as the activation's backward reads dH
                     terms["dh_term"] = (a_d.t(), dyb)
                 elif down.r and mask is None:
                     dh.addmm_(dyb, a_d)
@@ -1201,13 +1206,16 @@ class _LoRAMLP(torch.autograd.Function):
                 *_check_grads(ctx, dxs + [da[0], db[0], da[1], db[1], da[2], db[2]] + dm + d_residual))
 
 
-def _in_activation(glu, gu, groups, x_loras, dora):
+def _in_activation(glu, projs, gu, groups, x_loras, dora):
     """Whether gate's and up's adapter products s (X Aᵀ) Bᵀ are added to G and U by the activation's kernels as they
     read [G | U] (gu, (N, 2I)), rather than into [G | U] in a pass of its own: where the kernels take them for that
-    size (`GLU.lowrank`), for one group of both that reads X (no dropout), without DoRA (whose scaling comes after
-    the sum)."""
-    return glu.lowrank is not None and glu.lowrank(_halves(gu)[0]) and len(groups) == 1 and groups[0] == [0, 1] \
-        and x_loras[0] is None and not dora
+    size (`_takes_terms`), for one group of both that reads X, without DoRA (whose scaling comes after the sum)."""
+    return _takes_terms(glu, _halves(gu)[0]) and _one_group(projs, groups, x_loras, dora)
+
+
+def _takes_terms(glu, like):
+    """Whether the activation's kernels take low-rank terms for operands like `like` (`GLU.lowrank`)."""
+    return glu.lowrank is not None and glu.lowrank(like)
 
 
 def _gate_up_terms(projs, group, saved):
