@@ -128,6 +128,7 @@ def main(cfg) -> int:
         ckpts.set_aside_newer(step)
 
         # ----------------------------------------------------------------------------- the loop
+        model.train()  # LoRA dropout in the updates; the sampler draws none
         progress = Progress(step, max_steps, log, bar=sys.stdout.isatty())
         log("CUDA graphs on" if graphs_off is None else f"CUDA graphs off: {graphs_off}")
         train_step = (EagerStep(model, device, objective) if graphs_off else

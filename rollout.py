@@ -19,12 +19,10 @@ SHOWN = 3  # greedy held-out samples printed at each evaluation
 
 def completions(sampler, prompts, cfg, tokenizer, stops, G, generator=None, temperature=None):
     """(completion ids, their log-probs, their texts) of G samples of each prompt (row p*G + g), from the run's
-    model/generate.py GroupSampler, the model in eval mode (no LoRA dropout) while it samples. The text leaves out
-    a final stop token."""
-    sampler.model.eval()
+    model/generate.py GroupSampler (which samples without LoRA dropout, in train mode too). The text leaves out a
+    final stop token."""
     ids, logps = sampler([p.ids for p in prompts], G, cfg.temperature if temperature is None else temperature,
                          cfg.top_p, cfg.top_k, stop_ids=stops, generator=generator)
-    sampler.model.train()
     texts = [tokenizer.decode(c[:-1] if c and c[-1] in stops else c) for c in ids]
     return ids, logps, texts
 

@@ -28,7 +28,7 @@ import warnings
 import torch
 
 from model.capture import capture, warm_up
-from model.lora import MergedAdapters
+from model.lora import MergedAdapters, NoDropout
 
 
 class LayerCache:
@@ -37,9 +37,8 @@ class LayerCache:
     tensor holds and returns the whole buffers, whose positions not written yet `KVCache.mask` hides. (With the
     kernels, a one-token step writes the slot and reads the buffers itself: model/transformer.py, `decode_attend`.)"""
 
-    def __init__(self, shape, dtype, device):
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+    def __init__(self, k, v):
+        self.k, self.v = k, v  # (B, n_kv_heads, max_len, head_dim) each, zeros: views of the `KVCache`'s buffers
         self.length = 0
         self.at = None  # static: the positions (T,) of the forward's tokens, a device tensor
 
@@ -59,11 +58,15 @@ class LayerCache:
 
 
 class KVCache:
-    """Keys and values of every layer for up to `max_len` positions of `batch` rows."""
+    """Keys and values of every layer for up to `max_len` positions of `batch` rows: two buffers, k and v, of
+    (n_layers, batch, n_kv_heads, max_len, head_dim), whose layer i each `LayerCache` holds, so that one copy
+    moves every layer's (`Prefill`)."""
 
     def __init__(self, cfg, batch, max_len, dtype, device):
-        shape = (batch, cfg.n_kv_heads, max_len, cfg.head_dim)
-        self.layers = [LayerCache(shape, dtype, device) for _ in range(cfg.n_layers)]
+        shape = (cfg.n_layers, batch, cfg.n_kv_heads, max_len, cfg.head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.layers = [LayerCache(k, v) for k, v in zip(self.k, self.v, strict=True)]
         self.first = None  # static: each row's first slot that `mask` shows (B,), or None: slot 0 for every row
 
     @property
@@ -193,9 +196,8 @@ class Prefill:
         cache.first.copy_(M - self.lengths)
         positions = (torch.arange(M, device=self.tokens.device) - cache.first[:, None]).clamp(min=0)  # (P, M)
         h = self.model.hidden_states(self.tokens, positions, cache=cache)[:, -1]
-        for big, own in zip(self.cache.layers, cache.layers, strict=True):
-            big.k[:, :, :M] = own.k.index_select(0, self.prompt_of)
-            big.v[:, :, :M] = own.v.index_select(0, self.prompt_of)
+        self.cache.k[:, :, :, :M] = cache.k.index_select(1, self.prompt_of)  # every layer's at once
+        self.cache.v[:, :, :, :M] = cache.v.index_select(1, self.prompt_of)
         return self.model.logits(h).index_select(0, self.prompt_of)
 
 
@@ -292,7 +294,9 @@ class GroupSampler:
     a row the slots from its prompt's first (`first`, a device tensor the graph reads, refilled at each call) up to
     the current one: the keys and values an earlier call left in the slots after the current token stay hidden, so
     a call samples what a fresh sampler samples. A call with fewer than `rows` rows fills the rest with copies of
-    its last row, whose samples are dropped."""
+    its last row, whose samples are dropped. A call samples with the adapters as they are, merged into the weights
+    where `MergedAdapters` takes them, and without their dropout (`NoDropout`) in train mode too: an RL loop
+    needs no model.eval() and model.train() around it."""
 
     SYNC_EVERY = 16  # decoding steps between the host's checks that every row has stopped
 
@@ -305,6 +309,7 @@ class GroupSampler:
         self.cache = KVCache(model.config, rows, max_prompt_len + max_new_tokens, weight.dtype, self.device)
         self.first = torch.zeros(rows, dtype=torch.long, device=self.device)  # (rows,) each row's first shown slot
         self.merged = MergedAdapters(model)  # its buffers, like the cache, are made once: the graphs read them
+        self.no_dropout = NoDropout(model)  # the adapters sample as they are, in train mode too
         self.prefills = {}  # P: the Prefill of P prompts
         self.decode = DecodeGraph(model, self.cache, first=self.first, graphed=self.graphed)
 
@@ -323,7 +328,7 @@ class GroupSampler:
             raise ValueError(f"a prompt of {max(map(len, prompts))} tokens does not fit the sampler's {M}")
         if P not in self.prefills:
             self.prefills[P] = Prefill(self.model, self.cache, P, M, self.graphed)
-        with self.merged:  # the adapters stay fixed while sampling: plain GEMMs on merged weights
+        with self.merged, self.no_dropout:  # the adapters stay fixed while sampling: plain GEMMs on merged weights
             ids = torch.full((P, M), self.pad_id, dtype=torch.long)
             for i, p in enumerate(prompts):
                 ids[i, M - len(p):] = torch.tensor(p, dtype=torch.long)

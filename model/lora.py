@@ -299,6 +299,38 @@ def adapters_disabled(model):
             m.read_as(r, merged)
 
 
+class NoDropout:
+    """Inside the block no adapter of `model` draws dropout, whether the model is in train or eval mode: sampling
+    (model/generate.py `GroupSampler`) takes the adapters as they are. Dropout is the one thing that the train/eval
+    mode changes here (`LoRALinear.lora_input`, the fused MLP), so only the adapters with dropout have their
+    `training` flag turned off, and back on leaving, written into their dicts as `LoRALinear.read_as` writes:
+    model.eval() and model.train() visit every module through nn.Module.__setattr__, which costs the host as much
+    as a few decoding steps of a small model, at every rollout.
+
+        no_dropout = NoDropout(model)  # once: finds the adapters with dropout
+        with no_dropout:
+            ..."""
+
+    def __init__(self, model):
+        self.dropped = [m for m in model.modules() if isinstance(m, LoRALinear) and m.r and m.dropout_p > 0]
+        self.modes = None
+
+    def __enter__(self):
+        assert self.modes is None, "NoDropout: the block is already open"
+        self.modes = [m.training for m in self.dropped]
+        for m in self.dropped:
+            vars(m)["training"] = False
+        return self
+
+    def __exit__(self, *exc):
+        for m, mode in zip(self.dropped, self.modes, strict=True):
+            vars(m)["training"] = mode
+        self.modes = None
+
+
+_MERGED_PARAMETERS = ("weight", "lora_A", "lora_B", "lora_magnitude_vector")  # what a merge reads
+
+
 class MergedAdapters:
     """Inside the block, every adapted projection of `model` computes with its merged weight W' = W + s·B·A (DoRA:
     `merged_weight`'s row-scaled one) as a plain linear layer: one GEMM, where the adapter path adds two GEMMs, a
@@ -358,12 +390,14 @@ class MergedAdapters:
 
     def current_table(self):
         """The `MergeTable` of every projection's W, A, B, m and scale (W alone where the rank reads 0): the last one,
-        while none of them has moved."""
-        members = [(p.weight, *((p.lora_A, p.lora_B, p.lora_magnitude_vector if p.dora else None) if p.r else
-                                (None,) * 3), view, p.scale) for p, view in self.views]
-        key = [(*(0 if t is None else t.data_ptr() for t in member[:4]), p.r, p.scale)
-               for (p, _), member in zip(self.views, members)]
+        while none of them has moved. The key reads the parameters from each module's own dict: the host checks it
+        at every rollout, before the merge's launch, and nn.Module's attribute lookup would cost it 3-4 times as
+        much."""
+        key = [(*(0 if t is None else t.data_ptr() for t in map(vars(p)["_parameters"].get, _MERGED_PARAMETERS)),
+                p.r, p.scale) for p, _ in self.views]
         if key != self.key:
+            members = [(p.weight, *((p.lora_A, p.lora_B, p.lora_magnitude_vector if p.dora else None) if p.r else
+                                    (None,) * 3), view, p.scale) for p, view in self.views]
             self.table, self.key = self.make_table(self.buffer, members), key
         return self.table
 

@@ -10,6 +10,7 @@ from model.lora import (
     DoRAOps,
     LoRALinear,
     MergedAdapters,
+    NoDropout,
     _LoRAMLP,
     _LoRAProjections,
     _packed,
@@ -168,6 +169,30 @@ def test_merged_adapters_are_not_taken_for_a_quantized_base(llama_folder, monkey
     assert not merged.groups
     with merged:
         assert all(p.r for p in model.modules() if isinstance(p, LoRALinear) and p.lora_A is not None)
+
+
+def test_no_dropout_turns_the_adapters_dropout_off_in_train_mode(llama_folder):
+    """Inside NoDropout a model in train mode gives its eval-mode logits (its adapters draw no dropout); on leaving,
+    every adapter is back in its mode (train or eval), and the train-mode forward draws dropout again."""
+    model, _ = load_model(llama_folder, lora=LoRAConfig(r=4, dropout=0.5))
+    randomize_lora_b(model)
+    ids = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(0))
+    no_dropout = NoDropout(model)
+    assert len(no_dropout.dropped) == sum(isinstance(m, LoRALinear) and m.r > 0 for m in model.modules()) > 0
+    with torch.no_grad():
+        evaluated = model.eval()(ids)
+        with no_dropout:
+            in_eval = model(ids)
+        assert not any(m.training for m in model.modules())
+        model.train()
+        with no_dropout:
+            assert not any(m.training for m in no_dropout.dropped)
+            inside = model(ids)
+        assert all(m.training for m in model.modules())
+        dropped = model(ids)
+    assert torch.equal(inside, evaluated) and torch.equal(in_eval, evaluated)
+    assert not torch.allclose(dropped, evaluated), "the train-mode forward draws dropout"
+    assert NoDropout(load_model(llama_folder, lora=LoRAConfig(r=4))[0]).dropped == []  # dropout 0: nothing to do
 
 
 # ----------------------------------------------------------------------------- parity with PEFT

@@ -46,6 +46,31 @@ def test_temperature_zero_is_greedy_generate(tiny):
         assert out[2 * i] == out[2 * i + 1] == want
 
 
+@pytest.mark.parametrize("merged", [True, False])
+def test_sampler_draws_no_dropout_in_train_mode(llama_folder, monkeypatch, merged):
+    """A model in train mode with LoRA dropout samples what it samples in eval mode, on the merged weights and on
+    the adapter path (no merge: as for NF4 and fp8 bases), and stays in train mode: the rollouts need no
+    model.eval() and model.train() around them."""
+    if not merged:
+        monkeypatch.setattr("model.lora.free_memory", lambda projs: 0)
+    model, _ = load_model(llama_folder, lora=LoRAConfig(r=4, alpha=8, dropout=0.5))
+    randomize_lora_b(model)
+
+    def draw():
+        sampler = GroupSampler(model, rows=6, max_prompt_len=8, max_new_tokens=8)
+        assert bool(sampler.merged.groups) == merged
+        return sampler(PROMPTS, 2, temperature=1.0, generator=torch.Generator().manual_seed(0))
+
+    model.eval()
+    evaluated = draw()
+    model.train()
+    assert draw() == evaluated
+    assert all(m.training for m in model.modules())
+    with torch.no_grad():  # the test's control: in train mode the adapter path draws dropout
+        ids = torch.tensor([PROMPTS[2]])
+        assert not torch.equal(model(ids), model.eval()(ids))
+
+
 def test_same_seed_same_samples(tiny):
     """A seeded generator gives the same samples; another seed others; the G samples of a prompt differ."""
     def draw(seed):
