@@ -58,6 +58,32 @@ def test_reward_rises_and_metrics_are_named_as_trl(setup, tmp_path):
     assert final["eval_reward"] > 0.5 and "eval_pass@1" in final
 
 
+def test_lora_dropout_acts_in_the_updates_not_in_the_rollouts(setup, tmp_path, monkeypatch):
+    """With --lora-dropout the updates draw dropout masks (the loop trains in train mode) and the rollouts draw none
+    (the sampler turns its adapters' dropout off)."""
+    import torch.nn.functional as F
+
+    from model.generate import GroupSampler
+    draws, sampling = [], []
+    dropout, sample = F.dropout, GroupSampler.__call__
+
+    def counted(*a, **k):
+        draws.append(bool(sampling))
+        return dropout(*a, **k)
+
+    def sampled(self, *a, **k):
+        sampling.append(True)
+        try:
+            return sample(self, *a, **k)
+        finally:
+            sampling.pop()
+
+    monkeypatch.setattr(F, "dropout", counted)
+    monkeypatch.setattr(GroupSampler, "__call__", sampled)
+    assert rl.cli(args(setup, tmp_path / "run", "--max-steps", "2", "--lora-dropout", "0.5")) == 0
+    assert draws and not any(draws), f"{len(draws)} dropout draws, {sum(draws)} of them while sampling"
+
+
 def test_resume_is_exact(setup, tmp_path):
     """A run resumed from its step-2 checkpoint (β > 0: the reference pass too) ends with the uninterrupted run's
     adapter and metrics: the sampling of each step is seeded by the step."""
