@@ -11,14 +11,16 @@ rotate-half pairs (d, d + D/2) sit in one program. For rows x [M, K]:
     x̂      = RMSNorm(x)                                   each program computes the rms of the M rows itself
     y1, y2 = round(x̂ W[h·D + d]ᵀ + b),  round(x̂ W[h·D + D/2 + d]ᵀ + b)     d < D/2; fp32 sums, split-K as in
                                                                           decode_linear
+    (QK_NORM, Qwen3: a q or k head's (y1, y2) = RMSNorm over its D values, with q_norm's or k_norm's weight)
     q head:   q_out[:, h]          = (y1 c1 - y2 s1,  y2 c2 + y1 s2)      cos = (c1, c2), sin = (s1, s2) per row
     k head:   k_cache[:, h', at]   = (y1 c1 - y2 s1,  y2 c2 + y1 s2)
     v head:   v_cache[:, h', at]   = (y1, y2)
 
-y1, y2 are rounded to x's dtype as the GEMM's output is before RoPE reads it; the rotated values are rounded once,
-at the store. Given x's `Scaled` rows (written by the previous layer's down projection, kernels/decode_linear.py),
-the loop multiplies xs as it is and the sums are scaled by rstd (from ss) before the bias. `at` is a device tensor
-(a CUDA-graphed step's slot). Forward only.
+y1, y2 are rounded to x's dtype as the GEMM's output is before RoPE reads it (and before the head's norm, whose
+output is rounded as kernels/rms_norm.py rounds it); the rotated values are rounded once, at the store. Given x's
+`Scaled` rows (written by the previous layer's down projection, kernels/decode_linear.py), the loop multiplies xs
+as it is and the sums are scaled by rstd (from ss) before the bias. `at` is a device tensor (a CUDA-graphed step's
+slot). Forward only.
 
 Reference: kernels.references.decode_qkv_reference.
 """
@@ -44,6 +46,7 @@ from kernels.decode_linear import (
     scaled_input,
 )
 from kernels.references import DTYPES, check_norm_linear_args
+from kernels.rms_norm import _normalized
 
 
 @triton.jit
@@ -51,11 +54,12 @@ def _decode_qkv_kernel(
     x_ptr, nw_ptr, w_ptr, b_ptr,  # x [M, K]; nw [K]; w [(HQ + 2 HK) D, K]; b [(HQ + 2 HK) D]: contiguous
     cos_ptr, sin_ptr,  # [M, D] contiguous
     q_ptr, k_cache_ptr, v_cache_ptr, at_ptr,  # q [M, HQ, D]; caches [M, HK, S, D]; at: the slot, int64 [1]
+    qn_ptr, kn_ptr,  # q_norm's and k_norm's weights [D] (QK_NORM)
     ss_ptr,  # a `Scaled` x's sums of squares [T, M] fp32 (NORMALIZE False)
     ws_ptr, count_ptr,  # fp32 [SPLIT, 2 · heads, BLOCK_M, BLOCK_HALF]; int32 [heads], zeros
     M, K, K_CHUNK, S, HQ, HK, HALF, T, eps, offset,
     NORMALIZE: tl.constexpr, T_STEPS: tl.constexpr,
-    GEMMA_CAST: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
+    GEMMA_CAST: tl.constexpr, HAS_BIAS: tl.constexpr, QK_NORM: tl.constexpr, SPLIT: tl.constexpr,
     DTYPE: tl.constexpr, OPERAND: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_K: tl.constexpr,
     PDL: tl.constexpr,
@@ -83,6 +87,10 @@ def _decode_qkv_kernel(
     if HAS_BIAS:
         b1 = tl.load(b_ptr + n1, mask=dmask, other=0.0).to(tl.float32)
         b2 = tl.load(b_ptr + n1 + HALF, mask=dmask, other=0.0).to(tl.float32)
+    if QK_NORM:  # the head's norm weight: q_norm's for a q head, k_norm's for a k head (v heads: unused)
+        n_ptr = tl.where(head < HQ, qn_ptr, kn_ptr)
+        nw1 = tl.load(n_ptr + d, mask=dmask, other=0.0).to(tl.float32)
+        nw2 = tl.load(n_ptr + d + HALF, mask=dmask, other=0.0).to(tl.float32)
     at = tl.load(at_ptr)
     stats = _norm_stats(x_ptr, ss_ptr, rows, M, K, T, eps, NORMALIZE, BLOCK_M, BLOCK_K, T_STEPS)
     acc1, acc2 = _normed_pair(x_ptr, nw_ptr, w_ptr, rows, M, K, k_lo, k_hi, stats, offset, n1, n1 + HALF, dmask,
@@ -98,6 +106,12 @@ def _decode_qkv_kernel(
         y2 = acc2.to(q_ptr.dtype.element_ty).to(tl.float32)
         col_head = head + 0 * d  # the head as a vector: the interpreter mishandles a tensor mask & a scalar one
         rotated = col_head[None, :] < HQ + HK  # q and k heads; v heads go to the cache as they are
+        if QK_NORM:  # each row's RMSNorm over the head's D values (the lanes past HALF hold zeros)
+            rstd = tl.rsqrt((tl.sum(y1 * y1, 1) + tl.sum(y2 * y2, 1)) / D + eps)
+            y1 = tl.where(rotated, _normalized(y1, nw1[None, :], rstd[:, None], offset, q_ptr, qn_ptr, GEMMA_CAST)
+                          .to(q_ptr.dtype.element_ty).to(tl.float32), y1)
+            y2 = tl.where(rotated, _normalized(y2, nw2[None, :], rstd[:, None], offset, q_ptr, qn_ptr, GEMMA_CAST)
+                          .to(q_ptr.dtype.element_ty).to(tl.float32), y2)
         o1 = tl.where(rotated, y1 * c1 - y2 * s1, y1)
         o2 = tl.where(rotated, y2 * c2 + y1 * s2, y2)
         q_offs = rows[:, None] * (HQ * D) + head * D + d[None, :]
@@ -115,12 +129,14 @@ def _decode_qkv_kernel(
 
 
 def decode_qkv(x, norm_weight, weight, bias, cos, sin, k_cache, v_cache, at, n_heads, workspace: Workspace,
-               eps=1e-6, offset=0.0, cast="llama"):
+               eps=1e-6, offset=0.0, cast="llama", qk_norm=None):
     """q | k | v = RMSNorm(x) Wᵀ + b for x [M, K] (M <= 64), norm_weight [K] (offset and cast as in
     kernels/rms_norm.py), weight [(n_heads + 2 Hk) · D, K], bias or None, one dtype; q and k rotated by cos, sin
     [M, D], k and v written into k_cache, v_cache [M, Hk, S, D] at slot at[0] (int64 [1] on the device). Returns the
     rotated q [M, n_heads, D]. x may be a `Scaled` (kernels/decode_linear.py) of the rows for this norm, which the
-    kernel multiplies as they are. workspace: the split-K buffers (kernels/decode_linear.py). No gradients."""
+    kernel multiplies as they are. qk_norm: None, or (q_norm's weight, k_norm's weight) [D] each (Qwen3), an RMSNorm
+    of each q and k head before RoPE with eps, offset and cast as x's norm (a model's norms share them).
+    workspace: the split-K buffers (kernels/decode_linear.py). No gradients."""
     scaled, x = x, scaled_input(x)
     check_norm_linear_args(x, norm_weight, weight, bias, cast)
     assert x.dtype in DTYPES, f"decode_qkv: fp32/bf16/fp16, got {x.dtype}"
@@ -136,6 +152,10 @@ def decode_qkv(x, norm_weight, weight, bias, cos, sin, k_cache, v_cache, at, n_h
                          f"{tuple(v_cache.shape)}")
     assert k_cache.dtype == v_cache.dtype == cos.dtype == sin.dtype == x.dtype, (k_cache.dtype, cos.dtype, x.dtype)
     assert at.shape == (1,) and at.dtype == torch.int64, "decode_qkv: `at` must be one int64 slot"
+    if qk_norm is not None and any(w.shape != (D,) or w.dtype != x.dtype for w in qk_norm):
+        raise ValueError(f"decode_qkv: q_norm's and k_norm's weights must be [{D}] of {x.dtype}; got "
+                         f"{[(tuple(w.shape), w.dtype) for w in qk_norm]}")
+    q_norm, k_norm = (norm_weight, norm_weight) if qk_norm is None else qk_norm  # unread without QK_NORM
     x, weight, cos, sin = x.contiguous(), weight.contiguous(), cos.contiguous(), sin.contiguous()
     q = x.new_empty(M, n_heads, D)
     split, chunk, block_k = launch_config(heads, K, x)
@@ -143,9 +163,10 @@ def decode_qkv(x, norm_weight, weight, bias, cos, sin, k_cache, v_cache, at, n_h
     ws, counts = workspace.get(split * 2 * heads * bm * half if split > 1 else 0, heads, x.device)
     ss, T, constexprs = scaled_args(scaled, ws)
     _decode_qkv_kernel[(heads, split)](
-        x, norm_weight, weight, weight if bias is None else bias, cos, sin, q, k_cache, v_cache, at, ss, ws, counts,
-        M, K, chunk, S, n_heads, Hk, D // 2, T, eps, offset, **constexprs,
-        GEMMA_CAST=cast == "gemma", HAS_BIAS=bias is not None, SPLIT=split, **dot_constexprs(x),
+        x, norm_weight, weight, weight if bias is None else bias, cos, sin, q, k_cache, v_cache, at, q_norm, k_norm,
+        ss, ws, counts, M, K, chunk, S, n_heads, Hk, D // 2, T, eps, offset, **constexprs,
+        GEMMA_CAST=cast == "gemma", HAS_BIAS=bias is not None, QK_NORM=qk_norm is not None, SPLIT=split,
+        **dot_constexprs(x),
         BLOCK_M=bm, BLOCK_HALF=half, BLOCK_K=block_k, **pdl_constexprs(x), num_warps=NUM_WARPS,
         num_stages=num_stages((bm + 2 * half) * block_k, x))
     assert q.dtype == x.dtype, f"decode_qkv: q must be {x.dtype}, got {q.dtype}"

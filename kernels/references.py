@@ -197,13 +197,17 @@ def decode_swiglu_reference(x, norm_weight, weight, bias=None, eps=1e-6, offset=
 
 
 def decode_qkv_reference(x, norm_weight, weight, bias, cos, sin, k_cache, v_cache, at, n_heads, eps=1e-6,
-                         offset=0.0, cast="llama"):
+                         offset=0.0, cast="llama", qk_norm=None):
     """Pure torch: q | k | v = RMSNorm(x) Wᵀ + b for x [M, K] (weight's rows: n_heads q heads, then the caches' Hk
-    k heads and Hk v heads), then `rope_into_cache_reference` with cos, sin [M, D]; returns the rotated q [M, Hq, D]."""
+    k heads and Hk v heads), each q and k head normalized by RMSNorm with q_norm's and k_norm's weights where
+    qk_norm = (q_norm's, k_norm's) (Qwen3; eps, offset and cast as x's), then `rope_into_cache_reference` with cos,
+    sin [M, D]; returns the rotated q [M, Hq, D]."""
     check_norm_linear_args(x, norm_weight, weight, bias, cast)
     M, Hk, D = x.shape[0], k_cache.shape[1], k_cache.shape[3]
     qkv = F.linear(rms_norm_reference(x, norm_weight, eps, offset, cast), weight, bias)
     q, k, v = (t.view(M, 1, -1, D) for t in qkv.split([n_heads * D, Hk * D, Hk * D], dim=-1))
+    if qk_norm is not None:
+        q, k = (rms_norm_reference(t, w, eps, offset, cast) for t, w in zip((q, k), qk_norm, strict=True))
     return rope_into_cache_reference(q, k, v, cos[:, None], sin[:, None], k_cache, v_cache, at)[:, 0]
 
 

@@ -2,7 +2,8 @@
 launches nine and more: each weight is read by one skinny GEMM with the small ops around it fused into its prologue
 and epilogue. For the residual stream x (M, H) of M rows of one token each:
 
-    q = decode_qkv(xn, input_layernorm, W_qkv, b_qkv, cos, sin, cache)  norm, q | k | v, bias, RoPE, cache write
+    q = decode_qkv(xn, input_layernorm, W_qkv, b_qkv, cos, sin, cache)  norm, q | k | v, bias, (Qwen3's q/k
+                                                                          norms,) RoPE, cache write
     y = decode_attention(q, cache)                                        kernels/decode_attention.py
     x, xn = decode_linear(y, W_o, b_o, residual=x, next_norm=post)       o, the residual add, the norm's rows
     h = decode_swiglu(xn, post_attention_layernorm, W_gate_up, b_gate_up) norm, gate | up, silu(G) ⊙ U
@@ -20,8 +21,9 @@ in bf16, both with fp32 logits).
 
 Taken (`FusedDecode.serves`) where every projection computes with a plain weight of the activations' dtype, packed
 as `pack_weights_` packs q | k | v and gate | up (adapters merged: `MergedAdapters`, whose block a rollout's
-sampler opens), with at most 64 rows, SwiGLU, and no q/k norms (Qwen3) or sandwich norms (Gemma 2/3). Elsewhere
-(NF4 and fp8 bases, unmerged adapters, Gemma's GeGLU, Qwen3) a step keeps `decode_layers`."""
+sampler opens), with at most 64 rows, SwiGLU, and no sandwich norms (Gemma 2/3); Qwen3's norms of each q and k
+head run in q | k | v's epilogue. Elsewhere (NF4 and fp8 bases, unmerged adapters, Gemma's GeGLU) a step keeps
+`decode_layers`."""
 import torch
 
 from kernels.decode_linear import MAX_ROWS, Workspace, decode_linear
@@ -66,9 +68,10 @@ class FusedDecode:
     def serves(self, model, x) -> bool:
         """Whether this path takes a decoding step of x (B, 1, H) (the module docstring says which)."""
         cfg = model.config
-        norms = [n.weight for layer in model.model.layers for n in (layer.input_layernorm,
-                                                                   layer.post_attention_layernorm)]
-        return (cfg.act == "silu" and not cfg.qk_norm and not cfg.sandwich_norm and x.shape[0] <= MAX_ROWS
+        norms = [n.weight for layer in model.model.layers
+                 for n in (layer.input_layernorm, layer.post_attention_layernorm)
+                 + ((layer.self_attn.q_norm, layer.self_attn.k_norm) if cfg.qk_norm else ())]
+        return (cfg.act == "silu" and not cfg.sandwich_norm and x.shape[0] <= MAX_ROWS
                 and all(w.dtype == x.dtype for w in norms))
 
     def __call__(self, model, x, tables, masks, cache):
@@ -89,8 +92,9 @@ class FusedDecode:
             attn, c, mask = layer.self_attn, cache.layers[i], masks[layer.layer_type]
             cos, sin = tables[layer.layer_type]  # (B, 1, D)
             norm = layer.input_layernorm
+            heads = (attn.q_norm.weight, attn.k_norm.weight) if attn.qk_norm else None  # their eps, cast: norm's
             q = decode_qkv(xn, norm.weight, w_qkv, b_qkv, cos[:, 0], sin[:, 0], c.k, c.v, mask.at, attn.nh, ws,
-                           eps=norm.eps, offset=norm.offset, cast=norm.cast)  # (B, nh, D)
+                           eps=norm.eps, offset=norm.offset, cast=norm.cast, qk_norm=heads)  # (B, nh, D)
             y = model.ops.decode_attention(q[:, None], c.k, c.v, mask.first, mask.at, attn.scale, mask.window,
                                            attn.softcap)  # (B, 1, nh, D)
             norm = layer.post_attention_layernorm

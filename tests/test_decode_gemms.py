@@ -2,7 +2,7 @@
 decode_qkv.py) against their torch references: odd shapes, with and without bias, K split into chunks (summed by
 the last program to arrive) and whole, Llama's and Gemma's norm roundings, the normalizing GEMMs' input as rows to
 normalize or as the `Scaled` rows that the GEMM before writes; every launch leaves the workspace's arrival counts
-at 0 for the next. On CPU in Triton's interpreter; `-m gpu` at Qwen2.5-0.5B's and SmolLM2-135M's
+at 0 for the next. On CPU in Triton's interpreter; `-m gpu` at Qwen2.5-0.5B's, SmolLM2-135M's and Qwen3-0.6B's
 shapes."""
 import pytest
 import torch
@@ -132,18 +132,20 @@ def test_decode_swiglu(dtype, M, K, N, bias, cast, offset, form):
     assert_close(h, decode_swiglu_reference(x, nw, w, b, 1e-5, offset, cast), *TOL[dtype], name="h")
 
 
-def check_qkv(dtype, M, K, Hq, Hk, D, bias, S=9, slot=5, form="rows"):
+def check_qkv(dtype, M, K, Hq, Hk, D, bias, S=9, slot=5, form="rows", qk_norm=False):
     x = torch.randn(M, K, device=DEVICE).to(dtype)
     nw = (1 + 0.1 * torch.randn(K, device=DEVICE)).to(dtype)
     w, b = weights((Hq + 2 * Hk) * D, K, dtype, bias)
+    heads = [(1 + 0.3 * torch.randn(D, device=DEVICE)).to(dtype) for _ in range(2)] if qk_norm else None
     inv_freq = 1.0 / 10000 ** (torch.arange(0, D, 2, device=DEVICE).float() / D)
     cos, sin = (t[:, 0] for t in rope_cos_sin(torch.randint(0, 4096, (M, 1), device=DEVICE), inv_freq, dtype))
     at = torch.tensor([slot], device=DEVICE)
     caches = [torch.randn(M, Hk, S, D, device=DEVICE).to(dtype) for _ in range(2)]
     want = [c.clone() for c in caches]
     ws = Workspace()
-    q = decode_qkv(normalizing_input(x, nw, 0.0, form), nw, w, b, cos, sin, *caches, at, Hq, ws, eps=1e-5)
-    q_want = decode_qkv_reference(x, nw, w, b, cos, sin, *want, at, Hq, eps=1e-5)
+    q = decode_qkv(normalizing_input(x, nw, 0.0, form), nw, w, b, cos, sin, *caches, at, Hq, ws, eps=1e-5,
+                   qk_norm=heads)
+    q_want = decode_qkv_reference(x, nw, w, b, cos, sin, *want, at, Hq, eps=1e-5, qk_norm=heads)
     assert q.shape == (M, Hq, D) and q.dtype == dtype and not ws.counts.any()
     assert_close(q, q_want, *TOL[dtype], name="q")
     for name, c, c_want in zip(("k_cache", "v_cache"), caches, want):
@@ -153,20 +155,23 @@ def check_qkv(dtype, M, K, Hq, Hk, D, bias, S=9, slot=5, form="rows"):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("M, K, Hq, Hk, D, bias, form", [(3, 300, 6, 2, 32, True, "rows"),
-                                                         (3, 300, 6, 2, 32, True, "scaled-40"),
-                                                         (5, 64, 4, 4, 48, False, "rows"),
-                                                         (5, 64, 4, 4, 48, False, "scaled-3")])
-def test_decode_qkv(dtype, M, K, Hq, Hk, D, bias, form):
+@pytest.mark.parametrize("M, K, Hq, Hk, D, bias, form, qk_norm", [(3, 300, 6, 2, 32, True, "rows", False),
+                                                                  (3, 300, 6, 2, 32, True, "scaled-40", False),
+                                                                  (5, 64, 4, 4, 48, False, "rows", False),
+                                                                  (5, 64, 4, 4, 48, False, "scaled-3", False),
+                                                                  (3, 300, 6, 2, 32, False, "scaled-40", True),
+                                                                  (5, 64, 4, 4, 48, True, "rows", True)])
+def test_decode_qkv(dtype, M, K, Hq, Hk, D, bias, form, qk_norm):
     """q rotated, k rotated and v into the cache slot `at` (no other slot written), of RMSNorm(x) Wᵀ + b: grouped
     and plain kv heads, a head of 48 (half a head not a power of two), split and whole K, from x's rows or from
-    their `Scaled` form."""
-    check_qkv(dtype, M, K, Hq, Hk, D, bias, form=form)
+    their `Scaled` form; with Qwen3's RMSNorm of each q and k head before RoPE (its own weights for q and k)."""
+    check_qkv(dtype, M, K, Hq, Hk, D, bias, form=form, qk_norm=qk_norm)
 
 
-SHAPES = {  # hidden, intermediate, q heads, kv heads, head_dim, qkv bias
-    "qwen2.5-0.5b": (896, 4864, 14, 2, 64, True),
-    "smollm2-135m": (576, 1536, 9, 3, 64, False),
+SHAPES = {  # hidden, intermediate, q heads, kv heads, head_dim, qkv bias, q/k norms
+    "qwen2.5-0.5b": (896, 4864, 14, 2, 64, True, False),
+    "smollm2-135m": (576, 1536, 9, 3, 64, False, False),
+    "qwen3-0.6b": (1024, 3072, 16, 8, 128, False, True),
 }
 
 
@@ -176,10 +181,10 @@ SHAPES = {  # hidden, intermediate, q heads, kv heads, head_dim, qkv bias
 def test_decode_gemms_at_model_shapes(shape):
     """The three kernels at a rollout's 16 rows and the model's shapes, bf16, against their references; gate | up
     also from the `Scaled` rows that o's launch writes, as a decoding layer chains them."""
-    H, inter, Hq, Hk, D, bias = SHAPES[shape]
+    H, inter, Hq, Hk, D, bias, qk_norm = SHAPES[shape]
     M, dtype = 16, torch.bfloat16
     for form in ("rows", "scaled-28"):
-        check_qkv(dtype, M, H, Hq, Hk, D, bias, S=128, slot=100, form=form)
+        check_qkv(dtype, M, H, Hq, Hk, D, bias, S=128, slot=100, form=form, qk_norm=qk_norm)
     ws = Workspace()
     x, nw = torch.randn(M, H, device=DEVICE).to(dtype), (1 + 0.1 * torch.randn(H, device=DEVICE)).to(dtype)
     w, _ = weights(2 * inter, H, dtype, False)

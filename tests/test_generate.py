@@ -117,9 +117,10 @@ def test_decoding_kernels_match_full_forward(family, tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("family, dtype, tol", [("llama", torch.float32, 2e-5), ("qwen2", torch.float32, 2e-5),
-                                                ("llama", torch.float16, 2e-2)])
+                                                ("qwen3", torch.float32, 2e-5), ("llama", torch.float16, 2e-2)])
 def test_fused_decoding_layers(family, dtype, tol, tmp_path, monkeypatch):
-    """With the kernels, the one-token steps of Llama and Qwen2 (its q | k | v bias) run in five launches a layer
+    """With the kernels, the one-token steps of Llama, Qwen2 (its q | k | v bias) and Qwen3 (its q and k heads'
+    norms) run in five launches a layer
     (norm + q | k | v + RoPE + cache write, attention, o + add, norm + gate | up + SwiGLU, down + add,
     model/decode.py) and give the torch layers' logits and cache, for rows left-padded to different slots. Every
     normalizing GEMM but the first layer's q | k | v reads the `Scaled` rows that the launch before wrote; in fp16
@@ -158,7 +159,7 @@ def test_fused_decoding_layers(family, dtype, tol, tmp_path, monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("family", ["llama", "qwen2"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
 def test_fused_decoding_layers_on_gpu(family, tmp_path):
     """bf16 on a GPU with merged adapters (a rollout's sampler): a step's logits through the five-launch layers are as
     close to the same weights' fp32 logits as the nine-launch layers' (the five-launch GEMMs round the norm's output
@@ -192,9 +193,9 @@ def test_fused_decoding_layers_on_gpu(family, tmp_path):
         assert_close(x, logits[2], atol=5e-2, rtol=5e-2, name=f"{family} bf16 logits, {name}-launch layers")
 
 
-@pytest.mark.parametrize("family", ["qwen3", "gemma", "gemma2"])
+@pytest.mark.parametrize("family", ["gemma", "gemma2"])
 def test_fused_decoding_layers_leave_other_families_alone(family):
-    """Qwen3 (q/k norms), Gemma (GeGLU) and Gemma 2 (sandwich norms) keep the nine-launch decoding layers."""
+    """Gemma (GeGLU) and Gemma 2 (sandwich norms) keep the nine-launch decoding layers."""
     from model.config import from_hf_config
     from model.decode import FusedDecode
     from model.transformer import Transformer

@@ -318,7 +318,8 @@ def decode_gemm_cases():
     bias, whole (SPLIT 1) and with K split (the workspace's sums and arrival counts): bf16 on both architectures,
     and q | k | v's split in fp32 on sm_80 too (twice the bytes an element), whose shared memory is the smaller;
     in bf16 each also as it runs between two GEMMs (o and down writing the next norm's `Scaled` rows, gate | up and
-    q | k | v reading them, from 128 blocks of sums as at a hidden size of 4096). Aligned as at the model shapes
+    q | k | v reading them, from 128 blocks of sums as at a hidden size of 4096; q | k | v with Qwen3's norms of
+    its q and k heads there and in fp32, without them in the other cases). Aligned as at the model shapes
     (the loads pipeline), and on sm_90 with programmatic dependent launch (PDL), as their launchers compile them
     there."""
     import torch
@@ -330,7 +331,7 @@ def decode_gemm_cases():
             "_decode_swiglu_kernel": ("kernels.decode_swiglu", ("x", "nw", "w", "b", "h"),
                                       ("M", "N", "K", "K_CHUNK", "T"), {"BLOCK_N": 32, "GEMMA_CAST": False}),
             "_decode_qkv_kernel": ("kernels.decode_qkv",
-                                   ("x", "nw", "w", "b", "cos", "sin", "q", "k_cache", "v_cache"),
+                                   ("x", "nw", "w", "b", "cos", "sin", "q", "k_cache", "v_cache", "qn", "kn"),
                                    ("M", "K", "K_CHUNK", "S", "HQ", "HK", "HALF", "T"),
                                    {"BLOCK_HALF": 128, "GEMMA_CAST": False})}
     floats = {"_decode_linear_kernel": ("offset",), "_decode_swiglu_kernel": ("eps", "offset"),
@@ -343,9 +344,11 @@ def decode_gemm_cases():
             operand = getattr(tl, {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}[dtype])
             modes = chained.get(kernel, ({"NORMALIZE": True, "T_STEPS": 1}, {"NORMALIZE": False, "T_STEPS": 4}))
             for mode in modes[:1] if dtype == "fp32" else modes:
+                qk_norm = {"QK_NORM": dtype == "fp32" or not mode["NORMALIZE"]} if "qn" in pointers else {}
                 constexprs = dict(HAS_BIAS=True, SPLIT=split, DTYPE=operand, OPERAND=operand,
                                   PRECISION="ieee" if dtype == "fp32" else "tf32", BLOCK_M=dl.MAX_ROWS,
-                                  BLOCK_K=32 if dtype == "fp32" else 128, PDL=arch >= 90, **shape, **mode)
+                                  BLOCK_K=32 if dtype == "fp32" else 128, PDL=arch >= 90, **shape, **mode,
+                                  **qk_norm)
                 sig = {**{f"{a}_ptr": f"*{dtype}" for a in pointers},
                        **({"at_ptr": "*i64"} if "q" in pointers else {}), "ss_ptr": "*fp32",
                        "ws_ptr": "*fp32", "count_ptr": "*i32", **dict.fromkeys(ints, "i32"),
