@@ -20,10 +20,10 @@ once (x ⊙ w) where the norm rounds it twice (tests/test_generate.py compares t
 in bf16, both with fp32 logits).
 
 Taken (`FusedDecode.serves`) where every projection computes with a plain weight of the activations' dtype, packed
-as `pack_weights_` packs q | k | v and gate | up (adapters merged: `MergedAdapters`, whose block a rollout's
-sampler opens), with at most 64 rows, SwiGLU, and no sandwich norms (Gemma 2/3); Qwen3's norms of each q and k
-head run in q | k | v's epilogue. Elsewhere (NF4 and fp8 bases, unmerged adapters, Gemma's GeGLU) a step keeps
-`decode_layers`."""
+as `pack_weights_` packs q | k | v and gate | up (adapters merged, an NF4 base dequantized: `MergedAdapters`, whose
+block a rollout's sampler opens), with at most 64 rows, SwiGLU, and no sandwich norms (Gemma 2/3); Qwen3's norms
+of each q and k head run in q | k | v's epilogue. Elsewhere (fp8 bases, NF4 bases and adapters outside that block,
+Gemma's GeGLU) a step keeps `decode_layers`."""
 import torch
 
 from kernels.decode_linear import MAX_ROWS, Workspace, decode_linear
@@ -34,9 +34,10 @@ from model.lora import _rows_view
 
 def packed(projs):
     """(W, b) of projections that read one input: [W_1; W_2; ...] (Σout, in) and their biases (or None), each one
-    view of the rows `pack_weights_` stored one after the other, where every projection computes with a plain
-    weight (no NF4 or fp8 base, no adapter outside `MergedAdapters`); else None."""
-    if any(p.r or p.nf4 is not None or p.fp8 is not None or p.weight is None for p in projs):
+    view of the rows `pack_weights_` (or `MergedAdapters`) stored one after the other, where every projection
+    computes with a plain weight (merged inside `MergedAdapters`, an NF4 base's too; else no NF4 or fp8 base and no
+    adapter); else None."""
+    if any(p.r or (p.merged is None and (p.nf4 is not None or p.fp8 is not None or p.weight is None)) for p in projs):
         return None
     w = _rows_view([p.base_weight() for p in projs])
     biases = [p.bias for p in projs]

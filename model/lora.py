@@ -350,20 +350,23 @@ class MergedAdapters:
     projections' ranks read 0 inside the block (as in `adapters_disabled`), so both the fused and the unfused paths
     take W' as a base weight.
 
-    Not taken (`groups` empty, the block changes nothing) for a quantized base (NF4: merged copies would cost as
-    much memory as an unquantized model), for --fp8 bases, or where one copy of the adapted projections' weights
-    takes more than a quarter of the free memory."""
+    An NF4 (QLoRA) base is dequantized into the buffers first (one launch a projection), in its original dtype, and
+    the merge then adds s·B·A in place: a rollout dequantizes each weight once, where the adapter path would at every
+    decoding step, and decodes from plain weights (model/decode.py's five launches a layer), at the memory of an
+    unquantized copy of the adapted projections. Not taken (`groups` empty, the block changes nothing) for --fp8
+    bases, or where that copy takes more than a quarter of the free memory."""
 
     def __init__(self, model):
         groups = [g for g in model.projection_groups() if any(p.r for p in g)]
         projs = [p for g in groups for p in g]
-        size = sum(p.weight.numel() * p.weight.element_size() for p in projs if p.weight is not None)
-        if any(p.nf4 is not None or p.fp8 is not None for p in projs) or size > free_memory(projs) / 4:
+        dtype, device = _stored(projs[0]) if projs else (None, None)
+        size = sum(p.out_features * p.in_features for p in projs) * (dtype.itemsize if projs else 0)
+        if any(p.fp8 is not None for p in projs) or size > free_memory(device) / 4:
             groups = []
         self.groups, self.views, self.ranks = groups, [], None
         self.make_table, self.table, self.key = model.ops.merge_table, None, None
         shapes = [(sum(p.out_features for p in g), g[0].in_features) for g in groups]
-        self.buffer = groups[0][0].weight.new_empty(sum(o * i for o, i in shapes)) if groups else None
+        self.buffer = torch.empty(sum(o * i for o, i in shapes), dtype=dtype, device=device) if groups else None
         start = 0
         for g, (rows, cols) in zip(groups, shapes):
             buffer = self.buffer[start:start + rows * cols].view(rows, cols)
@@ -377,6 +380,9 @@ class MergedAdapters:
             for p, view in self.views:
                 view.copy_(merged_weight(p))
         elif self.views:
+            for p, view in self.views:
+                if p.nf4 is not None:
+                    p.nf4.dequantize(out=view)  # W, which the merge then reads and overwrites in place
             self.current_table()()
         self.ranks = [p.r for p, _ in self.views]
         for p, view in self.views:
@@ -396,16 +402,21 @@ class MergedAdapters:
         key = [(*(0 if t is None else t.data_ptr() for t in map(vars(p)["_parameters"].get, _MERGED_PARAMETERS)),
                 p.r, p.scale) for p, _ in self.views]
         if key != self.key:
-            members = [(p.weight, *((p.lora_A, p.lora_B, p.lora_magnitude_vector if p.dora else None) if p.r else
-                                    (None,) * 3), view, p.scale) for p, view in self.views]
+            members = [(view if p.nf4 is not None else p.weight,
+                        *((p.lora_A, p.lora_B, p.lora_magnitude_vector if p.dora else None) if p.r else (None,) * 3),
+                        view, p.scale) for p, view in self.views]
             self.table, self.key = self.make_table(self.buffer, members), key
         return self.table
 
 
-def free_memory(projs):
-    """Bytes free on the projections' device: the GPU's free memory, or the host's available memory."""
-    device = projs[0].weight.device if projs else torch.device("cpu")
-    if device.type == "cuda":
+def _stored(p):
+    """(dtype, device) of a projection's full-precision weight: its own, or what its NF4 weight dequantizes to."""
+    return (p.weight.dtype, p.weight.device) if p.nf4 is None else (p.nf4.weight_dtype, p.nf4.packed.device)
+
+
+def free_memory(device):
+    """Bytes free on `device` (None: the host): the GPU's free memory, or the host's available memory."""
+    if device is not None and device.type == "cuda":
         return torch.cuda.mem_get_info(device)[0]
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
@@ -639,7 +650,7 @@ def _base_weights(projs, dtype, columns=None, rows=None):
     [W; rows], so that one GEMM multiplies both (`_folded`); the weights are then written into its first columns
     or rows."""
     nf4 = [p.nf4 for p in projs]
-    if None in nf4:
+    if None in nf4 or any(p.merged is not None for p in projs):  # inside `MergedAdapters`: the merged weights
         assert columns is None and rows is None, "fused LoRA: adapters join the GEMM of NF4 weights only"
         return _packed([p.base_weight() for p in projs]).to(dtype)
     n_out, n_in = sum(p.out_features for p in projs), projs[0].in_features

@@ -97,19 +97,23 @@ def test_merged_adapters_give_the_adapter_path(family_folder, dtype, variant, fu
     assert torch.equal(after, want)
 
 
-MERGE_TABLE_CASES = [(torch.float32, "lora"), (torch.float32, "dora"), (torch.float32, "some targets"),
-                     (torch.bfloat16, "lora"), (torch.bfloat16, "dora")]
+MERGE_TABLE_CASES = [(torch.float32, "lora", None), (torch.float32, "dora", None),
+                     (torch.float32, "some targets", None), (torch.bfloat16, "lora", None),
+                     (torch.bfloat16, "dora", None), (torch.float32, "some targets", "nf4"),
+                     (torch.bfloat16, "dora", "nf4")]
 
 
-@pytest.mark.parametrize("dtype,variant", MERGE_TABLE_CASES, ids=[f"{str(d)[6:]}-{v}" for d, v in MERGE_TABLE_CASES])
-def test_merged_adapters_with_the_kernels_equal_merged_weight(llama_folder, dtype, variant):
+@pytest.mark.parametrize("dtype,variant,quantize", MERGE_TABLE_CASES,
+                         ids=[f"{str(d)[6:]}-{v}{'-' + q if q else ''}" for d, v, q in MERGE_TABLE_CASES])
+def test_merged_adapters_with_the_kernels_equal_merged_weight(llama_folder, dtype, variant, quantize):
     """With the kernels, entering MergedAdapters writes every projection's W' in one launch (`MergeTable`): each
     projection's merged buffer equals `merged_weight` (fp32: to fp32's rounding, the kernel's tf32x3 dot is not
-    torch's fp32 GEMM; bf16: to one rounding of W + s·B·A), and W itself where the projection has no adapter. A
-    second block reads the adapters' in-place updates into the same buffers with the same table; a projection
-    whose adapter is replaced by a new tensor gets a new table."""
+    torch's fp32 GEMM; bf16: to one rounding of W + s·B·A), and W itself where the projection has no adapter; an
+    NF4 base is dequantized into the buffer first and merged there in place. A second block reads the adapters'
+    in-place updates into the same buffers with the same table; a projection whose adapter is replaced by a new
+    tensor gets a new table."""
     from kernels.dora_norm import MergeTable
-    model, _ = load_model(llama_folder, dtype=dtype, use_kernels=True,
+    model, _ = load_model(llama_folder, dtype=dtype, use_kernels=True, quantize=quantize,
                           lora=LoRAConfig(r=4, alpha=8.0, **MERGE_VARIANTS[variant]))
     randomize_lora_b(model, std=0.1)
     merged = MergedAdapters(model)
@@ -126,7 +130,7 @@ def test_merged_adapters_with_the_kernels_equal_merged_weight(llama_folder, dtyp
             for p, view in merged.views:
                 assert_close(view, want[p], **tol, name=f"{p.name}'s W'")
                 if p.lora_A is None:
-                    assert torch.equal(view, p.weight)
+                    assert torch.equal(view, p.base_weight() if p.nf4 is None else p.nf4.dequantize())
         assert merged.buffer.data_ptr() == address
         assert (merged.table is table) == (step == 1), "the table is built again exactly when a tensor moved"
         with torch.no_grad():
@@ -157,18 +161,43 @@ def test_adapters_disabled_inside_merged_adapters_is_the_base(llama_folder):
     assert_close(after, adapted, atol=1e-5, rtol=1e-5, name="the adapter path after both blocks")
 
 
-def test_merged_adapters_are_not_taken_for_a_quantized_base(llama_folder, monkeypatch):
-    """NF4 and fp8 bases, and a merged copy too large for free memory, keep the adapter path: no buffers."""
+def test_merged_adapters_are_not_taken_for_an_fp8_base(llama_folder, monkeypatch):
+    """fp8 bases, and a merged copy too large for free memory, keep the adapter path: no buffers."""
     model, _ = load_model(llama_folder, lora=LoRAConfig(r=4))
     assert MergedAdapters(model).groups
-    monkeypatch.setattr("model.lora.free_memory", lambda projs: 1000)
+    monkeypatch.setattr("model.lora.free_memory", lambda device: 1000)
     assert not MergedAdapters(model).groups
     monkeypatch.undo()
-    model.model.layers[0].mlp.down_proj.nf4 = object()  # stands for an NF4Weight: only its presence is read
+    model.model.layers[0].mlp.down_proj.fp8 = object()  # stands for the group's FP8Weights: only its presence is read
     merged = MergedAdapters(model)
     assert not merged.groups
     with merged:
         assert all(p.r for p in model.modules() if isinstance(p, LoRALinear) and p.lora_A is not None)
+
+
+@pytest.mark.parametrize("variant", ["lora", "some targets"])
+def test_merged_adapters_of_an_nf4_base_give_the_adapter_path(llama_folder, variant):
+    """An NF4 (QLoRA) base is merged too: inside the block the logits are the NF4 adapter path's (fp32: to rounding)
+    from buffers of the dequantized W + s·B·A, which take W's unquantized bytes; after it the NF4 path is back, bit
+    for bit."""
+    model, cfg = load_model(llama_folder, quantize="nf4", lora=LoRAConfig(r=4, alpha=8.0, **MERGE_VARIANTS[variant]))
+    randomize_lora_b(model, std=0.1)
+    model.eval()
+    ids = torch.randint(0, cfg.vocab_size, (B, 12), generator=torch.Generator().manual_seed(0))
+    merged = MergedAdapters(model)
+    projs = [p for p, _ in merged.views]
+    assert merged.groups and all(p.nf4 is not None for p in projs)
+    assert merged.buffer.dtype == torch.float32 and merged.buffer.numel() == sum(p.nf4.shape.numel() for p in projs)
+    weights = {p: merged_weight(p) for p in projs}  # from the dequantized W, outside the block
+    with torch.no_grad():
+        want = model(ids)
+        with merged:
+            got = model(ids)
+            for p, view in merged.views:
+                assert_close(view, weights[p], atol=1e-6, rtol=1e-6, name=f"{p.name}'s W'")
+        after = model(ids)
+    assert_close(got, want, atol=1e-5, rtol=1e-5, name="merged NF4 logits")
+    assert torch.equal(after, want)
 
 
 def test_no_dropout_turns_the_adapters_dropout_off_in_train_mode(llama_folder):

@@ -52,7 +52,7 @@ def test_sampler_draws_no_dropout_in_train_mode(llama_folder, monkeypatch, merge
     the adapter path (no merge: as for NF4 and fp8 bases), and stays in train mode: the rollouts need no
     model.eval() and model.train() around them."""
     if not merged:
-        monkeypatch.setattr("model.lora.free_memory", lambda projs: 0)
+        monkeypatch.setattr("model.lora.free_memory", lambda device: 0)
     model, _ = load_model(llama_folder, lora=LoRAConfig(r=4, alpha=8, dropout=0.5))
     randomize_lora_b(model)
 
@@ -69,6 +69,23 @@ def test_sampler_draws_no_dropout_in_train_mode(llama_folder, monkeypatch, merge
     with torch.no_grad():  # the test's control: in train mode the adapter path draws dropout
         ids = torch.tensor([PROMPTS[2]])
         assert not torch.equal(model(ids), model.eval()(ids))
+
+
+def test_an_nf4_base_samples_from_its_merged_weights(llama_folder):
+    """A QLoRA (NF4) model's sampler dequantizes its base into the merged buffers, merges the adapters there, and
+    samples what the NF4 adapter path generates: at temperature 0 each prompt's samples are `generate`'s answer to
+    it alone, with log-probs of the full forward of the NF4 model."""
+    model, _ = load_model(llama_folder, quantize="nf4", lora=LoRAConfig(r=4, alpha=8))
+    randomize_lora_b(model)
+    model.eval()
+    sampler = GroupSampler(model, rows=6, max_prompt_len=8, max_new_tokens=10)
+    assert sampler.merged.groups and all(p.nf4 is not None for p, _ in sampler.merged.views)
+    out, logps = sampler(PROMPTS, 2, temperature=0.0)
+    for i, prompt in enumerate(PROMPTS):
+        want = generate(model, prompt, max_new_tokens=10)
+        assert out[2 * i] == out[2 * i + 1] == want
+        assert_close(torch.tensor(logps[2 * i]), reference_logps(model, prompt, want, 1.0), atol=1e-5, rtol=1e-5,
+                     name=f"prompt {i}'s log-probs")
 
 
 def test_same_seed_same_samples(tiny):
