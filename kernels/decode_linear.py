@@ -55,6 +55,8 @@ STAGE_BYTES = 160 * 1024  # at most these bytes of tiles in flight a program (`n
 WAVES = 1  # programs a launch, in waves of the device's SMs (`launch_config`): with more, K is cut finer, and the
 # partials' round trip and sum cost more than the shorter chains of loads save (dev/perf-notes.md)
 MAX_ROWS = 64  # rows a launch takes (BLOCK_M up to 64): a decoding step's, not a prefill's
+WIDE = 1 << 22  # weight elements from which a program takes 64 output columns, not 32 (`program_columns`): the
+# wider tiles stream a 7-8B model's o and down faster, a 0.5B model's no faster (dev/perf-notes.md)
 RSTD_TILES = tl.constexpr(8)  # x's tiles whose loads `_rstd` issues together
 
 
@@ -70,6 +72,11 @@ def pdl_constexprs(x) -> dict:
     for a CUDA device with programmatic dependent launch, for a decoding kernel reading x."""
     on = x.is_cuda and _dependent_launch(x.device.index if x.device.index is not None else torch.cuda.current_device())
     return dict(PDL=on, launch_pdl=on)
+
+
+def program_columns(weight, wide: int) -> int:
+    """Output columns a program of a decoding GEMM takes: 64 for a weight of at least `wide` elements, else 32."""
+    return 64 if weight.numel() >= wide else 32
 
 
 def block_m(M: int) -> int:
@@ -373,14 +380,16 @@ def dot_constexprs(x) -> dict:
                 PRECISION="ieee" if x.dtype == torch.float32 else "tf32")
 
 
-def decode_linear(x, weight, bias, residual, workspace: Workspace, block_n: int = 32, next_norm=None):
+def decode_linear(x, weight, bias, residual, workspace: Workspace, block_n: int | None = None, next_norm=None):
     """residual + (x Wᵀ + b): x [M, K], weight [N, K], bias [N] or None, residual [M, N], one dtype, M <= 64; a new
     [M, N] tensor y. workspace: the split-K buffers (`Workspace`). With next_norm = (w [N], offset), the RMSNorm
-    that reads y next: (y, `Scaled` of y for that norm). No gradients."""
+    that reads y next: (y, `Scaled` of y for that norm). block_n: a program's output columns (default: by the
+    weight's size, `program_columns`). No gradients."""
     check_decode_linear_args(x, weight, bias, residual)
     assert x.dtype in DTYPES, f"decode_linear: fp32/bf16/fp16, got {x.dtype}"
     M, K = x.shape
     N = weight.shape[0]
+    block_n = block_n or program_columns(weight, WIDE)
     x, weight, residual = x.contiguous(), weight.contiguous(), residual.contiguous()
     y = torch.empty_like(residual)
     tiles = triton.cdiv(N, block_n)

@@ -36,10 +36,14 @@ from kernels.decode_linear import (
     launch_config,
     num_stages,
     pdl_constexprs,
+    program_columns,
     scaled_args,
     scaled_input,
 )
 from kernels.references import DTYPES, check_norm_linear_args
+
+WIDE = 1 << 24  # weight elements (gate's and up's) from which a program takes 64 columns of each, not 32: the wider
+# tiles stream a 7-8B model's gate | up faster, a 0.5B model's slower (dev/perf-notes.md)
 
 
 @triton.jit
@@ -82,11 +86,12 @@ def _decode_swiglu_kernel(
 
 
 def decode_swiglu(x, norm_weight, weight, bias, workspace: Workspace, eps=1e-6, offset=0.0, cast="llama",
-                  block_n: int = 32):
+                  block_n: int | None = None):
     """H = silu(G) ⊙ U, [G | U] = RMSNorm(x) Wᵀ + b: x [M, K] (M <= 64), norm_weight [K] (offset and cast as in
     kernels/rms_norm.py), weight [2I, K] (gate's rows, then up's), bias [2I] or None, one dtype; a new [M, I]
     tensor. x may be a `Scaled` (kernels/decode_linear.py) of the rows for this norm, which the kernel multiplies as
-    they are. workspace: the split-K buffers (kernels/decode_linear.py). No gradients."""
+    they are. workspace: the split-K buffers (kernels/decode_linear.py). block_n: a program's columns of G and of U
+    (default: by the weight's size, `program_columns` from WIDE elements). No gradients."""
     scaled, x = x, scaled_input(x)
     check_norm_linear_args(x, norm_weight, weight, bias, cast)
     assert x.dtype in DTYPES, f"decode_swiglu: fp32/bf16/fp16, got {x.dtype}"
@@ -94,6 +99,7 @@ def decode_swiglu(x, norm_weight, weight, bias, workspace: Workspace, eps=1e-6, 
         raise ValueError(f"decode_swiglu: weight must hold gate's rows and up's, an even count; got {weight.shape[0]}")
     M, K = x.shape
     N = weight.shape[0] // 2
+    block_n = block_n or program_columns(weight, WIDE)
     x, weight = x.contiguous(), weight.contiguous()
     h = x.new_empty(M, N)
     tiles = triton.cdiv(N, block_n)

@@ -73,14 +73,26 @@ def test_launch_config_splits_k_only_where_the_tiles_are_few():
         assert split > 1 and chunk % block_k == 0 and (split - 1) * chunk < K <= split * chunk
 
 
+def test_wide_weights_take_64_columns_a_program():
+    """A decoding GEMM's programs take 64 output columns from a weight of WIDE elements on (decode_linear's 2^22,
+    decode_swiglu's 2^24 of gate's and up's rows together), 32 below."""
+    import kernels.decode_linear as dl
+    import kernels.decode_swiglu as dsw
+    for wide in (dl.WIDE, dsw.WIDE):
+        assert dl.program_columns(torch.empty(wide // 1024, 1024, device="meta"), wide) == 64
+        assert dl.program_columns(torch.empty(wide // 1024 - 1, 1024, device="meta"), wide) == 32
+    assert (dl.WIDE, dsw.WIDE) == (1 << 22, 1 << 24)
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("M, K, N, bias", [(3, 300, 70, True), (16, 64, 40, False), (1, 520, 33, False)])
-def test_decode_linear(dtype, M, K, N, bias):
-    """residual + x Wᵀ + b; K = 300 and 520 run split, K = 64 whole."""
+@pytest.mark.parametrize("M, K, N, bias, block_n", [(3, 300, 70, True, None), (16, 64, 40, False, None),
+                                                    (1, 520, 33, False, None), (3, 300, 130, True, 64)])
+def test_decode_linear(dtype, M, K, N, bias, block_n):
+    """residual + x Wᵀ + b; K = 300 and 520 run split, K = 64 whole; 64 columns a program as a wide weight's."""
     x, r = torch.randn(M, K, device=DEVICE).to(dtype), torch.randn(M, N, device=DEVICE).to(dtype)
     w, b = weights(N, K, dtype, bias)
     ws = Workspace()
-    y = decode_linear(x, w, b, r, ws)
+    y = decode_linear(x, w, b, r, ws, block_n=block_n)
     assert y.dtype == dtype and not ws.counts.any()
     assert_close(y, decode_linear_reference(x, w, b, r), *TOL[dtype], name="y")
 
@@ -114,20 +126,20 @@ def normalizing_input(x, nw, offset, form):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("M, K, N, bias, cast, offset, form", [(3, 300, 70, True, "llama", 0.0, "rows"),
-                                                               (3, 300, 70, True, "llama", 0.0, "scaled-40"),
-                                                               (16, 64, 40, False, "llama", 0.0, "rows"),
-                                                               (16, 64, 40, False, "llama", 0.0, "scaled-3"),
-                                                               (5, 200, 24, False, "gemma", 1.0, "rows"),
-                                                               (5, 200, 24, False, "gemma", 1.0, "scaled-3")])
-def test_decode_swiglu(dtype, M, K, N, bias, cast, offset, form):
+@pytest.mark.parametrize("M, K, N, bias, cast, offset, form, block_n", [
+    (3, 300, 70, True, "llama", 0.0, "rows", None), (3, 300, 70, True, "llama", 0.0, "scaled-40", None),
+    (16, 64, 40, False, "llama", 0.0, "rows", None), (16, 64, 40, False, "llama", 0.0, "scaled-3", None),
+    (5, 200, 24, False, "gemma", 1.0, "rows", None), (5, 200, 24, False, "gemma", 1.0, "scaled-3", None),
+    (3, 300, 100, True, "llama", 0.0, "scaled-40", 64)])
+def test_decode_swiglu(dtype, M, K, N, bias, cast, offset, form, block_n):
     """silu(G) ⊙ U of RMSNorm(x) [W_gate; W_up]ᵀ + b, Llama's and Gemma's norm roundings, from x's rows or from
-    their `Scaled` form."""
+    their `Scaled` form; 64 columns of G and of U a program, as a wide weight's."""
     x = torch.randn(M, K, device=DEVICE).to(dtype)
     nw = (1 + 0.1 * torch.randn(K, device=DEVICE)).to(dtype)
     w, b = weights(2 * N, K, dtype, bias)
     ws = Workspace()
-    h = decode_swiglu(normalizing_input(x, nw, offset, form), nw, w, b, ws, eps=1e-5, offset=offset, cast=cast)
+    h = decode_swiglu(normalizing_input(x, nw, offset, form), nw, w, b, ws, eps=1e-5, offset=offset, cast=cast,
+                      block_n=block_n)
     assert h.dtype == dtype and not ws.counts.any()
     assert_close(h, decode_swiglu_reference(x, nw, w, b, 1e-5, offset, cast), *TOL[dtype], name="h")
 

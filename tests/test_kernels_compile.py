@@ -319,7 +319,8 @@ def decode_gemm_cases():
     and q | k | v's split in fp32 on sm_80 too (twice the bytes an element), whose shared memory is the smaller;
     in bf16 each also as it runs between two GEMMs (o and down writing the next norm's `Scaled` rows, gate | up and
     q | k | v reading them, from 128 blocks of sums as at a hidden size of 4096; q | k | v with Qwen3's norms of
-    its q and k heads there and in fp32, without them in the other cases). Aligned as at the model shapes
+    its q and k heads there and in fp32, without them in the other cases); o, down and gate | up in bf16 also at 64
+    columns a program, as for a wide weight. Aligned as at the model shapes
     (the loads pipeline), and on sm_90 with programmatic dependent launch (PDL), as their launchers compile them
     there."""
     import torch
@@ -338,9 +339,11 @@ def decode_gemm_cases():
               "_decode_qkv_kernel": ("eps", "offset")}
     chained = {"_decode_linear_kernel": ({"SCALE_NEXT": False}, {"SCALE_NEXT": True})}
     cases = []
-    for kernel, (module, pointers, ints, shape) in gemm.items():
+    for kernel, (module, pointers, ints, base_shape) in gemm.items():
         fp32 = (("fp32", 80, 4),) if kernel == "_decode_qkv_kernel" else ()
-        for dtype, arch, split in tuple(product(("bf16",), (80, 90), (1, 4))) + fp32:
+        widths = ({**base_shape, "BLOCK_N": 64},) if "BLOCK_N" in base_shape else ()  # a wide weight's programs
+        for dtype, arch, split, shape in tuple(product(("bf16",), (80, 90), (1, 4), (base_shape, *widths))) + tuple(
+                f + (base_shape,) for f in fp32):
             operand = getattr(tl, {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}[dtype])
             modes = chained.get(kernel, ({"NORMALIZE": True, "T_STEPS": 1}, {"NORMALIZE": False, "T_STEPS": 4}))
             for mode in modes[:1] if dtype == "fp32" else modes:
@@ -358,8 +361,8 @@ def decode_gemm_cases():
                 stages = dl.num_stages((dl.MAX_ROWS + width) * constexprs["BLOCK_K"],
                                        torch.empty(0, dtype=names[dtype]))
                 chain = "-chained" if mode in (modes[1:]) else ""
-                cases.append(Case(f"{kernel}-{dtype}-split{split}{chain}-sm{arch}", module, kernel, sig, constexprs,
-                                  dl.NUM_WARPS, arch, stages,
+                name = f"{kernel}-{dtype}-split{split}{chain}{'-n64' if shape.get('BLOCK_N') == 64 else ''}-sm{arch}"
+                cases.append(Case(name, module, kernel, sig, constexprs, dl.NUM_WARPS, arch, stages,
                                   aligned=tuple(f"{a}_ptr" for a in pointers) + ("K", "K_CHUNK")))
     return cases
 
