@@ -55,7 +55,7 @@ STAGE_BYTES = 160 * 1024  # at most these bytes of tiles in flight a program (`n
 WAVES = 1  # programs a launch, in waves of the device's SMs (`launch_config`): with more, K is cut finer, and the
 # partials' round trip and sum cost more than the shorter chains of loads save (dev/perf-notes.md)
 MAX_ROWS = 64  # rows a launch takes (BLOCK_M up to 64): a decoding step's, not a prefill's
-WIDE = 1 << 22  # weight elements from which a program takes 64 output columns, not 32 (`program_columns`): the
+WIDE = 1 << 23  # weight elements from which a program takes 64 output columns, not 32 (`program_columns`): the
 # wider tiles stream a 7-8B model's o and down faster, a 0.5B model's no faster (dev/perf-notes.md)
 RSTD_TILES = tl.constexpr(8)  # x's tiles whose loads `_rstd` issues together
 
