@@ -108,9 +108,9 @@ def main(cfg) -> int:
         longest = max(len(p.ids) for p in train_prompts + eval_prompts)  # the sampler's cache fits every prompt
         sampler = GroupSampler(model, rows=cfg.batch_size * cfg.num_generations, max_prompt_len=longest,
                                max_new_tokens=cfg.max_new_tokens, pad_id=pad_id, cuda_graph=graphs_off is None)
-        copy = sampler.merged.buffer  # the adapted weights with the adapters merged in, where the copy fits
+        merged = sampler.merged.buffer  # the adapted weights with the adapters merged in, where the copy fits
         log("rollouts sample through the adapters (no merged copy: an fp8 base, or too little free memory)"
-            if copy is None else f"rollouts sample from merged weights ({copy.nbytes / 2**30:.2f} GiB)")
+            if merged is None else f"rollouts sample from merged weights ({merged.nbytes / 2**30:.2f} GiB)")
         objective = grpo.GRPOLoss(cfg.loss_type, epsilon_low=cfg.epsilon, epsilon_high=cfg.epsilon_high,
                                   beta=cfg.beta or 0.0, importance=cfg.importance_sampling_level,
                                   max_completion_length=cfg.max_new_tokens, temperature=cfg.temperature,

@@ -359,8 +359,8 @@ class MergedAdapters:
     def __init__(self, model):
         groups = [g for g in model.projection_groups() if any(p.r for p in g)]
         projs = [p for g in groups for p in g]
-        dtype, device = _stored(projs[0]) if projs else (None, None)
-        size = sum(p.out_features * p.in_features for p in projs) * (dtype.itemsize if projs else 0)
+        dtype, device = _stored(projs[0]) if projs else (torch.float32, None)
+        size = sum(p.out_features * p.in_features for p in projs) * dtype.itemsize
         if any(p.fp8 is not None for p in projs) or size > free_memory(device) / 4:
             groups = []
         self.groups, self.views, self.ranks = groups, [], None

@@ -340,10 +340,11 @@ def decode_gemm_cases():
     chained = {"_decode_linear_kernel": ({"SCALE_NEXT": False}, {"SCALE_NEXT": True})}
     cases = []
     for kernel, (module, pointers, ints, base_shape) in gemm.items():
-        fp32 = (("fp32", 80, 4),) if kernel == "_decode_qkv_kernel" else ()
-        widths = ({**base_shape, "BLOCK_N": 64},) if "BLOCK_N" in base_shape else ()  # a wide weight's programs
-        for dtype, arch, split, shape in tuple(product(("bf16",), (80, 90), (1, 4), (base_shape, *widths))) + tuple(
-                f + (base_shape,) for f in fp32):
+        shapes = (base_shape,) + (({**base_shape, "BLOCK_N": 64},) if "BLOCK_N" in base_shape else ())  # and wide
+        runs = list(product(("bf16",), (80, 90), (1, 4), shapes))
+        if kernel == "_decode_qkv_kernel":
+            runs.append(("fp32", 80, 4, base_shape))
+        for dtype, arch, split, shape in runs:
             operand = getattr(tl, {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}[dtype])
             modes = chained.get(kernel, ({"NORMALIZE": True, "T_STEPS": 1}, {"NORMALIZE": False, "T_STEPS": 4}))
             for mode in modes[:1] if dtype == "fp32" else modes:
