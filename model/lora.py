@@ -397,8 +397,7 @@ class MergedAdapters:
     def current_table(self):
         """The `MergeTable` of every projection's W, A, B, m and scale (W alone where the rank reads 0): the last one,
         while none of them has moved. The key reads the parameters from each module's own dict: the host checks it
-        at every rollout, before the merge's launch, and nn.Module's attribute lookup would cost it 3-4 times as
-        much."""
+        at every rollout, before the merge's launch, and nn.Module's attribute lookup costs several times as much."""
         key = [(*(0 if t is None else t.data_ptr() for t in map(vars(p)["_parameters"].get, _MERGED_PARAMETERS)),
                 p.r, p.scale) for p, _ in self.views]
         if key != self.key:

@@ -182,6 +182,21 @@ def test_decode_qkv(dtype, M, K, Hq, Hk, D, bias, form, qk_norm):
     check_qkv(dtype, M, K, Hq, Hk, D, bias, form=form, qk_norm=qk_norm)
 
 
+def test_decode_qkv_refuses_head_norms_of_another_size_or_dtype():
+    """q_norm's and k_norm's weights must be one head's [D] in x's dtype: one error line naming both, before the
+    launch."""
+    M, K, Hq, Hk, D = 2, 64, 4, 2, 32
+    x, nw = torch.randn(M, K, device=DEVICE), torch.ones(K, device=DEVICE)
+    w, _ = weights((Hq + 2 * Hk) * D, K, torch.float32, False)
+    cos = sin = torch.ones(M, D, device=DEVICE)
+    caches = [torch.zeros(M, Hk, 4, D, device=DEVICE) for _ in range(2)]
+    at = torch.tensor([1], device=DEVICE)
+    for bad in ((torch.ones(D + 1, device=DEVICE), torch.ones(D, device=DEVICE)),
+                (torch.ones(D, device=DEVICE), torch.ones(D, device=DEVICE, dtype=torch.bfloat16))):
+        with pytest.raises(ValueError, match=r"q_norm's and k_norm's weights must be \[32\] of torch.float32"):
+            decode_qkv(x, nw, w, None, cos, sin, *caches, at, Hq, Workspace(), qk_norm=bad)
+
+
 SHAPES = {  # hidden, intermediate, q heads, kv heads, head_dim, qkv bias, q/k norms
     "qwen2.5-0.5b": (896, 4864, 14, 2, 64, True, False),
     "smollm2-135m": (576, 1536, 9, 3, 64, False, False),
