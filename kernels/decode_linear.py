@@ -1,5 +1,6 @@
 """A decoding step's skinny GEMM with the residual add in its epilogue: y = r + (x Wᵀ + b) for M <= 64 rows, each
-weight read once. The o and down projections of `model/decode.py`'s layer.
+weight read once. The o and down projections of `model/decode.py`'s layer (without r where a sandwich norm reads y
+before the add: `Sandwich`).
 
 References: the split-K GEMM of CUTLASS and of Triton's matmul tutorials (partial sums of K chunks, summed by the
 last program to arrive: CUDA's "threadfence reduction" sample); model/transformer.py's `Attention.forward` and
@@ -220,37 +221,76 @@ def _sum_pair(acc1, acc2, ws_ptr, count_ptr, tile, split, SPLIT: tl.constexpr, B
 
 
 @triton.jit
-def _rstd(x_ptr, rows, M, K, eps, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
-    """rsqrt(mean(x²) + eps) of x's rows [M, K] (BLOCK_M,), fp32: every program of a normalizing GEMM computes it
-    for itself (M × K is a few KB), where a separate norm would cost a launch and a round trip of its output.
-    RSTD_TILES tiles of x at a time, unrolled, their squares summed elementwise and across columns once at the end:
-    their loads are then in flight together. (Summed across columns tile by tile in a rolled loop, each tile's
-    load waited for the sum before it: a chain of round trips that the GEMM's weight loads, issued after, wait on.)"""
+def _input_tile(x_ptr, zs_ptr, zrstd, rows, M, ks, k_hi, K, SANDWICH: tl.constexpr):
+    """The (rows, ks) tile of a normalizing GEMM's input in fp32, 0 outside x and past k_hi: x's rows, or for a
+    `Sandwich` (x_ptr its r, zs_ptr its z's xs, zrstd z's rstd) round(r + round(rstd_z · zs)), each term rounded
+    to x's dtype where the layer rounds its norm's output and its residual add."""
+    mask = (rows[:, None] < M) & (ks[None, :] < k_hi)
+    offs = rows[:, None] * K + ks[None, :]
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    if SANDWICH:
+        zs = tl.load(zs_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        post = (zs * zrstd[:, None]).to(x_ptr.dtype.element_ty).to(tl.float32)
+        x = (x + post).to(x_ptr.dtype.element_ty).to(tl.float32)
+    return x
+
+
+@triton.jit
+def _rstd(x_ptr, zs_ptr, zrstd, out_ptr, write, rows, M, K, eps, SANDWICH: tl.constexpr, BLOCK_M: tl.constexpr,
+          BLOCK_K: tl.constexpr):
+    """rsqrt(mean(x²) + eps) of the input's rows [M, K] (BLOCK_M,), fp32 (`_input_tile`'s x): every program of a
+    normalizing GEMM computes it for itself (M × K is a few KB), where a separate norm would cost a launch and a
+    round trip of its output. RSTD_TILES tiles of x at a time, unrolled, their squares summed elementwise and across
+    columns once at the end: their loads are then in flight together. (Summed across columns tile by tile in a
+    rolled loop, each tile's load waited for the sum before it: a chain of round trips that the GEMM's weight
+    loads, issued after, wait on.) For a `Sandwich`, the program that `write`s also stores the rows r + RMSNorm(z)
+    at out_ptr: the residual stream's next rows, for the add after this sublayer."""
     sq = tl.zeros([BLOCK_M, BLOCK_K], tl.float32)
+    limit = tl.where(write, M, 0)  # the rows this program stores: all, or none
     for k0 in range(0, K, RSTD_TILES * BLOCK_K):
         for j in tl.static_range(RSTD_TILES):
             ks = k0 + j * BLOCK_K + tl.arange(0, BLOCK_K)
-            x = tl.load(x_ptr + rows[:, None] * K + ks[None, :], mask=(rows[:, None] < M) & (ks[None, :] < K),
-                        other=0.0).to(tl.float32)
+            x = _input_tile(x_ptr, zs_ptr, zrstd, rows, M, ks, K, K, SANDWICH)
             sq += x * x
+            if SANDWICH:
+                tl.store(out_ptr + rows[:, None] * K + ks[None, :], x.to(out_ptr.dtype.element_ty),
+                         mask=(rows[:, None] < limit) & (ks[None, :] < K))
     return tl.rsqrt(tl.sum(sq, 1) / K + eps)
 
 
 @triton.jit
-def _norm_stats(x_ptr, ss_ptr, rows, M, K, T, eps, NORMALIZE: tl.constexpr, BLOCK_M: tl.constexpr,
-                BLOCK_K: tl.constexpr, T_STEPS: tl.constexpr):
-    """What a normalizing GEMM reads of its input's norm before its loop. NORMALIZE: rstd of x's rows (BLOCK_M,)
-    (`_rstd`), which the loop normalizes x's tiles with. Else a `Scaled`'s sums of squares ss [T, M] as a (32,
-    BLOCK_M) fp32 tile, T_STEPS blocks of 32 of its rows added elementwise (unrolled: their loads in flight
-    together), reduced only after the loop (`_scaled_pair`), so that the loop does not wait for them."""
+def _sums_of_squares(ss_ptr, rows, M, T, BLOCK_M: tl.constexpr, T_STEPS: tl.constexpr):
+    """A `Scaled`'s sums of squares ss [T, M] as a (32, BLOCK_M) fp32 tile, T_STEPS blocks of 32 of its rows added
+    elementwise (unrolled: their loads in flight together); reduced over its 32 rows by the caller."""
+    t = tl.arange(0, 32)
+    sums = tl.zeros([32, BLOCK_M], tl.float32)
+    for j in tl.static_range(T_STEPS):
+        sums += tl.load(ss_ptr + (j * 32 + t[:, None]) * M + rows[None, :],
+                        mask=(j * 32 + t[:, None] < T) & (rows[None, :] < M), other=0.0)
+    return sums
+
+
+@triton.jit
+def _sandwich_rstd(zss_ptr, rows, M, K, TZ, eps, SANDWICH: tl.constexpr, BLOCK_M: tl.constexpr,
+                   TZ_STEPS: tl.constexpr):
+    """For a `Sandwich`: rsqrt(mean(z²) + eps) of its z's rows (BLOCK_M,) from z's `Scaled` sums of squares
+    [TZ, M]; else ones (unread)."""
+    if SANDWICH:
+        return tl.rsqrt(tl.sum(_sums_of_squares(zss_ptr, rows, M, TZ, BLOCK_M, TZ_STEPS), 0) / K + eps)
+    return tl.full([BLOCK_M], 1.0, tl.float32)
+
+
+@triton.jit
+def _norm_stats(x_ptr, ss_ptr, zs_ptr, zrstd, out_ptr, write, rows, M, K, T, eps, NORMALIZE: tl.constexpr,
+                SANDWICH: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, T_STEPS: tl.constexpr):
+    """What a normalizing GEMM reads of its input's norm before its loop. NORMALIZE: rstd of the input's rows
+    (BLOCK_M,) (`_rstd`, which also writes a `Sandwich`'s rows), which the loop normalizes x's tiles with. Else a
+    `Scaled`'s sums of squares ss [T, M] as a (32, BLOCK_M) tile (`_sums_of_squares`), reduced only after the loop
+    (`_scaled_pair`), so that the loop does not wait for them."""
     if NORMALIZE:
-        stats = _rstd(x_ptr, rows, M, K, eps, BLOCK_M, BLOCK_K)
+        stats = _rstd(x_ptr, zs_ptr, zrstd, out_ptr, write, rows, M, K, eps, SANDWICH, BLOCK_M, BLOCK_K)
     else:
-        t = tl.arange(0, 32)
-        stats = tl.zeros([32, BLOCK_M], tl.float32)
-        for j in tl.static_range(T_STEPS):
-            stats += tl.load(ss_ptr + (j * 32 + t[:, None]) * M + rows[None, :],
-                             mask=(j * 32 + t[:, None] < T) & (rows[None, :] < M), other=0.0)
+        stats = _sums_of_squares(ss_ptr, rows, M, T, BLOCK_M, T_STEPS)
     return stats
 
 
@@ -265,8 +305,29 @@ def _scaled_pair(acc1, acc2, stats, K, eps, NORMALIZE: tl.constexpr):
     return acc1, acc2
 
 
+class Sandwich(NamedTuple):
+    """The input of a normalizing GEMM after a sublayer whose output z is normalized before its residual add (Gemma
+    2/3's sandwich norms): the rows r + RMSNorm_post(z), from the residual stream r [M, K] and z's `Scaled` rows for
+    the post norm (decode_linear's next_norm). The GEMM computes them tile by tile (`_input_tile`: round(r +
+    round(rstd_z · zs))), normalizes them itself, and one of its programs writes them to out [M, K]: the residual
+    stream after the sublayer, which the next add reads. The post norm's eps is the GEMM's own norm's (a model's
+    norms share it)."""
+    r: torch.Tensor
+    z: Scaled
+    out: torch.Tensor
+
+
 def scaled_input(x):
-    """A normalizing GEMM's input x: a `Scaled`'s xs (its ss checked against it), or x itself."""
+    """A normalizing GEMM's input rows as a tensor: a `Scaled`'s xs (its ss checked against it), a `Sandwich`'s r
+    (its z and out checked against it), or x itself."""
+    if isinstance(x, Sandwich):
+        r, (zs, _), out = x
+        scaled_input(x.z)
+        if zs.shape != r.shape or out.shape != r.shape or len({r.dtype, zs.dtype, out.dtype}) > 1 \
+                or not out.is_contiguous():
+            raise ValueError(f"Sandwich: z's rows and out (contiguous) must be r's {tuple(r.shape)} {r.dtype}; got "
+                             f"{tuple(zs.shape)} {zs.dtype}, {tuple(out.shape)} {out.dtype}")
+        return r
     if not isinstance(x, Scaled):
         return x
     xs, ss = x
@@ -275,38 +336,48 @@ def scaled_input(x):
     return xs
 
 
-def scaled_args(x, workspace_partials) -> tuple:
-    """(ss, T, constexprs) of a normalizing GEMM's input x: a `Scaled`'s sums of squares, their count of blocks and
-    NORMALIZE False with its T_STEPS (`_norm_stats`); for a plain x (the workspace's partials, unread, 0) and
-    NORMALIZE True (the kernel normalizes x's rows itself)."""
+def input_args(x, workspace_partials) -> tuple:
+    """A normalizing GEMM's arguments for its input x (past x's own pointer): ((ss, zs, zss, out), (T, TZ),
+    constexprs). A `Scaled`: its sums of squares and their count of blocks, NORMALIZE False with its T_STEPS
+    (`_norm_stats`). A plain x: NORMALIZE True (the kernel normalizes x's rows itself). A `Sandwich`: NORMALIZE and
+    SANDWICH, its z's rows and sums of squares (TZ blocks, TZ_STEPS) and out. Pointers a mode does not read are
+    the workspace's partials."""
+    unread = workspace_partials
     if isinstance(x, Scaled):
-        return x.ss, x.ss.shape[0], dict(NORMALIZE=False, T_STEPS=triton.cdiv(x.ss.shape[0], 32))
-    return workspace_partials, 0, dict(NORMALIZE=True, T_STEPS=1)
+        return ((x.ss, unread, unread, unread), (x.ss.shape[0], 0),
+                dict(NORMALIZE=False, T_STEPS=triton.cdiv(x.ss.shape[0], 32), SANDWICH=False, TZ_STEPS=1))
+    if isinstance(x, Sandwich):
+        (zs, zss), out = x.z, x.out
+        return ((unread, zs.contiguous(), zss, out), (0, zss.shape[0]),
+                dict(NORMALIZE=True, T_STEPS=1, SANDWICH=True, TZ_STEPS=triton.cdiv(zss.shape[0], 32)))
+    return (unread,) * 4, (0, 0), dict(NORMALIZE=True, T_STEPS=1, SANDWICH=False, TZ_STEPS=1)
 
 
 @triton.jit
-def _normed_tile(x_ptr, nw_ptr, rows, M, ks, k_hi, K, rstd, offset, GEMMA_CAST: tl.constexpr):
-    """The (rows, ks) tile of RMSNorm(x) in x's dtype, rounded as kernels/rms_norm.py rounds it (`_normalized`);
-    0 outside x and past k_hi."""
-    mask = (rows[:, None] < M) & (ks[None, :] < k_hi)
-    x = tl.load(x_ptr + rows[:, None] * K + ks[None, :], mask=mask, other=0.0).to(tl.float32)
+def _normed_tile(x_ptr, nw_ptr, zs_ptr, zrstd, rows, M, ks, k_hi, K, rstd, offset, SANDWICH: tl.constexpr,
+                 GEMMA_CAST: tl.constexpr):
+    """The (rows, ks) tile of RMSNorm(input) in x's dtype (the input: `_input_tile`'s), rounded as
+    kernels/rms_norm.py rounds it (`_normalized`); 0 outside x and past k_hi."""
+    x = _input_tile(x_ptr, zs_ptr, zrstd, rows, M, ks, k_hi, K, SANDWICH)
     w = tl.load(nw_ptr + ks, mask=ks < k_hi, other=0.0).to(tl.float32)
     return _normalized(x, w[None, :], rstd[:, None], offset, x_ptr, nw_ptr, GEMMA_CAST).to(x_ptr.dtype.element_ty)
 
 
 @triton.jit
-def _normed_pair(x_ptr, nw_ptr, w_ptr, rows, M, K, k_lo, k_hi, rstd, offset, n1, n2, n_mask,
-                 NORMALIZE: tl.constexpr, GEMMA_CAST: tl.constexpr, DTYPE: tl.constexpr, OPERAND: tl.constexpr,
-                 PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_K: tl.constexpr):
-    """RMSNorm(x) W[n1]ᵀ and RMSNorm(x) W[n2]ᵀ over K's chunk [k_lo, k_hi), fp32 (BLOCK_M, BLOCK_W) each: two blocks
-    of W's rows (n_mask: those that exist) multiplied in one pass over the normalized tiles of x (rstd: `_norm_stats`'
-    with NORMALIZE). NORMALIZE False: x is a `Scaled`'s xs, multiplied as it is (`_scaled_pair` scales the sums)."""
+def _normed_pair(x_ptr, nw_ptr, w_ptr, zs_ptr, zrstd, rows, M, K, k_lo, k_hi, rstd, offset, n1, n2, n_mask,
+                 NORMALIZE: tl.constexpr, SANDWICH: tl.constexpr, GEMMA_CAST: tl.constexpr, DTYPE: tl.constexpr,
+                 OPERAND: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_W: tl.constexpr,
+                 BLOCK_K: tl.constexpr):
+    """RMSNorm(input) W[n1]ᵀ and RMSNorm(input) W[n2]ᵀ over K's chunk [k_lo, k_hi), fp32 (BLOCK_M, BLOCK_W) each:
+    two blocks of W's rows (n_mask: those that exist) multiplied in one pass over the normalized tiles of the
+    input (x's rows or a `Sandwich`'s, `_input_tile`; rstd: `_norm_stats`' with NORMALIZE). NORMALIZE False: x is a
+    `Scaled`'s xs, multiplied as it is (`_scaled_pair` scales the sums)."""
     acc1 = tl.zeros([BLOCK_M, BLOCK_W], tl.float32)
     acc2 = tl.zeros([BLOCK_M, BLOCK_W], tl.float32)
     for k0 in range(k_lo, k_hi, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         if NORMALIZE:
-            x = _normed_tile(x_ptr, nw_ptr, rows, M, ks, k_hi, K, rstd, offset, GEMMA_CAST)
+            x = _normed_tile(x_ptr, nw_ptr, zs_ptr, zrstd, rows, M, ks, k_hi, K, rstd, offset, SANDWICH, GEMMA_CAST)
         else:
             x = tl.load(x_ptr + rows[:, None] * K + ks[None, :], mask=(rows[:, None] < M) & (ks[None, :] < k_hi),
                         other=0.0)
@@ -324,7 +395,7 @@ def _decode_linear_kernel(
     nw_ptr, xs_ptr, ss_ptr,  # the next norm's weight [N]; xs [M, N] and ss [tiles, M] fp32 (SCALE_NEXT)
     ws_ptr, count_ptr,  # fp32 [SPLIT, tiles, BLOCK_M, BLOCK_N]; int32 [tiles], zeros
     M, N, K, K_CHUNK, offset,
-    HAS_BIAS: tl.constexpr, SCALE_NEXT: tl.constexpr, SPLIT: tl.constexpr,
+    HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, SCALE_NEXT: tl.constexpr, SPLIT: tl.constexpr,
     DTYPE: tl.constexpr, OPERAND: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     PDL: tl.constexpr,
@@ -341,7 +412,8 @@ def _decode_linear_kernel(
     # the epilogue's inputs, loaded before the GEMM so that the tile's last program does not wait for them after it
     offs = rows[:, None] * N + cols[None, :]
     mask = (rows[:, None] < M) & (cols[None, :] < N)
-    r = tl.load(r_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    if HAS_RESIDUAL:
+        r = tl.load(r_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     if HAS_BIAS:
         b = tl.load(b_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)
     if SCALE_NEXT:
@@ -363,8 +435,9 @@ def _decode_linear_kernel(
     if last:
         if HAS_BIAS:
             acc += b[None, :]
-        y = acc.to(y_ptr.dtype.element_ty).to(tl.float32)
-        out = (r + y).to(y_ptr.dtype.element_ty)
+        out = acc.to(y_ptr.dtype.element_ty)
+        if HAS_RESIDUAL:
+            out = (r + out.to(tl.float32)).to(y_ptr.dtype.element_ty)
         tl.store(y_ptr + offs, out, mask=mask)
         if SCALE_NEXT:  # the next norm's share of this tile: its columns' squares, and the rows times its weight
             out = tl.where(mask, out.to(tl.float32), 0.0)
@@ -381,17 +454,19 @@ def dot_constexprs(x) -> dict:
 
 
 def decode_linear(x, weight, bias, residual, workspace: Workspace, block_n: int | None = None, next_norm=None):
-    """residual + (x Wᵀ + b): x [M, K], weight [N, K], bias [N] or None, residual [M, N], one dtype, M <= 64; a new
-    [M, N] tensor y. workspace: the split-K buffers (`Workspace`). With next_norm = (w [N], offset), the RMSNorm
-    that reads y next: (y, `Scaled` of y for that norm). block_n: a program's output columns (default: by the
-    weight's size, `program_columns`). No gradients."""
+    """residual + (x Wᵀ + b): x [M, K], weight [N, K], bias [N] or None, residual [M, N] or None (no add: a
+    sublayer's output that a sandwich norm reads, `Sandwich`), one dtype, M <= 64; a new [M, N] tensor y.
+    workspace: the split-K buffers (`Workspace`). With next_norm = (w [N], offset), the RMSNorm that reads y next:
+    (y, `Scaled` of y for that norm). block_n: a program's output columns (default: by the weight's size,
+    `program_columns`). No gradients."""
     check_decode_linear_args(x, weight, bias, residual)
     assert x.dtype in DTYPES, f"decode_linear: fp32/bf16/fp16, got {x.dtype}"
     M, K = x.shape
     N = weight.shape[0]
     block_n = block_n or program_columns(weight, WIDE)
-    x, weight, residual = x.contiguous(), weight.contiguous(), residual.contiguous()
-    y = torch.empty_like(residual)
+    x, weight = x.contiguous(), weight.contiguous()
+    y = x.new_empty(M, N)
+    residual = y if residual is None else residual.contiguous()  # y: unread
     tiles = triton.cdiv(N, block_n)
     split, chunk, block_k = launch_config(tiles, K, x)
     bm = block_m(M)
@@ -406,7 +481,8 @@ def decode_linear(x, weight, bias, residual, workspace: Workspace, block_n: int 
         xs, ss = torch.empty_like(y), torch.empty(tiles, M, dtype=torch.float32, device=y.device)
     _decode_linear_kernel[(tiles, split)](
         x, weight, weight if bias is None else bias, residual, y, nw, xs, ss, ws, counts,
-        M, N, K, chunk, offset, HAS_BIAS=bias is not None, SCALE_NEXT=next_norm is not None, SPLIT=split,
+        M, N, K, chunk, offset, HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not y,
+        SCALE_NEXT=next_norm is not None, SPLIT=split,
         **dot_constexprs(x), BLOCK_M=bm, BLOCK_N=block_n, BLOCK_K=block_k, **pdl_constexprs(x),
         num_warps=NUM_WARPS, num_stages=num_stages((bm + block_n) * block_k, x))
     assert y.dtype == xs.dtype == x.dtype, f"decode_linear: y must be {x.dtype}, got {y.dtype}"

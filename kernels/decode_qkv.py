@@ -19,8 +19,9 @@ rotate-half pairs (d, d + D/2) sit in one program. For rows x [M, K]:
 y1, y2 are rounded to x's dtype as the GEMM's output is before RoPE reads it (and before the head's norm, whose
 output is rounded as kernels/rms_norm.py rounds it); the rotated values are rounded once, at the store. Given x's
 `Scaled` rows (written by the previous layer's down projection, kernels/decode_linear.py), the loop multiplies xs
-as it is and the sums are scaled by rstd (from ss) before the bias. `at` is a device tensor (a CUDA-graphed step's
-slot). Forward only.
+as it is and the sums are scaled by rstd (from ss) before the bias; with sandwich norms (Gemma 2/3) x arrives as a
+`Sandwich` of the residual stream and the previous layer's down output, as in kernels/decode_swiglu.py. `at` is a
+device tensor (a CUDA-graphed step's slot). Forward only.
 
 Reference: kernels.references.decode_qkv_reference.
 """
@@ -35,14 +36,15 @@ from kernels.decode_linear import (
     _norm_stats,
     _normed_pair,
     _prefetch_rows,
+    _sandwich_rstd,
     _scaled_pair,
     _sum_pair,
     block_m,
     dot_constexprs,
+    input_args,
     launch_config,
     num_stages,
     pdl_constexprs,
-    scaled_args,
     scaled_input,
 )
 from kernels.references import DTYPES, check_norm_linear_args
@@ -56,9 +58,10 @@ def _decode_qkv_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, at_ptr,  # q [M, HQ, D]; caches [M, HK, S, D]; at: the slot, int64 [1]
     qn_ptr, kn_ptr,  # q_norm's and k_norm's weights [D] (QK_NORM)
     ss_ptr,  # a `Scaled` x's sums of squares [T, M] fp32 (NORMALIZE False)
+    zs_ptr, zss_ptr, xo_ptr,  # a `Sandwich`'s z rows [M, K], their sums of squares [TZ, M] fp32 and out [M, K]
     ws_ptr, count_ptr,  # fp32 [SPLIT, 2 · heads, BLOCK_M, BLOCK_HALF]; int32 [heads], zeros
-    M, K, K_CHUNK, S, HQ, HK, HALF, T, eps, offset,
-    NORMALIZE: tl.constexpr, T_STEPS: tl.constexpr,
+    M, K, K_CHUNK, S, HQ, HK, HALF, T, TZ, eps, offset,
+    NORMALIZE: tl.constexpr, T_STEPS: tl.constexpr, SANDWICH: tl.constexpr, TZ_STEPS: tl.constexpr,
     GEMMA_CAST: tl.constexpr, HAS_BIAS: tl.constexpr, QK_NORM: tl.constexpr, SPLIT: tl.constexpr,
     DTYPE: tl.constexpr, OPERAND: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -92,9 +95,11 @@ def _decode_qkv_kernel(
         nw1 = tl.load(n_ptr + d, mask=dmask, other=0.0).to(tl.float32)
         nw2 = tl.load(n_ptr + d + HALF, mask=dmask, other=0.0).to(tl.float32)
     at = tl.load(at_ptr)
-    stats = _norm_stats(x_ptr, ss_ptr, rows, M, K, T, eps, NORMALIZE, BLOCK_M, BLOCK_K, T_STEPS)
-    acc1, acc2 = _normed_pair(x_ptr, nw_ptr, w_ptr, rows, M, K, k_lo, k_hi, stats, offset, n1, n1 + HALF, dmask,
-                              NORMALIZE, GEMMA_CAST, DTYPE, OPERAND, PRECISION,
+    zrstd = _sandwich_rstd(zss_ptr, rows, M, K, TZ, eps, SANDWICH, BLOCK_M, TZ_STEPS)
+    stats = _norm_stats(x_ptr, ss_ptr, zs_ptr, zrstd, xo_ptr, (head == 0) & (split == 0), rows, M, K, T, eps,
+                        NORMALIZE, SANDWICH, BLOCK_M, BLOCK_K, T_STEPS)
+    acc1, acc2 = _normed_pair(x_ptr, nw_ptr, w_ptr, zs_ptr, zrstd, rows, M, K, k_lo, k_hi, stats, offset, n1,
+                              n1 + HALF, dmask, NORMALIZE, SANDWICH, GEMMA_CAST, DTYPE, OPERAND, PRECISION,
                               BLOCK_M, BLOCK_HALF, BLOCK_K)
     acc1, acc2, last = _sum_pair(acc1, acc2, ws_ptr, count_ptr, head, split, SPLIT, BLOCK_M, BLOCK_HALF)
     if last:
@@ -134,7 +139,8 @@ def decode_qkv(x, norm_weight, weight, bias, cos, sin, k_cache, v_cache, at, n_h
     kernels/rms_norm.py), weight [(n_heads + 2 Hk) · D, K], bias or None, one dtype; q and k rotated by cos, sin
     [M, D], k and v written into k_cache, v_cache [M, Hk, S, D] at slot at[0] (int64 [1] on the device). Returns the
     rotated q [M, n_heads, D]. x may be a `Scaled` (kernels/decode_linear.py) of the rows for this norm, which the
-    kernel multiplies as they are. qk_norm: None, or (q_norm's weight, k_norm's weight) [D] each (Qwen3), an RMSNorm
+    kernel multiplies as they are, or a `Sandwich`, whose rows r + RMSNorm(z) the kernel normalizes and writes to
+    its out. qk_norm: None, or (q_norm's weight, k_norm's weight) [D] each (Qwen3), an RMSNorm
     of each q and k head before RoPE with eps, offset and cast as x's norm (a model's norms share them).
     workspace: the split-K buffers (kernels/decode_linear.py). No gradients."""
     scaled, x = x, scaled_input(x)
@@ -161,10 +167,10 @@ def decode_qkv(x, norm_weight, weight, bias, cos, sin, k_cache, v_cache, at, n_h
     split, chunk, block_k = launch_config(heads, K, x)
     bm, half = block_m(M), max(16, triton.next_power_of_2(D // 2))
     ws, counts = workspace.get(split * 2 * heads * bm * half if split > 1 else 0, heads, x.device)
-    ss, T, constexprs = scaled_args(scaled, ws)
+    inputs, (T, TZ), constexprs = input_args(scaled, ws)
     _decode_qkv_kernel[(heads, split)](
         x, norm_weight, weight, weight if bias is None else bias, cos, sin, q, k_cache, v_cache, at, q_norm, k_norm,
-        ss, ws, counts, M, K, chunk, S, n_heads, Hk, D // 2, T, eps, offset, **constexprs,
+        *inputs, ws, counts, M, K, chunk, S, n_heads, Hk, D // 2, T, TZ, eps, offset, **constexprs,
         GEMMA_CAST=cast == "gemma", HAS_BIAS=bias is not None, QK_NORM=qk_norm is not None, SPLIT=split,
         **dot_constexprs(x),
         BLOCK_M=bm, BLOCK_HALF=half, BLOCK_K=block_k, **pdl_constexprs(x), num_warps=NUM_WARPS,

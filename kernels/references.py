@@ -155,19 +155,22 @@ def decode_attention_reference(q, k_cache, v_cache, first, at, scale, window=Non
 
 def check_decode_linear_args(x, weight, bias, residual):
     M, K = x.shape
-    if weight.dim() != 2 or weight.shape[1] != K or residual.shape != (M, weight.shape[0]):
-        raise ValueError(f"x must be [M, K], weight [N, K] and residual [M, N]; got {tuple(x.shape)}, "
-                         f"{tuple(weight.shape)}, {tuple(residual.shape)}")
+    if weight.dim() != 2 or weight.shape[1] != K or (residual is not None and residual.shape != (M, weight.shape[0])):
+        raise ValueError(f"x must be [M, K], weight [N, K] and residual [M, N] (or None); got {tuple(x.shape)}, "
+                         f"{tuple(weight.shape)}, {None if residual is None else tuple(residual.shape)}")
     if bias is not None and bias.shape != (weight.shape[0],):
         raise ValueError(f"bias must be [{weight.shape[0]}], got {tuple(bias.shape)}")
-    if M > 64 or len({t.dtype for t in (x, weight, residual) + (() if bias is None else (bias,))}) > 1:
-        raise ValueError(f"at most 64 rows of one dtype; got {M} rows, {x.dtype}, {weight.dtype}, {residual.dtype}")
+    tensors = [t for t in (x, weight, residual, bias) if t is not None]
+    if M > 64 or len({t.dtype for t in tensors}) > 1:
+        raise ValueError(f"at most 64 rows of one dtype; got {M} rows, {[str(t.dtype) for t in tensors]}")
 
 
 def decode_linear_reference(x, weight, bias, residual):
-    """Pure torch, as a layer adds its projection to the residual stream: residual + F.linear(x, weight, bias)."""
+    """Pure torch, as a layer adds its projection to the residual stream: residual + F.linear(x, weight, bias)
+    (F.linear alone for residual None)."""
     check_decode_linear_args(x, weight, bias, residual)
-    return residual + F.linear(x, weight, bias)
+    y = F.linear(x, weight, bias)
+    return y if residual is None else residual + y
 
 
 def scaled_rows_reference(x, norm_weight, offset=0.0, blocks=1):
@@ -189,11 +192,20 @@ def check_norm_linear_args(x, norm_weight, weight, bias, cast):
         raise ValueError(f"at most 64 rows of one dtype; got {x.shape[0]} rows, {sorted(map(str, dtypes))}")
 
 
-def decode_swiglu_reference(x, norm_weight, weight, bias=None, eps=1e-6, offset=0.0, cast="llama"):
-    """Pure torch: silu(G) ⊙ U of [G | U] = RMSNorm(x) Wᵀ + b, weight [2I, K] holding gate's rows, then up's."""
+def decode_swiglu_reference(x, norm_weight, weight, bias=None, eps=1e-6, offset=0.0, cast="llama", act="silu"):
+    """Pure torch: act(G) ⊙ U of [G | U] = RMSNorm(x) Wᵀ + b, weight [2I, K] holding gate's rows, then up's; act
+    "silu" (SwiGLU), "gelu_tanh" or "gelu" (GeGLU)."""
     check_norm_linear_args(x, norm_weight, weight, bias, cast)
     gate, up = F.linear(rms_norm_reference(x, norm_weight, eps, offset, cast), weight, bias).chunk(2, dim=-1)
-    return swiglu_reference(gate, up)
+    if act == "silu":
+        return swiglu_reference(gate, up)
+    return geglu_reference(gate, up, "tanh" if act == "gelu_tanh" else "none")
+
+
+def sandwich_rows_reference(r, z, norm_weight, eps=1e-6, offset=0.0, cast="llama"):
+    """Pure torch: r + RMSNorm(z), the residual add after a sublayer whose output z a sandwich norm of weight
+    norm_weight normalizes (Gemma 2/3, as Gemma2DecoderLayer adds)."""
+    return r + rms_norm_reference(z, norm_weight, eps, offset, cast)
 
 
 def decode_qkv_reference(x, norm_weight, weight, bias, cos, sin, k_cache, v_cache, at, n_heads, eps=1e-6,

@@ -696,8 +696,8 @@ class Transformer(nn.Module):
         if docs is None and doc_ids is not None and start == 0 and self.varlen(dev, x.dtype):
             docs = documents(doc_ids)
         # A decoding step (one token a row into a static cache, no gradients) with the kernels: a small model's step
-        # costs its launches, so it takes its own attention (`decode_attend`) and, where the norms are not
-        # sandwiched, its own layer loop (`decode_layers`).
+        # costs its launches, so it takes its own attention (`decode_attend`) and, where it can, its own layer loop
+        # (`decode_layers`).
         decoding = at is not None and T == 1 and self.ops.decode_attention is not None and not torch.is_grad_enabled()
         tables, masks = {}, {}
         for t in set(cfg.layer_types):
@@ -705,8 +705,9 @@ class Transformer(nn.Module):
             masks[t] = (DecodeMask(cache.first, at, self.window(t)) if decoding else
                         cache.mask(self.window(t)) if at is not None else
                         self.layer_mask(t, doc_ids, docs, (B, T), start, dev, x.dtype, cache is not None))
-        if decoding and not cfg.sandwich_norm:
-            return self.decode_layers(x, tables, masks, cache)
+        h = self.decode_layers(x, tables, masks, cache) if decoding else None
+        if h is not None:
+            return h
         # Recomputing a layer would append its keys and values to a cache a second time.
         recompute = self.gradient_checkpointing and torch.is_grad_enabled() and cache is None
         if recompute and not x.requires_grad:
@@ -770,12 +771,13 @@ class Transformer(nn.Module):
     def decode_layers(self, x, tables, masks, cache):
         """The layers of a decoding step (`hidden_states`) with each residual add and the norm after it in one
         kernel (`RMSNorm.after_add`): a layer's post-attention norm, then the next layer's input norm or the final
-        norm. A small model's step costs its launches (model/generate.py); the values are the layers' own. Not for
-        sandwich norms (Gemma 2/3), whose adds follow a norm of the sublayer's output. Where its weights allow, the
-        layers run in five launches each instead (model/decode.py)."""
+        norm. A small model's step costs its launches (model/generate.py); the values are the layers' own. Where its
+        weights allow, the layers run in five launches each instead (model/decode.py), sandwich norms (Gemma 2/3)
+        too. None for sandwich norms elsewhere (their adds follow a norm of the sublayer's output, which this loop
+        does not fuse): the caller runs the model's layers."""
         fused = self.ops.fused_decode
         h = None if fused is None else fused(self, x, tables, masks, cache)  # None: it does not serve this step
-        if h is not None:
+        if h is not None or self.config.sandwich_norm:
             return h
         layers = self.model.layers
         h = layers[0].input_layernorm(x)

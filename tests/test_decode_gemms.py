@@ -2,18 +2,20 @@
 decode_qkv.py) against their torch references: odd shapes, with and without bias, K split into chunks (summed by
 the last program to arrive) and whole, Llama's and Gemma's norm roundings, the normalizing GEMMs' input as rows to
 normalize or as the `Scaled` rows that the GEMM before writes; every launch leaves the workspace's arrival counts
-at 0 for the next. On CPU in Triton's interpreter; `-m gpu` at Qwen2.5-0.5B's, SmolLM2-135M's and Qwen3-0.6B's
+at 0 for the next; Gemma 2/3's layers (GeGLU, the sandwich norms' `Sandwich` input, o and down without the add).
+On CPU in Triton's interpreter; `-m gpu` at Qwen2.5-0.5B's, SmolLM2-135M's, Qwen3-0.6B's and Gemma 3 270M's
 shapes."""
 import pytest
 import torch
 
-from kernels.decode_linear import Scaled, Workspace, decode_linear, launch_config
+from kernels.decode_linear import Sandwich, Scaled, Workspace, decode_linear, launch_config
 from kernels.decode_qkv import decode_qkv
 from kernels.decode_swiglu import decode_swiglu
 from kernels.references import (
     decode_linear_reference,
     decode_qkv_reference,
     decode_swiglu_reference,
+    sandwich_rows_reference,
     scaled_rows_reference,
 )
 from model.transformer import rope_cos_sin
@@ -87,11 +89,14 @@ def test_wide_weights_take_64_columns_a_program():
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("M, K, N, bias, block_n", [(3, 300, 70, True, None), (16, 64, 40, False, None),
-                                                    (1, 520, 33, False, None), (3, 300, 130, True, 64)])
-def test_decode_linear(dtype, M, K, N, bias, block_n):
-    """residual + x Wᵀ + b; K = 300 and 520 run split, K = 64 whole; 64 columns a program as a wide weight's."""
-    x, r = torch.randn(M, K, device=DEVICE).to(dtype), torch.randn(M, N, device=DEVICE).to(dtype)
+@pytest.mark.parametrize("M, K, N, bias, block_n, add", [
+    (3, 300, 70, True, None, True), (16, 64, 40, False, None, True), (1, 520, 33, False, None, True),
+    (3, 300, 130, True, 64, True), (3, 300, 70, True, None, False)])
+def test_decode_linear(dtype, M, K, N, bias, block_n, add):
+    """residual + x Wᵀ + b; K = 300 and 520 run split, K = 64 whole; 64 columns a program as a wide weight's;
+    without a residual (a sublayer's output before its sandwich norm), x Wᵀ + b alone."""
+    x = torch.randn(M, K, device=DEVICE).to(dtype)
+    r = torch.randn(M, N, device=DEVICE).to(dtype) if add else None
     w, b = weights(N, K, dtype, bias)
     ws = Workspace()
     y = decode_linear(x, w, b, r, ws, block_n=block_n)
@@ -121,32 +126,63 @@ def test_decode_linear_scales_its_rows_for_the_next_norm(dtype, M, K, N, offset)
         decode_swiglu(Scaled(xs, ss[:, 1:].contiguous()), nw, w_gu, None, ws)
 
 
-def normalizing_input(x, nw, offset, form):
-    """A normalizing GEMM's input: the rows x, or their `Scaled` form over 3 or 40 blocks of columns (more than 32:
-    the kernels' sum of ss in several steps)."""
-    return x if form == "rows" else Scaled(*scaled_rows_reference(x, nw, offset, blocks=int(form[7:])))
+def normalizing_input(x, nw, offset, form, eps=1e-5, cast="llama"):
+    """(a normalizing GEMM's input, the rows it stands for, a `Sandwich`'s out or None) for rows x: x itself; their
+    `Scaled` form over 3 or 40 blocks of columns ("scaled-3", "scaled-40": more than 32, the kernels' sum of ss in
+    several steps); or ("sandwich-3", "sandwich-40") a `Sandwich` of x as the residual stream and a sublayer output z
+    whose `Scaled` rows over that many blocks are for a post norm of its own weight, standing for x + RMSNorm(z)."""
+    if form == "rows":
+        return x, x, None
+    if form.startswith("scaled"):
+        return Scaled(*scaled_rows_reference(x, nw, offset, blocks=int(form[7:]))), x, None
+    z = torch.randn_like(x)
+    post = (0.5 + 0.1 * torch.randn_like(nw.float())).to(x.dtype)
+    out = torch.full_like(x, float("nan"))
+    sandwich = Sandwich(x, Scaled(*scaled_rows_reference(z, post, offset, blocks=int(form[9:]))), out)
+    return sandwich, sandwich_rows_reference(x, z, post, eps, offset, cast), out
+
+
+def sandwich_rows(out, rows, dtype):
+    """The rows that a normalizing GEMM's reference reads: for a `Sandwich` its out (written by one program), once
+    checked (every row written, as the reference adds r + RMSNorm(z)), since the kernel normalizes exactly those rows
+    (a rounding's ulp of difference from the reference's rows moves a GEMM output whose terms cancel by more than
+    the tolerance in bf16); else the rows themselves."""
+    if out is None:
+        return rows
+    assert not out.isnan().any(), "out: rows not written"
+    assert_close(out, rows, *TOL[dtype], name="sandwich out")
+    return out
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("M, K, N, bias, cast, offset, form, block_n", [
-    (3, 300, 70, True, "llama", 0.0, "rows", None), (3, 300, 70, True, "llama", 0.0, "scaled-40", None),
-    (16, 64, 40, False, "llama", 0.0, "rows", None), (16, 64, 40, False, "llama", 0.0, "scaled-3", None),
-    (5, 200, 24, False, "gemma", 1.0, "rows", None), (5, 200, 24, False, "gemma", 1.0, "scaled-3", None),
-    (3, 300, 100, True, "llama", 0.0, "scaled-40", 64)])
-def test_decode_swiglu(dtype, M, K, N, bias, cast, offset, form, block_n):
-    """silu(G) ⊙ U of RMSNorm(x) [W_gate; W_up]ᵀ + b, Llama's and Gemma's norm roundings, from x's rows or from
-    their `Scaled` form; 64 columns of G and of U a program, as a wide weight's."""
+@pytest.mark.parametrize("M, K, N, bias, cast, offset, form, block_n, act", [
+    (3, 300, 70, True, "llama", 0.0, "rows", None, "silu"),
+    (3, 300, 70, True, "llama", 0.0, "scaled-40", None, "silu"),
+    (16, 64, 40, False, "llama", 0.0, "rows", None, "silu"),
+    (16, 64, 40, False, "llama", 0.0, "scaled-3", None, "silu"),
+    (5, 200, 24, False, "gemma", 1.0, "rows", None, "gelu_tanh"),
+    (5, 200, 24, False, "gemma", 1.0, "scaled-3", None, "gelu"),
+    (3, 300, 100, True, "llama", 0.0, "scaled-40", 64, "silu"),
+    (5, 200, 24, False, "gemma", 1.0, "sandwich-3", None, "gelu_tanh"),
+    (3, 300, 70, True, "gemma", 1.0, "sandwich-40", None, "gelu_tanh"),
+    (16, 64, 40, False, "llama", 0.0, "sandwich-3", 64, "silu")])
+def test_decode_swiglu(dtype, M, K, N, bias, cast, offset, form, block_n, act):
+    """act(G) ⊙ U of RMSNorm(x) [W_gate; W_up]ᵀ + b (SwiGLU, GeGLU with either gelu), Llama's and Gemma's norm
+    roundings, from x's rows, from their `Scaled` form, or from a `Sandwich` (Gemma 2/3's sandwich norms: the rows
+    r + RMSNorm(z), also written to its out); 64 columns of G and of U a program, as a wide weight's."""
     x = torch.randn(M, K, device=DEVICE).to(dtype)
     nw = (1 + 0.1 * torch.randn(K, device=DEVICE)).to(dtype)
     w, b = weights(2 * N, K, dtype, bias)
     ws = Workspace()
-    h = decode_swiglu(normalizing_input(x, nw, offset, form), nw, w, b, ws, eps=1e-5, offset=offset, cast=cast,
-                      block_n=block_n)
+    inputs, rows, out = normalizing_input(x, nw, offset, form, cast=cast)
+    h = decode_swiglu(inputs, nw, w, b, ws, eps=1e-5, offset=offset, cast=cast, block_n=block_n, act=act)
     assert h.dtype == dtype and not ws.counts.any()
-    assert_close(h, decode_swiglu_reference(x, nw, w, b, 1e-5, offset, cast), *TOL[dtype], name="h")
+    rows = sandwich_rows(out, rows, dtype)
+    assert_close(h, decode_swiglu_reference(rows, nw, w, b, 1e-5, offset, cast, act), *TOL[dtype], name="h")
 
 
-def check_qkv(dtype, M, K, Hq, Hk, D, bias, S=9, slot=5, form="rows", qk_norm=False):
+def check_qkv(dtype, M, K, Hq, Hk, D, bias, S=9, slot=5, form="rows", qk_norm=False, cast="llama"):
+    offset = 1.0 if cast == "gemma" else 0.0
     x = torch.randn(M, K, device=DEVICE).to(dtype)
     nw = (1 + 0.1 * torch.randn(K, device=DEVICE)).to(dtype)
     w, b = weights((Hq + 2 * Hk) * D, K, dtype, bias)
@@ -157,9 +193,11 @@ def check_qkv(dtype, M, K, Hq, Hk, D, bias, S=9, slot=5, form="rows", qk_norm=Fa
     caches = [torch.randn(M, Hk, S, D, device=DEVICE).to(dtype) for _ in range(2)]
     want = [c.clone() for c in caches]
     ws = Workspace()
-    q = decode_qkv(normalizing_input(x, nw, 0.0, form), nw, w, b, cos, sin, *caches, at, Hq, ws, eps=1e-5,
+    inputs, rows, out = normalizing_input(x, nw, offset, form, cast=cast)
+    q = decode_qkv(inputs, nw, w, b, cos, sin, *caches, at, Hq, ws, eps=1e-5, offset=offset, cast=cast,
                    qk_norm=heads)
-    q_want = decode_qkv_reference(x, nw, w, b, cos, sin, *want, at, Hq, eps=1e-5, qk_norm=heads)
+    q_want = decode_qkv_reference(sandwich_rows(out, rows, dtype), nw, w, b, cos, sin, *want, at, Hq, eps=1e-5,
+                                  offset=offset, cast=cast, qk_norm=heads)
     assert q.shape == (M, Hq, D) and q.dtype == dtype and not ws.counts.any()
     assert_close(q, q_want, *TOL[dtype], name="q")
     for name, c, c_want in zip(("k_cache", "v_cache"), caches, want):
@@ -182,6 +220,16 @@ def test_decode_qkv(dtype, M, K, Hq, Hk, D, bias, form, qk_norm):
     check_qkv(dtype, M, K, Hq, Hk, D, bias, form=form, qk_norm=qk_norm)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("M, K, Hq, Hk, D, form, qk_norm", [(3, 300, 4, 1, 32, "sandwich-40", True),
+                                                            (5, 64, 4, 2, 48, "sandwich-3", False)])
+def test_decode_qkv_with_sandwich_norms(dtype, M, K, Hq, Hk, D, form, qk_norm):
+    """Gemma's layers: Gemma's norm rounding, the input a `Sandwich` (the residual stream and the previous layer's
+    down output before its post norm: rows r + RMSNorm(z), also written to its out), Gemma 3's head norms, split
+    and whole K."""
+    check_qkv(dtype, M, K, Hq, Hk, D, False, form=form, qk_norm=qk_norm, cast="gemma")
+
+
 def test_decode_qkv_refuses_head_norms_of_another_size_or_dtype():
     """q_norm's and k_norm's weights must be one head's [D] in x's dtype: one error line naming both, before the
     launch."""
@@ -197,10 +245,11 @@ def test_decode_qkv_refuses_head_norms_of_another_size_or_dtype():
             decode_qkv(x, nw, w, None, cos, sin, *caches, at, Hq, Workspace(), qk_norm=bad)
 
 
-SHAPES = {  # hidden, intermediate, q heads, kv heads, head_dim, qkv bias, q/k norms
-    "qwen2.5-0.5b": (896, 4864, 14, 2, 64, True, False),
-    "smollm2-135m": (576, 1536, 9, 3, 64, False, False),
-    "qwen3-0.6b": (1024, 3072, 16, 8, 128, False, True),
+SHAPES = {  # hidden, intermediate, q heads, kv heads, head_dim, qkv bias, q/k norms, Gemma (sandwich norms, GeGLU)
+    "qwen2.5-0.5b": (896, 4864, 14, 2, 64, True, False, False),
+    "smollm2-135m": (576, 1536, 9, 3, 64, False, False, False),
+    "qwen3-0.6b": (1024, 3072, 16, 8, 128, False, True, False),
+    "gemma-3-270m": (640, 2048, 4, 1, 256, False, True, True),
 }
 
 
@@ -209,23 +258,33 @@ SHAPES = {  # hidden, intermediate, q heads, kv heads, head_dim, qkv bias, q/k n
 @pytest.mark.parametrize("shape", SHAPES)
 def test_decode_gemms_at_model_shapes(shape):
     """The three kernels at a rollout's 16 rows and the model's shapes, bf16, against their references; gate | up
-    also from the `Scaled` rows that o's launch writes, as a decoding layer chains them."""
-    H, inter, Hq, Hk, D, bias, qk_norm = SHAPES[shape]
+    also from the rows that o's launch writes, as a decoding layer chains them (its `Scaled` rows, or with Gemma's
+    sandwich norms the residual stream and o's output without the add)."""
+    H, inter, Hq, Hk, D, bias, qk_norm, gemma = SHAPES[shape]
     M, dtype = 16, torch.bfloat16
-    for form in ("rows", "scaled-28"):
-        check_qkv(dtype, M, H, Hq, Hk, D, bias, S=128, slot=100, form=form, qk_norm=qk_norm)
+    cast, offset, act = ("gemma", 1.0, "gelu_tanh") if gemma else ("llama", 0.0, "silu")
+    for form in ("rows", "sandwich-20" if gemma else "scaled-28"):
+        check_qkv(dtype, M, H, Hq, Hk, D, bias, S=128, slot=100, form=form, qk_norm=qk_norm, cast=cast)
     ws = Workspace()
     x, nw = torch.randn(M, H, device=DEVICE).to(dtype), (1 + 0.1 * torch.randn(H, device=DEVICE)).to(dtype)
     w, _ = weights(2 * inter, H, dtype, False)
-    h = decode_swiglu(x, nw, w, None, ws)
-    assert_close(h, decode_swiglu_reference(x, nw, w), *TOL[dtype], name="h")
+    h = decode_swiglu(x, nw, w, None, ws, offset=offset, cast=cast, act=act)
+    assert_close(h, decode_swiglu_reference(x, nw, w, None, 1e-6, offset, cast, act), *TOL[dtype], name="h")
     y, r = torch.randn(M, Hq * D, device=DEVICE).to(dtype), torch.randn(M, H, device=DEVICE).to(dtype)
     w_o, _ = weights(H, Hq * D, dtype, False)
-    x, scaled = decode_linear(y, w_o, None, r, ws, next_norm=(nw, 0.0))
-    assert_close(decode_swiglu(scaled, nw, w, None, ws), decode_swiglu_reference(x, nw, w), *TOL[dtype],
-                 name="h from o's Scaled rows")
+    if gemma:
+        z, scaled = decode_linear(y, w_o, None, None, ws, next_norm=(nw, offset))
+        out = torch.empty_like(r)
+        h = decode_swiglu(Sandwich(r, scaled, out), nw, w, None, ws, offset=offset, cast=cast, act=act)
+        x = sandwich_rows(out, sandwich_rows_reference(r, z, nw, 1e-6, offset, cast), dtype)
+    else:
+        x, scaled = decode_linear(y, w_o, None, r, ws, next_norm=(nw, offset))
+        h = decode_swiglu(scaled, nw, w, None, ws)
+    assert_close(h, decode_swiglu_reference(x, nw, w, None, 1e-6, offset, cast, act), *TOL[dtype],
+                 name="h from o's rows")
     for K in (Hq * D, inter):  # o, down
         y, r = torch.randn(M, K, device=DEVICE).to(dtype), torch.randn(M, H, device=DEVICE).to(dtype)
         w, _ = weights(H, K, dtype, False)
+        r = None if gemma else r
         assert_close(decode_linear(y, w, None, r, ws), decode_linear_reference(y, w, None, r), *TOL[dtype], name="y")
     assert not ws.counts.any()

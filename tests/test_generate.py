@@ -117,18 +117,21 @@ def test_decoding_kernels_match_full_forward(family, tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("family, dtype, tol", [("llama", torch.float32, 2e-5), ("qwen2", torch.float32, 2e-5),
-                                                ("qwen3", torch.float32, 2e-5), ("llama", torch.float16, 2e-2)])
+                                                ("qwen3", torch.float32, 2e-5), ("gemma", torch.float32, 2e-5),
+                                                ("gemma2", torch.float32, 2e-5), ("gemma3", torch.float32, 2e-5),
+                                                ("llama", torch.float16, 2e-2)])
 def test_fused_decoding_layers(family, dtype, tol, tmp_path, monkeypatch):
-    """With the kernels, the one-token steps of Llama, Qwen2 (its q | k | v bias) and Qwen3 (its q and k heads'
-    norms) run in five launches a layer
+    """With the kernels, the one-token steps of Llama, Qwen2 (its q | k | v bias), Qwen3 (its q and k heads'
+    norms), Gemma (GeGLU), Gemma 2 (sandwich norms, softcapped attention, a window) and Gemma 3 (sandwich norms, q/k
+    norms, windowed layers) run in five launches a layer
     (norm + q | k | v + RoPE + cache write, attention, o + add, norm + gate | up + SwiGLU, down + add,
     model/decode.py) and give the torch layers' logits and cache, for rows left-padded to different slots. Every
-    normalizing GEMM but the first layer's q | k | v reads the `Scaled` rows that the launch before wrote; in fp16
-    none does (its range)."""
+    normalizing GEMM but the first layer's q | k | v reads the `Scaled` rows that the launch before wrote (with
+    sandwich norms, a `Sandwich` of them and the residual stream); in fp16 none does (its range)."""
     import copy
 
     import model.decode as decode
-    from kernels.decode_linear import Scaled
+    from kernels.decode_linear import Sandwich, Scaled
     from kernels.decode_qkv import decode_qkv
     from kernels.decode_swiglu import decode_swiglu
     save_tiny(family, str(tmp_path))
@@ -136,8 +139,7 @@ def test_fused_decoding_layers(family, dtype, tol, tmp_path, monkeypatch):
     plain, _ = load_model(str(tmp_path), dtype=dtype)  # the prefill and the reference: Triton's interpreter is slow
     calls = []
     for name, fn in (("decode_qkv", decode_qkv), ("decode_swiglu", decode_swiglu)):
-        monkeypatch.setattr(decode, name,
-                            lambda *a, fn=fn, **kw: calls.append(isinstance(a[0], Scaled)) or fn(*a, **kw))
+        monkeypatch.setattr(decode, name, lambda *a, fn=fn, **kw: calls.append(type(a[0])) or fn(*a, **kw))
     ids = torch.randint(0, cfg.vocab_size, (3, 8), generator=torch.Generator().manual_seed(1))
     prefilled = KVCache(cfg, 3, 9, dtype, "cpu")
     with torch.no_grad():
@@ -151,15 +153,15 @@ def test_fused_decoding_layers(family, dtype, tol, tmp_path, monkeypatch):
                 at.fill_(t)
                 logits.append(run(ids[:, t:t + 1], cache=cache))
         caches.append(torch.stack([torch.stack((c.k, c.v)) for c in cache.layers]))
-    scaled = dtype != torch.float16
-    assert calls == ([False] + [scaled] * (2 * cfg.n_layers - 1)) * 2, calls
+    written = Sandwich if cfg.sandwich_norm else Scaled if dtype != torch.float16 else torch.Tensor
+    assert calls == ([torch.Tensor] + [written] * (2 * cfg.n_layers - 1)) * 2, calls
     assert_close(torch.cat(logits[:2]), torch.cat(logits[2:]), atol=tol, rtol=tol, name=f"{family} logits")
     assert_close(caches[0], caches[1], atol=tol, rtol=tol, name=f"{family} cache")
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "gemma2", "gemma3"])
 def test_fused_decoding_layers_on_gpu(family, tmp_path):
     """bf16 on a GPU with merged adapters (a rollout's sampler): a step's logits through the five-launch layers are as
     close to the same weights' fp32 logits as the nine-launch layers' (the five-launch GEMMs round the norm's output
@@ -193,17 +195,47 @@ def test_fused_decoding_layers_on_gpu(family, tmp_path):
         assert_close(x, logits[2], atol=5e-2, rtol=5e-2, name=f"{family} bf16 logits, {name}-launch layers")
 
 
-@pytest.mark.parametrize("family", ["gemma", "gemma2"])
-def test_fused_decoding_layers_leave_other_families_alone(family):
-    """Gemma (GeGLU) and Gemma 2 (sandwich norms) keep the nine-launch decoding layers."""
+@pytest.mark.parametrize("family", ["gemma", "gemma2", "gemma3"])
+def test_fused_decoding_layers_leave_sandwich_norms_in_fp16_alone(family):
+    """In fp16, Gemma 2/3's sandwich norms keep the model's layers (a sublayer's output times its norm's weight can
+    pass fp16's range); Gemma's norms, after the add, take the five-launch layers as Llama's do."""
     from model.config import from_hf_config
     from model.decode import FusedDecode
     from model.transformer import Transformer
     from tests.tiny_models import hf_config
     cfg = from_hf_config(hf_config(family).to_dict())
     with torch.device("meta"):
+        model = Transformer(cfg).half()
+    x = torch.empty(2, 1, cfg.hidden_size, dtype=torch.float16)
+    assert FusedDecode().serves(model, x) is not cfg.sandwich_norm
+    assert FusedDecode().serves(model.float(), x.float())
+
+
+LAYERS = {  # hidden, intermediate, layers, q heads, kv heads, head_dim, architecture: real models' layer shapes
+    "Qwen2.5-1.5B": (1536, 8960, 28, 12, 2, 128, "Qwen2ForCausalLM"),
+    "Qwen2.5-3B": (2048, 11008, 36, 16, 2, 128, "Qwen2ForCausalLM"),
+    "Gemma-3-270M": (640, 2048, 18, 4, 1, 256, "Gemma3ForCausalLM"),
+    "Gemma-3-1B": (1152, 6912, 26, 4, 1, 256, "Gemma3ForCausalLM"),
+}
+
+
+@pytest.mark.parametrize("name, served", [("Qwen2.5-1.5B", True), ("Qwen2.5-3B", False), ("Gemma-3-270M", True),
+                                          ("Gemma-3-1B", False)])
+def test_fused_decoding_layers_serve_small_layers(name, served):
+    """The five-launch layers take a step where a layer's weights are small enough that the step costs its launches
+    (up to Qwen2.5-1.5B's; with sandwich norms up to Gemma 3 270M's); larger layers keep the nine launches, whose
+    cuBLAS GEMMs stream the weights faster (docs/benchmarks.md)."""
+    from model.config import from_hf_config
+    from model.decode import FusedDecode
+    from model.transformer import Transformer
+    H, inter, n, q, kv, D, arch = LAYERS[name]
+    cfg = from_hf_config(dict(architectures=[arch], vocab_size=1024, hidden_size=H, intermediate_size=inter,
+                              num_hidden_layers=n, num_attention_heads=q, num_key_value_heads=kv, head_dim=D,
+                              hidden_activation="gelu_pytorch_tanh", query_pre_attn_scalar=D, sliding_window=512),
+                         name)
+    with torch.device("meta"):
         model = Transformer(cfg)
-    assert not FusedDecode().serves(model, torch.empty(2, 1, cfg.hidden_size))
+    assert FusedDecode().serves(model, torch.empty(16, 1, H)) is served
 
 
 @pytest.mark.gpu

@@ -319,25 +319,33 @@ def decode_gemm_cases():
     and q | k | v's split in fp32 on sm_80 too (twice the bytes an element), whose shared memory is the smaller;
     in bf16 each also as it runs between two GEMMs (o and down writing the next norm's `Scaled` rows, gate | up and
     q | k | v reading them, from 128 blocks of sums as at a hidden size of 4096; q | k | v with Qwen3's norms of
-    its q and k heads there and in fp32, without them in the other cases); o, down and gate | up in bf16 also at 64
-    columns a program, as for a wide weight. Aligned as at the model shapes
-    (the loads pipeline), and on sm_90 with programmatic dependent launch (PDL), as their launchers compile them
-    there."""
+    its q and k heads there and in fp32, without them in the other cases) and as it runs in Gemma 2/3's layers (o
+    and down without the add, gate | up with GeGLU and q | k | v with the head norms reading a `Sandwich`, Gemma's
+    norm rounding); o, down and gate | up in bf16 also at 64 columns a program, as for a wide weight. Aligned as at
+    the model shapes (the loads pipeline), and on sm_90 with programmatic dependent launch (PDL), as their
+    launchers compile them there."""
     import torch
 
     import kernels.decode_linear as dl
     names = {"bf16": torch.bfloat16, "fp32": torch.float32}
     gemm = {"_decode_linear_kernel": ("kernels.decode_linear", ("x", "w", "b", "r", "y", "nw", "xs"),
                                       ("M", "N", "K", "K_CHUNK"), {"BLOCK_N": 32}),
-            "_decode_swiglu_kernel": ("kernels.decode_swiglu", ("x", "nw", "w", "b", "h"),
-                                      ("M", "N", "K", "K_CHUNK", "T"), {"BLOCK_N": 32, "GEMMA_CAST": False}),
+            "_decode_swiglu_kernel": ("kernels.decode_swiglu", ("x", "nw", "w", "b", "h", "zs", "xo"),
+                                      ("M", "N", "K", "K_CHUNK", "T", "TZ"),
+                                      {"BLOCK_N": 32, "GEMMA_CAST": False, "ACT": "silu"}),
             "_decode_qkv_kernel": ("kernels.decode_qkv",
-                                   ("x", "nw", "w", "b", "cos", "sin", "q", "k_cache", "v_cache", "qn", "kn"),
-                                   ("M", "K", "K_CHUNK", "S", "HQ", "HK", "HALF", "T"),
+                                   ("x", "nw", "w", "b", "cos", "sin", "q", "k_cache", "v_cache", "qn", "kn", "zs",
+                                    "xo"),
+                                   ("M", "K", "K_CHUNK", "S", "HQ", "HK", "HALF", "T", "TZ"),
                                    {"BLOCK_HALF": 128, "GEMMA_CAST": False})}
     floats = {"_decode_linear_kernel": ("offset",), "_decode_swiglu_kernel": ("eps", "offset"),
               "_decode_qkv_kernel": ("eps", "offset")}
-    chained = {"_decode_linear_kernel": ({"SCALE_NEXT": False}, {"SCALE_NEXT": True})}
+    plain = {"NORMALIZE": True, "T_STEPS": 1, "SANDWICH": False, "TZ_STEPS": 1}
+    # as it runs between two GEMMs: after o or down, with or without the add; reading the rows before it wrote
+    chained = {"_decode_linear_kernel": ({"SCALE_NEXT": False, "HAS_RESIDUAL": True},
+                                         {"SCALE_NEXT": True, "HAS_RESIDUAL": True},
+                                         {"SCALE_NEXT": True, "HAS_RESIDUAL": False})}
+    sandwich = {**plain, "SANDWICH": True, "TZ_STEPS": 4}
     cases = []
     for kernel, (module, pointers, ints, base_shape) in gemm.items():
         shapes = (base_shape,) + (({**base_shape, "BLOCK_N": 64},) if "BLOCK_N" in base_shape else ())  # and wide
@@ -346,22 +354,28 @@ def decode_gemm_cases():
             runs.append(("fp32", 80, 4, base_shape))
         for dtype, arch, split, shape in runs:
             operand = getattr(tl, {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}[dtype])
-            modes = chained.get(kernel, ({"NORMALIZE": True, "T_STEPS": 1}, {"NORMALIZE": False, "T_STEPS": 4}))
-            for mode in modes[:1] if dtype == "fp32" else modes:
-                qk_norm = {"QK_NORM": dtype == "fp32" or not mode["NORMALIZE"]} if "qn" in pointers else {}
-                constexprs = dict(HAS_BIAS=True, SPLIT=split, DTYPE=operand, OPERAND=operand,
-                                  PRECISION="ieee" if dtype == "fp32" else "tf32", BLOCK_M=dl.MAX_ROWS,
-                                  BLOCK_K=32 if dtype == "fp32" else 128, PDL=arch >= 90, **shape, **mode,
-                                  **qk_norm)
+            modes = chained.get(kernel, (plain, {**plain, "NORMALIZE": False, "T_STEPS": 4}, sandwich))
+            for mode in modes[:1] if dtype == "fp32" else modes[:2] if shape.get("BLOCK_N") == 64 else modes:
+                extra = {}
+                if "qn" in pointers:  # the head norms (Qwen3's, Gemma 3's)
+                    extra["QK_NORM"] = dtype == "fp32" or not mode["NORMALIZE"] or mode["SANDWICH"]
+                if mode is sandwich:  # Gemma's norm rounding, and its GeGLU
+                    extra.update(GEMMA_CAST=True, **({"ACT": "gelu_tanh"} if "ACT" in shape else {}))
+                constexprs = {**dict(HAS_BIAS=True, SPLIT=split, DTYPE=operand, OPERAND=operand,
+                                     PRECISION="ieee" if dtype == "fp32" else "tf32", BLOCK_M=dl.MAX_ROWS,
+                                     BLOCK_K=32 if dtype == "fp32" else 128, PDL=arch >= 90),
+                              **shape, **mode, **extra}
                 sig = {**{f"{a}_ptr": f"*{dtype}" for a in pointers},
                        **({"at_ptr": "*i64"} if "q" in pointers else {}), "ss_ptr": "*fp32",
+                       **({"zss_ptr": "*fp32"} if "zs" in pointers else {}),
                        "ws_ptr": "*fp32", "count_ptr": "*i32", **dict.fromkeys(ints, "i32"),
                        **dict.fromkeys(floats[kernel], "fp32"), **dict.fromkeys(constexprs, "constexpr")}
                 width = {"_decode_linear_kernel": shape.get("BLOCK_N", 0)}.get(kernel, 2 * shape.get("BLOCK_N", 0)
                                                                                    + 2 * shape.get("BLOCK_HALF", 0))
                 stages = dl.num_stages((dl.MAX_ROWS + width) * constexprs["BLOCK_K"],
                                        torch.empty(0, dtype=names[dtype]))
-                chain = "-chained" if mode in (modes[1:]) else ""
+                chain = ("-sandwich" if mode is sandwich else "-noadd" if mode is modes[2] else
+                         "-chained" if mode is modes[1] else "")
                 name = f"{kernel}-{dtype}-split{split}{chain}{'-n64' if shape.get('BLOCK_N') == 64 else ''}-sm{arch}"
                 cases.append(Case(name, module, kernel, sig, constexprs, dl.NUM_WARPS, arch, stages,
                                   aligned=tuple(f"{a}_ptr" for a in pointers) + ("K", "K_CHUNK")))
@@ -455,6 +469,8 @@ def loads_before_wait(case_id) -> str:
 PDL_CASES = ("_decode_linear_kernel-bf16-split4-sm90", "_decode_swiglu_kernel-bf16-split4-sm90",
              "_decode_qkv_kernel-bf16-split4-sm90", "_decode_linear_kernel-bf16-split4-chained-sm90",
              "_decode_swiglu_kernel-bf16-split4-chained-sm90", "_decode_qkv_kernel-bf16-split4-chained-sm90",
+             "_decode_linear_kernel-bf16-split4-noadd-sm90", "_decode_swiglu_kernel-bf16-split4-sandwich-sm90",
+             "_decode_qkv_kernel-bf16-split4-sandwich-sm90",
              "_decode_attention_kernel-qwen-bf16-HAS_FIRST=1-HAS_WINDOW=1-"
              "HAS_SOFTCAP=1-sm90")
 
