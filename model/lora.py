@@ -352,9 +352,10 @@ class MergedAdapters:
 
     An NF4 (QLoRA) base is dequantized into the buffers first (one launch a projection), in its original dtype, and
     the merge then adds s·B·A in place: a rollout dequantizes each weight once, where the adapter path would at every
-    decoding step, and decodes from plain weights (model/decode.py's five launches a layer), at the memory of an
-    unquantized copy of the adapted projections. Not taken (`groups` empty, the block changes nothing) for --fp8
-    bases, or where that copy takes more than a quarter of the free memory."""
+    decoding step, and decodes from plain weights (model/decode.py's five launches a layer where the layers are
+    small, the nine elsewhere), at the memory of an unquantized copy of the adapted projections. Not taken
+    (`groups` empty, the block changes nothing) for --fp8 bases, or where that copy takes more than a quarter of
+    the free memory."""
 
     def __init__(self, model):
         groups = [g for g in model.projection_groups() if any(p.r for p in g)]
