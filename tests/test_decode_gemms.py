@@ -180,6 +180,22 @@ def test_decode_swiglu(dtype, M, K, N, bias, cast, offset, form, block_n, act):
     assert_close(h, decode_swiglu_reference(rows, nw, w, b, 1e-5, offset, cast, act), *TOL[dtype], name="h")
 
 
+def test_normalizing_gemms_refuse_a_bad_activation_or_sandwich():
+    """An unknown activation, and a `Sandwich` whose z rows or out do not match its residual rows: one error line
+    naming them, before the launch."""
+    M, K, N = 3, 64, 8
+    x, nw = torch.randn(M, K, device=DEVICE), torch.ones(K, device=DEVICE)
+    w, _ = weights(2 * N, K, torch.float32, False)
+    with pytest.raises(ValueError, match="act must be silu, gelu_tanh or gelu; got 'relu'"):
+        decode_swiglu(x, nw, w, None, Workspace(), act="relu")
+    z = Scaled(*scaled_rows_reference(torch.randn(M, K, device=DEVICE), nw))
+    for bad in (Sandwich(x, Scaled(z.xs[:, 1:].contiguous(), z.ss), torch.empty_like(x)),
+                Sandwich(x, z, torch.empty(M, K, device=DEVICE, dtype=torch.bfloat16)),
+                Sandwich(x, z, torch.empty(K, M, device=DEVICE).t())):
+        with pytest.raises(ValueError, match=r"Sandwich: z's rows and out \(contiguous\) must be r's \(3, 64\)"):
+            decode_swiglu(bad, nw, w, None, Workspace())
+
+
 def check_qkv(dtype, M, K, Hq, Hk, D, bias, S=9, slot=5, form="rows", qk_norm=False, cast="llama"):
     offset = 1.0 if cast == "gemma" else 0.0
     x = torch.randn(M, K, device=DEVICE).to(dtype)
