@@ -5,7 +5,8 @@ their modules (`from kernels.rms_norm import rms_norm`).
     cross_entropy.py               cross-entropy over a large vocabulary, soft-capping, scaling
     fused_linear_cross_entropy.py  lm_head matmul + cross-entropy without the [N, V] logits
     rms_norm.py                    RMSNorm, Llama and Gemma rounding
-    add_rms_norm.py                a residual add and the RMSNorm after it (decoding)
+    add_rms_norm.py                a residual add and the RMSNorm after it, and the sublayer's norm before it
+                                   with sandwich norms (decoding)
     rope.py                        rotary position embedding of q and k
     swiglu.py, geglu.py            the gated MLP activations
     glu.py                         the launchers SwiGLU and GeGLU share (the amax of what they store, and the
@@ -14,7 +15,7 @@ their modules (`from kernels.rms_norm import rms_norm`).
     dora_backward.py               DoRA's backward through its column scaling, in one pass
     dora_norm.py                   DoRA's column scales of a projection group, and merged weights W + s·B·A
     decode_attention.py            a decoding step's attention over a static KV cache
-    rope_cache.py                  a decoding step's RoPE and KV-cache write
+    rope_cache.py                  a decoding step's q/k head norms, RoPE and KV-cache write
     decode_qkv.py                  a decoding step's norm, q | k | v GEMM, bias, RoPE and cache write
     decode_swiglu.py               a decoding step's norm, gate | up GEMM and SwiGLU
     decode_linear.py               a decoding step's skinny GEMM with the residual add (o, down)

@@ -59,8 +59,10 @@ def rms_norm_and_residual_reference(x, weight, eps=1e-6, offset=0.0, cast="llama
     return rms_norm_reference(x, weight, eps, offset, cast), x
 
 
-def add_rms_norm_reference(x, r, weight, eps=1e-6, offset=0.0, cast="llama"):
-    """Pure torch: (x + r, rms_norm_reference(x + r))."""
+def add_rms_norm_reference(x, r, weight, eps=1e-6, offset=0.0, cast="llama", r_weight=None):
+    """Pure torch: (x + r, rms_norm_reference(x + r)); with r_weight, r is rms_norm_reference(r, r_weight) first."""
+    if r_weight is not None:
+        r = rms_norm_reference(r, r_weight, eps, offset, cast)
     s = x + r
     return s, rms_norm_reference(s, weight, eps, offset, cast)
 
@@ -95,8 +97,13 @@ def rope_reference(q, k, cos, sin):
 
 # ----------------------------------------------------------------------------- a decoding step
 
-def check_rope_into_cache_args(q, k, v, cos, sin, k_cache, v_cache, at):
+def check_rope_into_cache_args(q, k, v, cos, sin, k_cache, v_cache, at, qk_norm=None, cast="llama"):
     check_rope_args(q, k, cos, sin)
+    if qk_norm is not None:
+        for name, w in zip(("q_norm", "k_norm"), qk_norm):
+            check_rms_norm_args(q, w, cast)
+            if w.dtype != q.dtype:
+                raise ValueError(f"rope_into_cache: {name}'s weight must have q's dtype {q.dtype}, got {w.dtype}")
     B, T, Hk, D = k.shape
     if T != 1 or v.shape != k.shape:
         raise ValueError(f"one token a row: k and v must be [B, 1, Hk, D], got {tuple(k.shape)}, {tuple(v.shape)}")
@@ -107,9 +114,13 @@ def check_rope_into_cache_args(q, k, v, cos, sin, k_cache, v_cache, at):
         raise ValueError("the caches must be contiguous and `at` one int64 slot")
 
 
-def rope_into_cache_reference(q, k, v, cos, sin, k_cache, v_cache, at):
-    """Pure torch: `rope_reference`, then k and v copied into the caches' slot at[0]; returns the rotated q."""
-    check_rope_into_cache_args(q, k, v, cos, sin, k_cache, v_cache, at)
+def rope_into_cache_reference(q, k, v, cos, sin, k_cache, v_cache, at, qk_norm=None, eps=1e-6, offset=0.0,
+                              cast="llama"):
+    """Pure torch: q and k normalized with qk_norm's weights (where given), `rope_reference`, then k and v copied
+    into the caches' slot at[0]; returns the rotated q."""
+    check_rope_into_cache_args(q, k, v, cos, sin, k_cache, v_cache, at, qk_norm, cast)
+    if qk_norm is not None:
+        q, k = (rms_norm_reference(t, w, eps, offset, cast) for t, w in zip((q, k), qk_norm))
     q, k = rope_reference(q, k, cos, sin)
     k_cache.index_copy_(2, at, k.transpose(1, 2))
     v_cache.index_copy_(2, at, v.transpose(1, 2))

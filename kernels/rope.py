@@ -25,19 +25,29 @@ import triton
 import triton.language as tl
 
 from kernels.references import DTYPES, check_rope_args
+from kernels.rms_norm import _normalized
 
 
 @triton.jit
-def _rotate_heads(x_ptr, out_ptr, out_head_stride, n_heads, HALF, c1, c2, s1, s2,
-                  BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
+def _rotate_heads(x_ptr, out_ptr, out_head_stride, n_heads, HALF, c1, c2, s1, s2, w_ptr, eps, offset,
+                  NORM: tl.constexpr, GEMMA_CAST: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
     """Rotate the n_heads contiguous heads of one token ([n_heads, 2*HALF] at x_ptr) into heads out_head_stride
-    apart at out_ptr (2*HALF: contiguous as they came; kernels/rope_cache.py: a KV cache's slots)."""
+    apart at out_ptr (2*HALF: contiguous as they came; kernels/rope_cache.py: a KV cache's slots). NORM: each head
+    is first normalized over its 2*HALF values with the weight at w_ptr (kernels/rms_norm.py's forward, its two
+    halves summed one after the other) and rounded to x's dtype, as the norm's output is (Qwen3's and Gemma 3's
+    q_norm and k_norm)."""
     h = tl.arange(0, BLOCK_H)[:, None]
     d = tl.arange(0, BLOCK_HALF)[None, :]
     mask = (h < n_heads) & (d < HALF)
     offs = h * (2 * HALF) + d
     x1 = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(x_ptr + offs + HALF, mask=mask, other=0.0).to(tl.float32)
+    if NORM:
+        w1 = tl.load(w_ptr + d, mask=d < HALF, other=0.0).to(tl.float32)
+        w2 = tl.load(w_ptr + d + HALF, mask=d < HALF, other=0.0).to(tl.float32)
+        rstd = tl.rsqrt((tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1)) / (2 * HALF) + eps)[:, None]
+        x1 = _normalized(x1, w1, rstd, offset, x_ptr, w_ptr, GEMMA_CAST).to(x_ptr.dtype.element_ty).to(tl.float32)
+        x2 = _normalized(x2, w2, rstd, offset, x_ptr, w_ptr, GEMMA_CAST).to(x_ptr.dtype.element_ty).to(tl.float32)
     o1 = x1 * c1[None, :] - x2 * s1[None, :]
     o2 = x2 * c2[None, :] + x1 * s2[None, :]
     out = h * out_head_stride + d
@@ -67,8 +77,8 @@ def _rope_kernel(
         s1, s2 = -s2, -s1
     q_in, q_out = q_ptr + token * q_token_stride, q_out_ptr + token * HQ * 2 * HALF
     k_in, k_out = k_ptr + token * k_token_stride, k_out_ptr + token * HK * 2 * HALF
-    _rotate_heads(q_in, q_out, 2 * HALF, HQ, HALF, c1, c2, s1, s2, BLOCK_HQ, BLOCK_HALF)
-    _rotate_heads(k_in, k_out, 2 * HALF, HK, HALF, c1, c2, s1, s2, BLOCK_HK, BLOCK_HALF)
+    _rotate_heads(q_in, q_out, 2 * HALF, HQ, HALF, c1, c2, s1, s2, q_in, 0.0, 0.0, False, False, BLOCK_HQ, BLOCK_HALF)
+    _rotate_heads(k_in, k_out, 2 * HALF, HK, HALF, c1, c2, s1, s2, k_in, 0.0, 0.0, False, False, BLOCK_HK, BLOCK_HALF)
 
 
 def launch_config(Hq: int, Hk: int, D: int) -> tuple[int, int, int, int]:

@@ -19,7 +19,7 @@ kernels/decode_linear.py).
 With sandwich norms (Gemma 2/3: x + norm(sublayer(pre_norm(x)))), o and down write their output z without the add,
 and its `Scaled` rows for the sublayer's post norm; the GEMM after (gate | up, the next layer's q | k | v) reads
 x and those rows as a `Sandwich`: it adds x + RMSNorm(z), normalizes the sum with its own norm, and writes the sum
-as the next x. The last layer's add and the final norm run after the loop.
+as the next x. The last layer's add and the final norm run after the loop, in one launch.
 
 The values are the layers' own, within the rounding of the GEMMs' sums and of the norm's output, which is rounded
 once (x ⊙ w) where the norm rounds it twice (tests/test_generate.py compares the logits with `decode_layers`' and,
@@ -31,8 +31,7 @@ block a rollout's sampler opens), with at most 64 rows and norms of the activati
 in fp16 (z ⊙ w can pass its range), and for layers small enough that a step costs its launches more than its
 bytes: up to MAX_LAYER_WEIGHTS weight elements a layer (a 1.5B model's; from 3B on, cuBLAS's GEMMs of the nine
 launches stream the weights faster), MAX_SANDWICH_LAYER_WEIGHTS with sandwich norms (Gemma 3 270M's, not 1B's).
-Elsewhere (fp8 bases, NF4 bases and adapters outside that block, larger layers) a step keeps `decode_layers`, or
-with sandwich norms the model's layers."""
+Elsewhere (fp8 bases, NF4 bases and adapters outside that block, larger layers) a step keeps `decode_layers`."""
 import torch
 
 from kernels.decode_linear import MAX_ROWS, Sandwich, Workspace, decode_linear
@@ -139,8 +138,8 @@ class FusedDecode:
             else:
                 after = blocks[i + 1].input_layernorm if ahead and i + 1 < len(blocks) else None
                 x, xn = residual_add(h, w_down, b_down, x, ws, after)
-        if sandwich:  # the last layer's add, which no GEMM reads
-            x = residual + layer.post_feedforward_layernorm(z)
+        if sandwich:  # the last layer's add, which no GEMM reads, with the final norm
+            return model.model.norm.after_add(residual, z, before=layer.post_feedforward_layernorm)[1].view(B, 1, H)
         return model.model.norm(x).view(B, 1, H)
 
 

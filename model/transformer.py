@@ -139,9 +139,11 @@ class RMSNorm(nn.Module):
         kernels, x's two gradients are summed inside the norm's backward kernel, not by an add of autograd's."""
         return self.ops.rms_norm_and_residual(x, self.weight, eps=self.eps, offset=self.offset, cast=self.cast)
 
-    def after_add(self, x, r):
-        """(x + r, this norm of x + r) in one kernel, without gradients (a decoding step, `decode_layers`)."""
-        return self.ops.add_rms_norm(x, r, self.weight, eps=self.eps, offset=self.offset, cast=self.cast)
+    def after_add(self, x, r, before=None):
+        """(x + r, this norm of x + r) in one kernel, without gradients (a decoding step, `decode_layers`). before:
+        the RMSNorm that r passes first (Gemma 2/3's post norms: x + before(r)), in the same kernel."""
+        return self.ops.add_rms_norm(x, r, self.weight, eps=self.eps, offset=self.offset, cast=self.cast,
+                                     r_weight=None if before is None else before.weight)
 
 
 # ----------------------------------------------------------------------------- RoPE
@@ -457,13 +459,21 @@ class DecodeMask(NamedTuple):
     window: int | None
 
 
-def decode_attend(ops, q, k, v, cos, sin, cache, mask: DecodeMask, scale, softcap):
+def decode_attend(ops, q, k, v, cos, sin, cache, mask: DecodeMask, scale, softcap, qk_norm=None):
     """A decoding step's attention (one query a row into a static cache) on the kernels' path: one kernel rotates
     q and k and writes k and v into the cache slot, one attends over the cache where it lies. The general path
     (`attend`) launches far more for one token: the cache's index_copy_ writes, strided copies of q, k, v and y,
     and SDPA's conversion of the boolean mask to an additive one with its fills. q (B, 1, nh, d), k, v (B, 1, nkv,
-    d), views of the projections; returns y (B, 1, nh * d)."""
-    q = ops.rope_into_cache(q, k, v, cos, sin, cache.k, cache.v, mask.at)
+    d), views of the projections; returns y (B, 1, nh * d). qk_norm: the (q_norm, k_norm) RMSNorms of each head,
+    applied by the rotating kernel where their weights have q's dtype, else before it."""
+    kw = {}
+    if qk_norm is not None:
+        q_norm, k_norm = qk_norm
+        if q_norm.weight.dtype == k_norm.weight.dtype == q.dtype:
+            kw = dict(qk_norm=(q_norm.weight, k_norm.weight), eps=q_norm.eps, offset=q_norm.offset, cast=q_norm.cast)
+        else:
+            q, k = q_norm(q), k_norm(k)
+    q = ops.rope_into_cache(q, k, v, cos, sin, cache.k, cache.v, mask.at, **kw)
     y = ops.decode_attention(q, cache.k, cache.v, mask.first, mask.at, scale, mask.window, softcap)
     return y.view(q.shape[0], 1, -1)
 
@@ -504,11 +514,12 @@ class Attention(nn.Module):
         # Attention saves v for backward: a copy of it, not a slice, lets the q | k | v tensor go after RoPE. Without
         # a graph (decoding) nothing keeps v, and the cache copies the slice.
         v = (v.contiguous() if torch.is_grad_enabled() else v).view(B, T, self.nkv, self.d)
-        if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        if isinstance(mask, DecodeMask):
-            y = decode_attend(self.ops, q, k, v, cos, sin, cache, mask, self.scale, self.softcap)
+        if isinstance(mask, DecodeMask):  # RoPE, the cache write (and the q/k norms) in one kernel
+            qk_norm = (self.q_norm, self.k_norm) if self.qk_norm else None
+            y = decode_attend(self.ops, q, k, v, cos, sin, cache, mask, self.scale, self.softcap, qk_norm)
         else:
+            if self.qk_norm:
+                q, k = self.q_norm(q), self.k_norm(k)
             q, k = self.ops.rope(q, k, cos, sin)  # (B, T, nh, d), (B, T, nkv, d)
             q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, heads, T, d)
             if cache is not None:
@@ -770,23 +781,25 @@ class Transformer(nn.Module):
 
     def decode_layers(self, x, tables, masks, cache):
         """The layers of a decoding step (`hidden_states`) with each residual add and the norm after it in one
-        kernel (`RMSNorm.after_add`): a layer's post-attention norm, then the next layer's input norm or the final
-        norm. A small model's step costs its launches (model/generate.py); the values are the layers' own. Where its
-        weights allow, the layers run in five launches each instead (model/decode.py), sandwich norms (Gemma 2/3)
-        too. None for sandwich norms elsewhere (their adds follow a norm of the sublayer's output, which this loop
-        does not fuse): the caller runs the model's layers."""
+        kernel (`RMSNorm.after_add`): a layer's post-attention norm (with sandwich norms, the attention output's
+        norm, the add and the pre-MLP norm), then the next layer's input norm or the final norm (with sandwich
+        norms after the MLP output's). A small model's step costs its launches (model/generate.py); the values are
+        the layers' own. Where its weights allow, the layers run in five launches each instead (model/decode.py)."""
         fused = self.ops.fused_decode
         h = None if fused is None else fused(self, x, tables, masks, cache)  # None: it does not serve this step
-        if h is not None or self.config.sandwich_norm:
+        if h is not None:
             return h
         layers = self.model.layers
         h = layers[0].input_layernorm(x)
         for i, layer in enumerate(layers):
             cos, sin = tables[layer.layer_type]
             a = layer.self_attn(h, cos, sin, masks[layer.layer_type], cache.layers[i])
-            x, h = layer.post_attention_layernorm.after_add(x, a)
+            if layer.sandwich:
+                x, h = layer.pre_feedforward_layernorm.after_add(x, a, before=layer.post_attention_layernorm)
+            else:
+                x, h = layer.post_attention_layernorm.after_add(x, a)
             norm = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.model.norm
-            x, h = norm.after_add(x, layer.mlp(h))
+            x, h = norm.after_add(x, layer.mlp(h), before=layer.post_feedforward_layernorm if layer.sandwich else None)
         return h
 
     def logits(self, h):

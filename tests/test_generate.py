@@ -88,17 +88,19 @@ def test_static_cache_matches_full_forward(family, tmp_path):
     assert_close(torch.cat(pieces, dim=1), full, atol=1e-5, rtol=1e-5, name=f"{family} static-cache logits")
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma2"])
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma2", "gemma3"])
 def test_decoding_kernels_match_full_forward(family, tmp_path, monkeypatch):
-    """With the kernels, a static cache's one-token steps take the decoding kernels (rope into the cache, attention
-    over it in place, each residual add with the norm after it where the norms are not sandwiched) and give the full
-    forward's logits, for grouped kv heads, q/k norms, and Gemma 2's softcap and window (8)."""
+    """With the kernels, a static cache's one-token steps take the decoding kernels (rope into the cache with the
+    q/k norms, attention over it in place, each residual add with the norm after it, and with sandwich norms the
+    norm before it too) and give the full forward's logits, for grouped kv heads, Qwen3's q/k norms, Gemma 2's
+    sandwich norms, softcap and window (8), and Gemma 3's sandwich and q/k norms. The only norm launched alone is
+    the first layer's input norm."""
     save_tiny(family, str(tmp_path))
     model, cfg = load_model(str(tmp_path), use_kernels=True)
     model.ops.fused_decode = None  # the nine-launch layers; test_fused_decoding_layers covers the five-launch ones
     plain, _ = load_model(str(tmp_path))  # the full forward and the prefill: Triton's interpreter is slow
     calls = []
-    for name in ("decode_attention", "add_rms_norm"):
+    for name in ("decode_attention", "add_rms_norm", "rms_norm"):
         kernel = getattr(model.ops, name)
         monkeypatch.setattr(model.ops, name, lambda *a, _k=kernel, _n=name, **kw: calls.append(_n) or _k(*a, **kw))
     ids = torch.randint(0, cfg.vocab_size, (2, 14), generator=torch.Generator().manual_seed(1))
@@ -112,7 +114,7 @@ def test_decoding_kernels_match_full_forward(family, tmp_path, monkeypatch):
             at.fill_(t)
             pieces.append(model(ids[:, t:t + 1], cache=cache))
     assert calls.count("decode_attention") == 5 * cfg.n_layers
-    assert calls.count("add_rms_norm") == (0 if cfg.sandwich_norm else 5 * 2 * cfg.n_layers)
+    assert calls.count("add_rms_norm") == 5 * 2 * cfg.n_layers and calls.count("rms_norm") == 5
     assert_close(torch.cat(pieces, dim=1), full, atol=1e-5, rtol=1e-5, name=f"{family} decoding-kernel logits")
 
 

@@ -95,9 +95,9 @@ def kernel_cases():
         "x_ptr": f"*{t}", "x_row_stride": "i32", "w_ptr": f"*{t}", "y_ptr": f"*{t}", "rstd_ptr": "*fp32",
         "H": "i32", "eps": "fp32", "offset": "fp32"}, {"BLOCK": block}, flags("GEMMA_CAST"), warps))
     specs.append((arn.__name__, "_add_rms_norm_kernel", lambda t: {
-        "x_ptr": f"*{t}", "r_ptr": f"*{t}", "w_ptr": f"*{t}", "s_ptr": f"*{t}", "y_ptr": f"*{t}",
+        "x_ptr": f"*{t}", "r_ptr": f"*{t}", "w_ptr": f"*{t}", "rw_ptr": f"*{t}", "s_ptr": f"*{t}", "y_ptr": f"*{t}",
         "x_row_stride": "i32", "r_row_stride": "i32", "H": "i32", "eps": "fp32", "offset": "fp32"},
-        {"BLOCK": block}, flags("GEMMA_CAST"), warps))
+        {"BLOCK": block}, flags("NORM_R", "GEMMA_CAST"), warps))
     specs.append(("kernels.rms_norm", "_rms_norm_backward_kernel", lambda t: {
         "dy_ptr": f"*{t}", "dy_row_stride": "i32", "x_ptr": f"*{t}", "x_row_stride": "i32", "w_ptr": f"*{t}",
         "rstd_ptr": "*fp32", "dres_ptr": f"*{t}", "dres_row_stride": "i32", "dx_ptr": f"*{t}",
@@ -114,8 +114,9 @@ def kernel_cases():
     specs.append((rc.__name__, "_rope_into_cache_kernel", lambda t: {
         "q_ptr": f"*{t}", "k_ptr": f"*{t}", "v_ptr": f"*{t}", "q_row_stride": "i32", "k_row_stride": "i32",
         "v_row_stride": "i32", "q_out_ptr": f"*{t}", "k_cache_ptr": f"*{t}", "v_cache_ptr": f"*{t}", "at_ptr": "*i64",
-        "cos_ptr": f"*{t}", "sin_ptr": f"*{t}", "cs_row_stride": "i32", "S": "i32", "HQ": "i32", "HK": "i32",
-        "HALF": "i32"}, {"BLOCK_HQ": block_hq, "BLOCK_HK": block_hk, "BLOCK_HALF": block_half}, [{}], warps))
+        "cos_ptr": f"*{t}", "sin_ptr": f"*{t}", "cs_row_stride": "i32", "qn_ptr": f"*{t}", "kn_ptr": f"*{t}",
+        "eps": "fp32", "offset": "fp32", "S": "i32", "HQ": "i32", "HK": "i32", "HALF": "i32"},
+        {"BLOCK_HQ": block_hq, "BLOCK_HK": block_hk, "BLOCK_HALF": block_half}, flags("QK_NORM", "GEMMA_CAST"), warps))
     block, _, _ = smp.launch_config(16, 151936, 2 * 132)  # a rollout's rows of Qwen2.5's vocabulary on an H100
     specs.append((smp.__name__, "_sample_chunks_kernel", lambda t: {
         "logits_ptr": f"*{t}", "logits_row_stride": "i32", "noise_ptr": "*fp32", "max_ptr": "*fp32", "sum_ptr": "*fp32",
