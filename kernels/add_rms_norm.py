@@ -14,7 +14,9 @@ Per row of length H:
 the operations of the separate (norm,) add and rms_norm kernels in their order, so s and y are theirs
 (bit for bit in Triton's interpreter; on a GPU within how the compiler contracts products and sums into
 FMAs); both norms take eps, offset and cast from the arguments (a model's norms share them). Both s
-and y are returned: s is the next residual, y the next sublayer's input.
+and y are returned: s is the next residual, y the next sublayer's input. On Hopper the kernel is a
+programmatic dependent launch, as the decoding kernels are (kernels/decode_linear.py): it starts while
+the GEMM before it runs and waits for it before its first load.
 
 Reference: kernels.references.add_rms_norm_reference.
 """
@@ -22,6 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.decode_linear import _after_previous, pdl_constexprs
 from kernels.references import DTYPES, check_rms_norm_args
 from kernels.rms_norm import _normalized, launch_config
 
@@ -30,8 +33,9 @@ from kernels.rms_norm import _normalized, launch_config
 def _add_rms_norm_kernel(
     x_ptr, r_ptr, w_ptr, rw_ptr, s_ptr, y_ptr,  # x, r: [N, H] with row strides; s, y: [N, H] contiguous
     x_row_stride, r_row_stride, H, eps, offset,
-    NORM_R: tl.constexpr, GEMMA_CAST: tl.constexpr, BLOCK: tl.constexpr,
+    NORM_R: tl.constexpr, GEMMA_CAST: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
 ):
+    _after_previous(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < H
@@ -77,5 +81,5 @@ def add_rms_norm(x, r, weight, eps=1e-6, offset=0.0, cast="llama", r_weight=None
         block, num_warps = launch_config(H)
         _add_rms_norm_kernel[(N,)](x2, r2, weight, weight if r_weight is None else r_weight, s, y, x2.stride(0),
                                    r2.stride(0), H, eps, offset, NORM_R=r_weight is not None,
-                                   GEMMA_CAST=cast == "gemma", BLOCK=block, num_warps=num_warps)
+                                   GEMMA_CAST=cast == "gemma", BLOCK=block, num_warps=num_warps, **pdl_constexprs(x2))
     return s.view(x.shape), y.view(*x.shape[:-1], H)

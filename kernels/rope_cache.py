@@ -16,13 +16,16 @@ two halves summed one after the other), which replaces two more launches.
 
 `at` is a device tensor (the slot of a CUDA-graphed step), read by the kernel: the launch stays the same
 from step to step. This replaces the rope kernel, its output copies and the two index_copy_ launches of
-the cache write. Forward only: decoding runs without gradients.
+the cache write. Forward only: decoding runs without gradients. On Hopper a programmatic dependent launch
+(kernels/decode_linear.py): it starts while the GEMM before it runs, waits for it before its first load,
+and lets the attention after it start.
 
 Reference: kernels.references.rope_into_cache_reference.
 """
 import triton
 import triton.language as tl
 
+from kernels.decode_linear import _after_previous, pdl_constexprs
 from kernels.references import DTYPES, check_rope_into_cache_args
 from kernels.rope import _rotate_heads, launch_config
 
@@ -36,8 +39,9 @@ def _rope_into_cache_kernel(
     qn_ptr, kn_ptr, eps, offset,  # q_norm's and k_norm's weights [D] (QK_NORM)
     S, HQ, HK, HALF,
     QK_NORM: tl.constexpr, GEMMA_CAST: tl.constexpr,
-    BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_HALF: tl.constexpr,
+    BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_HALF: tl.constexpr, PDL: tl.constexpr,
 ):
+    _after_previous(PDL)
     b = tl.program_id(0).to(tl.int64)
     D = 2 * HALF
     d = tl.arange(0, BLOCK_HALF)
@@ -89,6 +93,6 @@ def rope_into_cache(q, k, v, cos, sin, k_cache, v_cache, at, qk_norm=None, eps=1
         _rope_into_cache_kernel[(B,)](
             q, k, v, q_stride, k_stride, v_stride, q_out, k_cache, v_cache, at, cos, sin, cos.stride(0),
             q_norm, k_norm, eps, offset, S, Hq, Hk, D // 2, QK_NORM=qk_norm is not None, GEMMA_CAST=cast == "gemma",
-            BLOCK_HQ=block_hq, BLOCK_HK=block_hk, BLOCK_HALF=block_half, num_warps=num_warps)
+            BLOCK_HQ=block_hq, BLOCK_HK=block_hk, BLOCK_HALF=block_half, num_warps=num_warps, **pdl_constexprs(q))
     assert q_out.dtype == q.dtype, "rope_into_cache: q_out must keep q's dtype"
     return q_out[:, None]

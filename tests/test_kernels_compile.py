@@ -97,7 +97,7 @@ def kernel_cases():
     specs.append((arn.__name__, "_add_rms_norm_kernel", lambda t: {
         "x_ptr": f"*{t}", "r_ptr": f"*{t}", "w_ptr": f"*{t}", "rw_ptr": f"*{t}", "s_ptr": f"*{t}", "y_ptr": f"*{t}",
         "x_row_stride": "i32", "r_row_stride": "i32", "H": "i32", "eps": "fp32", "offset": "fp32"},
-        {"BLOCK": block}, flags("NORM_R", "GEMMA_CAST"), warps))
+        {"BLOCK": block, "PDL": None}, flags("NORM_R", "GEMMA_CAST"), warps))
     specs.append(("kernels.rms_norm", "_rms_norm_backward_kernel", lambda t: {
         "dy_ptr": f"*{t}", "dy_row_stride": "i32", "x_ptr": f"*{t}", "x_row_stride": "i32", "w_ptr": f"*{t}",
         "rstd_ptr": "*fp32", "dres_ptr": f"*{t}", "dres_row_stride": "i32", "dx_ptr": f"*{t}",
@@ -116,7 +116,8 @@ def kernel_cases():
         "v_row_stride": "i32", "q_out_ptr": f"*{t}", "k_cache_ptr": f"*{t}", "v_cache_ptr": f"*{t}", "at_ptr": "*i64",
         "cos_ptr": f"*{t}", "sin_ptr": f"*{t}", "cs_row_stride": "i32", "qn_ptr": f"*{t}", "kn_ptr": f"*{t}",
         "eps": "fp32", "offset": "fp32", "S": "i32", "HQ": "i32", "HK": "i32", "HALF": "i32"},
-        {"BLOCK_HQ": block_hq, "BLOCK_HK": block_hk, "BLOCK_HALF": block_half}, flags("QK_NORM", "GEMMA_CAST"), warps))
+        {"BLOCK_HQ": block_hq, "BLOCK_HK": block_hk, "BLOCK_HALF": block_half, "PDL": None},
+        flags("QK_NORM", "GEMMA_CAST"), warps))
     block, _, _ = smp.launch_config(16, 151936, 2 * 132)  # a rollout's rows of Qwen2.5's vocabulary on an H100
     specs.append((smp.__name__, "_sample_chunks_kernel", lambda t: {
         "logits_ptr": f"*{t}", "logits_row_stride": "i32", "noise_ptr": "*fp32", "max_ptr": "*fp32", "sum_ptr": "*fp32",
@@ -192,6 +193,8 @@ def kernel_cases():
             if combo.get("HARDWARE_E4M3") and arch < 89:
                 continue  # sm_80 has no e4m3 conversion (nor fp8 GEMMs): the kernels use the bits there
             constexprs = {**base, **combo}
+            if "PDL" in constexprs:  # a decoding kernel's dependent launch: on from sm_90, as `pdl_constexprs` sets it
+                constexprs["PDL"] = arch >= 90
             sig = {**signature(dtype), **{k: "constexpr" for k in constexprs}}
             cases.append(Case("-".join([kernel, *label, dtype, flag_id(combo), f"sm{arch}"]), module, kernel, sig,
                               constexprs, warps, arch))
@@ -473,7 +476,8 @@ PDL_CASES = ("_decode_linear_kernel-bf16-split4-sm90", "_decode_swiglu_kernel-bf
              "_decode_linear_kernel-bf16-split4-noadd-sm90", "_decode_swiglu_kernel-bf16-split4-sandwich-sm90",
              "_decode_qkv_kernel-bf16-split4-sandwich-sm90",
              "_decode_attention_kernel-qwen-bf16-HAS_FIRST=1-HAS_WINDOW=1-"
-             "HAS_SOFTCAP=1-sm90")
+             "HAS_SOFTCAP=1-sm90", "_add_rms_norm_kernel-bf16-NORM_R=1-GEMMA_CAST=1-sm90",
+             "_rope_into_cache_kernel-bf16-QK_NORM=1-GEMMA_CAST=0-sm90")
 
 
 def compile_all() -> dict:
