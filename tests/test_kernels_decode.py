@@ -1,7 +1,8 @@
 """A decoding step's kernels against their references: `rope_into_cache` bit-equal to the rope kernel and the
-cache's index_copy_ writes it replaces; `decode_attention` against a float64 reference, for grouped and plain kv
-heads, heads of 16 to 256, odd cache lengths, visible slots over a block, left-padded rows, sliding windows and
-softcaps; `add_rms_norm` bit-equal to the add and the rms_norm kernel. On CPU in Triton's interpreter."""
+cache's index_copy_ writes it replaces, and with Qwen3's and Gemma 3's head norms; `decode_attention` against a
+float64 reference, for grouped and plain kv heads, heads of 16 to 256, odd cache lengths, visible slots over a
+block, left-padded rows, sliding windows and softcaps; `add_rms_norm` bit-equal to the add and the rms_norm kernel,
+and with the sandwich norm of its r. On CPU in Triton's interpreter, and on a GPU where there is one."""
 import pytest
 import torch
 
