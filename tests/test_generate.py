@@ -88,17 +88,22 @@ def test_static_cache_matches_full_forward(family, tmp_path):
     assert_close(torch.cat(pieces, dim=1), full, atol=1e-5, rtol=1e-5, name=f"{family} static-cache logits")
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma2", "gemma3"])
-def test_decoding_kernels_match_full_forward(family, tmp_path, monkeypatch):
+@pytest.mark.parametrize("family, bf16_head_norms", [("llama", False), ("qwen3", False), ("gemma2", False),
+                                                     ("gemma3", False), ("qwen3", True)])
+def test_decoding_kernels_match_full_forward(family, bf16_head_norms, tmp_path, monkeypatch):
     """With the kernels, a static cache's one-token steps take the decoding kernels (rope into the cache with the
     q/k norms, attention over it in place, each residual add with the norm after it, and with sandwich norms the
     norm before it too) and give the full forward's logits, for grouped kv heads, Qwen3's q/k norms, Gemma 2's
     sandwich norms, softcap and window (8), and Gemma 3's sandwich and q/k norms. The only norm launched alone is
-    the first layer's input norm."""
+    the first layer's input norm; q/k norms whose weights have another dtype than q run as their own launches."""
     save_tiny(family, str(tmp_path))
     model, cfg = load_model(str(tmp_path), use_kernels=True)
     model.ops.fused_decode = None  # the nine-launch layers; test_fused_decoding_layers covers the five-launch ones
     plain, _ = load_model(str(tmp_path))  # the full forward and the prefill: Triton's interpreter is slow
+    if bf16_head_norms:
+        for m in (model, plain):
+            for layer in m.model.layers:
+                layer.self_attn.q_norm.to(torch.bfloat16), layer.self_attn.k_norm.to(torch.bfloat16)
     calls = []
     for name in ("decode_attention", "add_rms_norm", "rms_norm"):
         kernel = getattr(model.ops, name)
@@ -114,7 +119,8 @@ def test_decoding_kernels_match_full_forward(family, tmp_path, monkeypatch):
             at.fill_(t)
             pieces.append(model(ids[:, t:t + 1], cache=cache))
     assert calls.count("decode_attention") == 5 * cfg.n_layers
-    assert calls.count("add_rms_norm") == 5 * 2 * cfg.n_layers and calls.count("rms_norm") == 5
+    assert calls.count("add_rms_norm") == 5 * 2 * cfg.n_layers
+    assert calls.count("rms_norm") == 5 * (1 + (2 * cfg.n_layers if bf16_head_norms else 0))
     assert_close(torch.cat(pieces, dim=1), full, atol=1e-5, rtol=1e-5, name=f"{family} decoding-kernel logits")
 
 
