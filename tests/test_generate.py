@@ -103,7 +103,8 @@ def test_decoding_kernels_match_full_forward(family, bf16_head_norms, tmp_path, 
     if bf16_head_norms:
         for m in (model, plain):
             for layer in m.model.layers:
-                layer.self_attn.q_norm.to(torch.bfloat16), layer.self_attn.k_norm.to(torch.bfloat16)
+                layer.self_attn.q_norm.to(torch.bfloat16)
+                layer.self_attn.k_norm.to(torch.bfloat16)
     calls = []
     for name in ("decode_attention", "add_rms_norm", "rms_norm"):
         kernel = getattr(model.ops, name)
