@@ -26,7 +26,9 @@ row from it: a step's norms are one launch, not one a group.
 tile W + s·B·A, rounded once to W's dtype, into the projection's rows of an output buffer, instead of summing its
 squares; with DoRA's m, it sums them first and stores the tile scaled by m / ‖W + s·B·A‖ (`model.lora.merged_weight`
 computes the same in torch). Every adapted projection's merged weight of a rollout is then one launch
-(`model.lora.MergedAdapters`), where torch takes half a dozen ops and an (out, in) fp32 temporary a projection.
+(`model.lora.MergedAdapters`; two where DoRA's members and plain ones mix), where torch takes half a dozen ops and
+an (out, in) fp32 temporary a projection. Both loops over `in` load W's next tile before the dot of the one they
+have.
 
 References: Liu et al. 2024 "DoRA" (§4.3: the norm is a constant in backward); PEFT `tuners/lora/dora.py`
 (`get_weight_norm`).
@@ -60,9 +62,12 @@ def _rows(w_ptr, a_ptr, b_ptr, m_ptr, g_ptr, inv_ptr, out_ptr, first, end, membe
     factor = tl.full((BLOCK_O,), 1.0, tl.float32)  # each row's scale of V: 1, or DoRA's m / ‖V‖
     if norms:
         sq = tl.zeros((BLOCK_O,), dtype=tl.float32)
+        w = _w_tile(w_rows, row_mask, 0, IN, BLOCK_I)
         for start in range(0, IN, BLOCK_I):
-            v, _, _ = _tile(w_rows, a_rows, b, row_mask, k_mask, start, IN, BLOCK_I)
+            w_next = _w_tile(w_rows, row_mask, start + BLOCK_I, IN, BLOCK_I)
+            v, _, _ = _tile(w, a_rows, b, k_mask, start, IN, BLOCK_I)
             sq += tl.sum(v * v, axis=1)
+            w = w_next
         inv = 1.0 / tl.sqrt_rn(tl.where(row_mask, sq, 1.0))  # rows past the end: 1, not 1 / 0 (never stored)
         factor = tl.load(m_ptr + rows, mask=row_mask, other=0.0).to(tl.float32) * inv
         if not MERGE:
@@ -70,21 +75,33 @@ def _rows(w_ptr, a_ptr, b_ptr, m_ptr, g_ptr, inv_ptr, out_ptr, first, end, membe
             tl.store(g_ptr + rows, factor.to(g_ptr.dtype.element_ty), mask=row_mask)
     if MERGE:
         out_rows = out_ptr + rows[:, None].to(tl.int64) * IN
+        w = _w_tile(w_rows, row_mask, 0, IN, BLOCK_I)
         for start in range(0, IN, BLOCK_I):
-            v, cols, col_mask = _tile(w_rows, a_rows, b, row_mask, k_mask, start, IN, BLOCK_I)
+            w_next = _w_tile(w_rows, row_mask, start + BLOCK_I, IN, BLOCK_I)
+            v, cols, col_mask = _tile(w, a_rows, b, k_mask, start, IN, BLOCK_I)
             tl.store(out_rows + cols[None, :], (v * factor[:, None]).to(out_ptr.dtype.element_ty),
                      mask=row_mask[:, None] & col_mask[None, :])
+            w = w_next
 
 
 @triton.jit
-def _tile(w_rows, a_rows, b, row_mask, k_mask, start, IN, BLOCK_I: tl.constexpr):
-    """(V's tile of columns start … start + BLOCK_I - 1 in fp32, those columns, their mask): W's tile plus B's rows
+def _w_tile(w_rows, row_mask, start, IN, BLOCK_I: tl.constexpr):
+    """W's tile of columns start … start + BLOCK_I - 1, in W's dtype (0 past the last column: the loops load the
+    tile after their last one, and read nothing there). Each loop loads the next tile before the dot of the one it
+    has, so that a load is in flight while the dot runs: the kernel holds few programs an SM (its registers), so
+    little else is (dev/perf-notes.md, "The merge's W a tile ahead")."""
+    cols = start + tl.arange(0, BLOCK_I)
+    return tl.load(w_rows + cols[None, :], mask=row_mask[:, None] & (cols < IN)[None, :], other=0.0)
+
+
+@triton.jit
+def _tile(w, a_rows, b, k_mask, start, IN, BLOCK_I: tl.constexpr):
+    """(V's tile of columns start … start + BLOCK_I - 1 in fp32, those columns, their mask): W's tile w plus B's rows
     (scaled) times A's tile, in one dot that takes W's tile as its accumulator."""
     cols = start + tl.arange(0, BLOCK_I)
     col_mask = cols < IN
-    w = tl.load(w_rows + cols[None, :], mask=row_mask[:, None] & col_mask[None, :], other=0.0).to(tl.float32)
     a = tl.load(a_rows + cols[None, :], mask=k_mask[:, None] & col_mask[None, :], other=0.0).to(tl.float32)
-    return tl.dot(b, a, acc=w, input_precision="tf32x3"), cols, col_mask  # (BLOCK_O, BLOCK_I): ~fp32 exact
+    return tl.dot(b, a, acc=w.to(tl.float32), input_precision="tf32x3"), cols, col_mask  # (BLOCK_O, BLOCK_I): ~fp32
 
 
 @triton.jit
@@ -137,14 +154,15 @@ def _dora_norms_table_kernel(groups_ptr, blocks_ptr, scales_ptr, g_ptr, inv_ptr,
 
 
 @triton.jit
-def _merge_table_kernel(groups_ptr, blocks_ptr, scales_ptr, out_ptr,
+def _merge_table_kernel(groups_ptr, blocks_ptr, scales_ptr, out_ptr, DORA: tl.constexpr,
                         BLOCK_O: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_R: tl.constexpr):
     """The merged rows of a program (`_table_program`; W and out in one dtype, the offset the group's first element
-    in out, m's address 0 where the rows are not DoRA's: `MergeTable`)."""
+    in out: `MergeTable`), DoRA's (each row scaled by m / ‖V‖) where DORA, else plain. A constant, not a test of m's
+    address: the norms' pass compiled into a plain merge takes the registers that keep W's next tile in flight."""
     group, first, w_ptr, a_ptr, b_ptr, m_addr, offset, IN, R, member, end = _table_program(groups_ptr, blocks_ptr,
                                                                                            out_ptr)
     _rows(w_ptr, a_ptr, b_ptr, m_addr.to(tl.pointer_type(tl.float32)), out_ptr, out_ptr, out_ptr + offset,
-          first, end, member, IN, R, tl.load(scales_ptr + group), m_addr != 0, True, BLOCK_O, BLOCK_I, BLOCK_R)
+          first, end, member, IN, R, tl.load(scales_ptr + group), DORA, True, BLOCK_O, BLOCK_I, BLOCK_R)
 
 
 def member_spans(ends):
@@ -218,7 +236,8 @@ class NormsTable:
 
 
 class MergeTable:
-    """The merged weights of many projections in one launch: W' = W + s·B·A, rounded once to W's dtype; with DoRA's m,
+    """The merged weights of many projections in one launch (two where DoRA's members and plain ones mix: the
+    kernel is compiled for one or the other): W' = W + s·B·A, rounded once to W's dtype; with DoRA's m,
     each row scaled to m / ‖W + s·B·A‖ first (`model.lora.merged_weight`). members: (W, A, B, m, view, s) each, W
     (out, in) contiguous in `out`'s dtype, A (r, in) and B (out, r) fp32 (None: no adapter, W' = W), m (out,) fp32 or
     None, `view` the member's (out, in) rows of `out`, the one buffer every W' lies in. The launch reads the tensors
@@ -229,7 +248,7 @@ class MergeTable:
         for w, a, b, m, view, _ in members:
             check_merge_args(w, a, b, m, view, out)
         self.config = launch_config(max(len(a) if a is not None else 0 for _, a, *_ in members))
-        descriptors, blocks = [], []
+        descriptors, blocks = [], {False: [], True: []}  # the plain members' programs, DoRA's
         for n, (w, a, b, m, view, _) in enumerate(members):
             out_features, in_features = w.shape
             offset = (view.data_ptr() - out.data_ptr()) // out.element_size()
@@ -237,13 +256,15 @@ class MergeTable:
             a, b = (w, w) if a is None else (a, b)  # rank 0: W's address stands for A's and B's, never read
             descriptors.append([w.data_ptr(), a.data_ptr(), b.data_ptr(), 0 if m is None else m.data_ptr(), offset,
                                 out_features, in_features, rank, out_features, out_features])
-            blocks += [[n, first] for first in range(0, out_features, self.config["BLOCK_O"])]
+            blocks[m is not None] += [[n, first] for first in range(0, out_features, self.config["BLOCK_O"])]
         self.groups = torch.tensor(descriptors, dtype=torch.int64, device=out.device)  # (members, 10)
-        self.blocks = torch.tensor(blocks, dtype=torch.int32, device=out.device)  # (programs, 2): member, first row
+        # (programs, 2): member, first row; one launch for the plain members, one for DoRA's (either may be none)
+        self.blocks = {dora: torch.tensor(b, dtype=torch.int32, device=out.device) for dora, b in blocks.items() if b}
         self.scales = torch.tensor([s for *_, s in members], dtype=torch.float32, device=out.device)
         self.out = out
 
     def __call__(self):
         """Write every member's W' into its view of `out`."""
-        _merge_table_kernel[(len(self.blocks),)](self.groups, self.blocks, self.scales, self.out, **self.config,
-                                                 num_warps=NUM_WARPS)
+        for dora, blocks in self.blocks.items():
+            _merge_table_kernel[(len(blocks),)](self.groups, blocks, self.scales, self.out, DORA=dora, **self.config,
+                                                num_warps=NUM_WARPS)

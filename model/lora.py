@@ -345,10 +345,10 @@ class MergedAdapters:
     group stays one GEMM; the groups' buffers lie one after the other in one allocation. Entering the block
     refreshes them in place, so their addresses never change and a CUDA graph captured inside one block reads the
     current adapters in every later one: with the kernels (`Ops.merge_table`), every projection's W' in one launch
-    (kernels/dora_norm.py `MergeTable`, whose table is built again only when a tensor it reads has moved); without,
-    `merged_weight` and copy_ a projection. A projection without an adapter in such a group gets its W copied. The
-    projections' ranks read 0 inside the block (as in `adapters_disabled`), so both the fused and the unfused paths
-    take W' as a base weight.
+    (two where DoRA's and plain ones mix; kernels/dora_norm.py `MergeTable`, whose table is built again only when a
+    tensor it reads has moved); without, `merged_weight` and copy_ a projection. A projection without an adapter in
+    such a group gets its W copied. The projections' ranks read 0 inside the block (as in `adapters_disabled`), so
+    both the fused and the unfused paths take W' as a base weight.
 
     An NF4 (QLoRA) base is dequantized into the buffers first (one launch a projection), in its original dtype, and
     the merge then adds s·B·A in place: a rollout dequantizes each weight once, where the adapter path would at every

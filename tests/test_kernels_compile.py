@@ -149,7 +149,7 @@ def kernel_cases():
             config, [{}], dn.NUM_WARPS, f"rank{rank}"))
         specs.append(("kernels.dora_norm", "_merge_table_kernel", lambda t: {
             "groups_ptr": "*i64", "blocks_ptr": "*i32", "scales_ptr": "*fp32", "out_ptr": f"*{t}"},
-            config, [{}], dn.NUM_WARPS, f"rank{rank}"))
+            config, flags("DORA"), dn.NUM_WARPS, f"rank{rank}"))
 
     specs.append(("kernels.nf4_dequantize", "_nf4_dequantize_kernel", lambda t: {
         "packed_ptr": "*u8", "absmax_ptr": "*u8", "absmax_scale_ptr": "*fp32", "absmax_offset_ptr": "*fp32",
