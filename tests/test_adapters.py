@@ -17,7 +17,7 @@ from model.adapters import (
     save_adapter,
 )
 from model.lora import lora_parameters, quantization
-from tests.helpers import ROOT, randomize_lora_b, rel_err, run_script
+from tests.helpers import ROOT, randomize_lora_b, refusal_here, rel_err, run_script
 from tests.tiny_models import FAMILIES, make_run_folder, save_tiny
 from tests.tiny_tokenizer import make_test_tokenizer
 
@@ -291,7 +291,7 @@ def test_load_with_adapter_uses_the_trained_base(qlora_run):
         load_with_adapter(folder, adapter, base_precision="nf4")
 
 
-def test_merge_script_writes_what_transformers_loads(qlora_run, tmp_path):
+def test_merge_script_writes_what_transformers_loads(qlora_run, tmp_path, capsys):
     """scripts/merge.py on a QLoRA adapter: transformers loads the folder (weights, config, tokenizer,
     chat template) to the logits of nanotune's model as it was trained (NF4 base, dequantized)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -307,5 +307,5 @@ def test_merge_script_writes_what_transformers_loads(qlora_run, tmp_path):
     assert tok.chat_template and tok.encode("Hello there", add_special_tokens=False) == \
         AutoTokenizer.from_pretrained(folder).encode("Hello there", add_special_tokens=False)
     assert "merged into | dequantized NF4" in (out / "README.md").read_text()
-    r = run_script("merge.py", "--model", folder, "--adapter", adapter, "--out", out)  # refused before any loading
+    r = refusal_here(capsys, "merge.py", "--model", folder, "--adapter", adapter, "--out", out)  # before loading
     assert r.returncode == 2 and r.stderr.startswith(f"error: {str(out)!r} exists and is not empty"), r.stderr
