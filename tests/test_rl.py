@@ -162,14 +162,8 @@ def test_bad_rl_options_are_one_error_line(setup, tmp_path, capsys, argv, match)
     assert not os.path.exists(out)
 
 
-SMOLLM2 = os.path.join(os.environ.get("NANOTUNE_CACHE", os.path.expanduser("~/.cache/nanotune")), "smollm2",
-                       "SmolLM2-135M-Instruct.Q4_1.gguf")
-
-
 @pytest.mark.slow
-@pytest.mark.skipif(not os.path.isfile(SMOLLM2), reason=f"no SmolLM2-135M-Instruct GGUF at {SMOLLM2} (python "
-                    "scripts/fetch_smollm2.py fetches it)")
-def test_smollm2_learns_an_exact_answer_task(tmp_path):
+def test_smollm2_learns_an_exact_answer_task(smollm2_path, tmp_path):
     """The real SmolLM2-135M-Instruct with LoRA, 16 steps of 4 prompts x G = 4, 8 new tokens, lr 2e-3, β = 0, μ = 1,
     the defaults, on one-digit sums as plain-string rows, where it starts out poor under exact_answer: it mostly
     writes no number. The mean reward of the last 5 steps is clearly above the first 5's, and so is the mean
@@ -179,7 +173,7 @@ def test_smollm2_learns_an_exact_answer_task(tmp_path):
             for a in range(1, 10) for b in range(1, 10)]
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     out = tmp_path / "run"
-    assert rl.cli(["--model", SMOLLM2, "--data", str(data), "--out-dir", str(out), "--max-steps", "16",
+    assert rl.cli(["--model", smollm2_path, "--data", str(data), "--out-dir", str(out), "--max-steps", "16",
                    "--batch-size", "4", "--num-generations", "4", "--max-new-tokens", "8", "--lr", "2e-3",
                    "--eval-every", "0", "--save-every", "0", "--max-len", "128"]) == 0
     steps = [r for r in read_metrics(out) if "loss" in r]
