@@ -13,7 +13,8 @@ if not torch.cuda.is_available():
 # tests run Python (Triton's interpreter) on one core; without the share, the matmul-bound ones oversubscribe it.
 _WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 if _WORKERS > 1:
-    _threads = max(1, len(os.sched_getaffinity(0)) // _WORKERS)
+    _cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1  # macOS
+    _threads = max(1, _cores // _WORKERS)
     os.environ["OMP_NUM_THREADS"] = str(_threads)
     torch.set_num_threads(_threads)
 
