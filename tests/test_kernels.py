@@ -410,7 +410,8 @@ def test_rms_norm_frozen_weight(cast, offset):
 def test_rms_norm_and_residual(dtype, cast, offset, used):
     """(norm of x, x) from one Function: x's two gradients, the norm's and the residual stream's (here a strided
     one), summed in the norm's backward kernel, equal autograd's sum of the reference's; one unused gradient (None)
-    leaves the other. fp32: dx bit-equal to the norm kernel's dx plus dres."""
+    leaves the other. fp32: dx equal to the norm kernel's dx plus dres, bit for bit in Triton's interpreter, within a
+    rounding on the GPU (where the compiler may contract the add into an FMA)."""
     x = torch.randn(3, 37, 96, device=DEVICE).to(dtype)
     w = (torch.randn(96, device=DEVICE) * 0.5 + 1.0 - offset).to(dtype)
     (x1, w1), (x2, w2) = leaves(x, w)
@@ -433,7 +434,12 @@ def test_rms_norm_and_residual(dtype, cast, offset, used):
     if used == "both" and dtype == torch.float32:
         (x3,), _ = leaves(x)
         rms_norm(x3, w, offset=offset, cast=cast).backward(dy)
-        assert torch.equal(x1.grad, x3.grad + dres)
+        want = x3.grad + dres
+        if DEVICE == "cpu":
+            assert torch.equal(x1.grad, want)
+        else:
+            ulp = torch.finfo(dtype).eps
+            torch.testing.assert_close(x1.grad, want, atol=2 * ulp * want.abs().max().item(), rtol=2 * ulp)
 
 
 def test_rms_norm_non_contiguous():
