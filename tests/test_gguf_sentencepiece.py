@@ -152,7 +152,7 @@ def test_sentencepiece_export_round_trip(tmp_path, family, add_space_prefix):
         assert back.encode(text, add_special_tokens=True) == tok.encode(text, add_special_tokens=True), text
 
 
-def test_tokenizers_llama_cpp_cannot_reproduce_are_refused(tmp_path, capsys):
+def test_tokenizers_llama_cpp_cannot_reproduce_are_refused(tmp_path, monkeypatch, capsys):
     """A WordPiece tokenizer, and a SentencePiece-style BPE whose merges are not the ones its vocabulary
     implies, are refused in one line by the export script, before the model is loaded or a file written."""
     import os
@@ -165,10 +165,10 @@ def test_tokenizers_llama_cpp_cannot_reproduce_are_refused(tmp_path, capsys):
     spec["model"]["merges"] = spec["model"]["merges"][::-1]
     with open(path, "w") as f:
         json.dump(spec, f)
-    r = refusal_here(capsys, "export_gguf.py", "--model", folder, "--out", tmp_path / "m.gguf")
+    r = refusal_here(monkeypatch, capsys, "export_gguf.py", "--model", folder, "--out", tmp_path / "m.gguf")
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and "llama.cpp would split text differently" in r.stderr
     wp = Tokenizer(models.WordPiece({p: i for i, p in enumerate(pieces)}, unk_token="<unk>"))
     wp.save(path)
-    r = refusal_here(capsys, "export_gguf.py", "--model", folder, "--out", tmp_path / "m.gguf")
+    r = refusal_here(monkeypatch, capsys, "export_gguf.py", "--model", folder, "--out", tmp_path / "m.gguf")
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and "WordPiece" in r.stderr, r.stderr
     assert not os.path.exists(tmp_path / "m.gguf")
