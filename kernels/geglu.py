@@ -25,7 +25,16 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.glu import add_gate_up_terms, block_amax, glu_backward, glu_forward, load_gate_up, lowrank_term, tile
+from kernels.glu import (
+    add_gate_up_terms,
+    block_amax,
+    glu_backward,
+    glu_forward,
+    load_gate_up,
+    lowrank_term,
+    tile,
+    tile_steps,
+)
 from kernels.references import check_glu_args
 from kernels.tanh import tanh
 
@@ -50,18 +59,22 @@ def _gelu_and_grad(g, APPROX_TANH: tl.constexpr):
 def _geglu_forward_kernel(gate_ptr, up_ptr, scale_ptr, bias_ptr, h_ptr, amax_ptr, n, n_cols, terms,
                           APPROX_TANH: tl.constexpr, AFFINE: tl.constexpr, HAS_BIAS: tl.constexpr,
                           AMAX: tl.constexpr, TERMS: tl.constexpr, BLOCK: tl.constexpr, BLOCK_R: tl.constexpr,
-                          BLOCK_C: tl.constexpr, BLOCK_K: tl.constexpr, DTYPE: tl.constexpr, OPERAND: tl.constexpr,
-                          PRECISION: tl.constexpr):
-    offs, mask, rows, cols = tile(n, n_cols, TERMS, BLOCK, BLOCK_R, BLOCK_C)
-    g, u = load_gate_up(gate_ptr, up_ptr, scale_ptr, bias_ptr, offs, mask, n, n_cols, AFFINE, HAS_BIAS)
-    if TERMS:
-        g, u = add_gate_up_terms(g, u, terms, rows, cols, n, n_cols, BLOCK_R, BLOCK_C, BLOCK_K, DTYPE,
-                                 OPERAND, PRECISION)
-    gelu, _ = _gelu_and_grad(g, APPROX_TANH)
-    h = (gelu * u).to(h_ptr.dtype.element_ty)
-    tl.store(h_ptr + offs, h, mask=mask)
+                          BLOCK_C: tl.constexpr, BLOCK_K: tl.constexpr, K_CHUNKS: tl.constexpr, STEPS: tl.constexpr,
+                          STAGES: tl.constexpr, DTYPE: tl.constexpr, OPERAND: tl.constexpr, PRECISION: tl.constexpr):
+    amax = tl.zeros((), dtype=tl.float32)
+    for step in tl.range(0, tile_steps(n, n_cols, TERMS, BLOCK_R, BLOCK_C, STEPS), num_stages=STAGES):
+        offs, mask, rows, cols = tile(step, n, n_cols, TERMS, BLOCK, BLOCK_R, BLOCK_C, STEPS)
+        g, u = load_gate_up(gate_ptr, up_ptr, scale_ptr, bias_ptr, offs, mask, n, n_cols, AFFINE, HAS_BIAS)
+        if TERMS:
+            g, u = add_gate_up_terms(g, u, terms, rows, cols, n, n_cols, BLOCK_R, BLOCK_C, BLOCK_K, K_CHUNKS, DTYPE,
+                                     OPERAND, PRECISION)
+        gelu, _ = _gelu_and_grad(g, APPROX_TANH)
+        h = (gelu * u).to(h_ptr.dtype.element_ty)
+        tl.store(h_ptr + offs, h, mask=mask)
+        if AMAX:
+            amax = tl.maximum(amax, block_amax(h, mask), propagate_nan=tl.PropagateNan.ALL)
     if AMAX:
-        tl.store(amax_ptr + tl.program_id(0), block_amax(h, mask))
+        tl.store(amax_ptr + tl.program_id(0), amax.to(amax_ptr.dtype.element_ty))
 
 
 @triton.jit
@@ -69,26 +82,32 @@ def _geglu_backward_kernel(dh_ptr, gate_ptr, up_ptr, scale_ptr, bias_ptr, dgate_
                            terms, dh_term, APPROX_TANH: tl.constexpr, AFFINE: tl.constexpr, HAS_BIAS: tl.constexpr,
                            AMAX: tl.constexpr, WRITE_H: tl.constexpr, TERMS: tl.constexpr,
                            GATE_UP_TERMS: tl.constexpr, DH_TERM: tl.constexpr, BLOCK: tl.constexpr,
-                           BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_K: tl.constexpr, DTYPE: tl.constexpr,
+                           BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_K: tl.constexpr,
+                           K_CHUNKS: tl.constexpr, STEPS: tl.constexpr, STAGES: tl.constexpr, DTYPE: tl.constexpr,
                            OPERAND: tl.constexpr, PRECISION: tl.constexpr):
-    offs, mask, rows, cols = tile(n, n_cols, TERMS, BLOCK, BLOCK_R, BLOCK_C)
-    dh = tl.load(dh_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    if DH_TERM:
-        dh += lowrank_term(dh_term, rows, cols, n // n_cols, n_cols, BLOCK_R, BLOCK_C, BLOCK_K, DTYPE, OPERAND,
-                           PRECISION)
-    g, u = load_gate_up(gate_ptr, up_ptr, scale_ptr, bias_ptr, offs, mask, n, n_cols, AFFINE, HAS_BIAS)
-    if GATE_UP_TERMS:
-        g, u = add_gate_up_terms(g, u, terms, rows, cols, n, n_cols, BLOCK_R, BLOCK_C, BLOCK_K, DTYPE,
-                                 OPERAND, PRECISION)
-    gelu, dgelu = _gelu_and_grad(g, APPROX_TANH)
-    dgate = (dh * u * dgelu).to(dgate_ptr.dtype.element_ty)
-    dup = (dh * gelu).to(dup_ptr.dtype.element_ty)
-    tl.store(dgate_ptr + offs, dgate, mask=mask)
-    tl.store(dup_ptr + offs, dup, mask=mask)
+    amax = tl.zeros((), dtype=tl.float32)
+    for step in tl.range(0, tile_steps(n, n_cols, TERMS, BLOCK_R, BLOCK_C, STEPS), num_stages=STAGES):
+        offs, mask, rows, cols = tile(step, n, n_cols, TERMS, BLOCK, BLOCK_R, BLOCK_C, STEPS)
+        dh = tl.load(dh_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        if DH_TERM:
+            dh += lowrank_term(dh_term, rows, cols, n // n_cols, n_cols, BLOCK_R, BLOCK_C, BLOCK_K, K_CHUNKS, DTYPE,
+                               OPERAND, PRECISION)
+        g, u = load_gate_up(gate_ptr, up_ptr, scale_ptr, bias_ptr, offs, mask, n, n_cols, AFFINE, HAS_BIAS)
+        if GATE_UP_TERMS:
+            g, u = add_gate_up_terms(g, u, terms, rows, cols, n, n_cols, BLOCK_R, BLOCK_C, BLOCK_K, K_CHUNKS, DTYPE,
+                                     OPERAND, PRECISION)
+        gelu, dgelu = _gelu_and_grad(g, APPROX_TANH)
+        dgate = (dh * u * dgelu).to(dgate_ptr.dtype.element_ty)
+        dup = (dh * gelu).to(dup_ptr.dtype.element_ty)
+        tl.store(dgate_ptr + offs, dgate, mask=mask)
+        tl.store(dup_ptr + offs, dup, mask=mask)
+        if AMAX:
+            amax = tl.maximum(amax, tl.maximum(block_amax(dgate, mask), block_amax(dup, mask)),
+                              propagate_nan=tl.PropagateNan.ALL)
+        if WRITE_H:
+            tl.store(dh_ptr + offs, (gelu * u).to(dh_ptr.dtype.element_ty), mask=mask)
     if AMAX:
-        tl.store(amax_ptr + tl.program_id(0), tl.maximum(block_amax(dgate, mask), block_amax(dup, mask)))
-    if WRITE_H:
-        tl.store(dh_ptr + offs, (gelu * u).to(dh_ptr.dtype.element_ty), mask=mask)
+        tl.store(amax_ptr + tl.program_id(0), amax.to(amax_ptr.dtype.element_ty))
 
 
 def geglu_forward(gate, up, approximate="tanh", scale=None, bias=None, amax=None, terms=None):

@@ -21,8 +21,8 @@ forward's expression (the same bits): the LoRA MLP reads h after dh is spent (th
 would otherwise run the forward again over gate and up. The kernels take it as the constexpr WRITE_H.
 
 amax: the largest |value| the call stores (h forward, dgate and dup backward), as the values are stored, into
-a given 0-d tensor of their dtype: each program stores its block's (`block_amax`, constexpr AMAX), one
-reduction over those follows. With --fp8 (model/fp8.py) the MLP's H and [dG | dU] take one e4m3 scale each from
+a given 0-d tensor of their dtype: each program stores the largest of its tiles' (`block_amax`, constexpr AMAX),
+one reduction over those follows. With --fp8 (model/fp8.py) the MLP's H and [dG | dU] take one e4m3 scale each from
 their amax: this saves the pass over them that would find it.
 
 Low-rank terms (the LoRA MLP's adapters, model/lora.py): for gate and up of shape (rows, n_cols), `terms` =
@@ -34,9 +34,12 @@ likewise, the kernels read
 in place of gate, up and dh: the adapters' products s (X Aᵀ) Bᵀ and s (dY B) A, which would otherwise be added
 into the full (rows, n_cols) tensors in a pass of their own (a read and a write of each) before the activation
 reads them. Backward recomputes G and U from the same terms, with the forward's bits. A program then takes a
-BLOCK_R × BLOCK_C tile (rows × columns, constexpr TERMS) in place of BLOCK consecutive elements, so that each
-term is a tensor-core product over k (`lowrank_term`); L and R are small and read from L2. gate's and up's terms
-are not taken with the affine (they would belong before it).
+strip of BLOCK_C columns and, one after the other, up to STEPS tiles of BLOCK_R rows down it (constexpr TERMS), in
+place of BLOCK consecutive elements, so that each term is a tensor-core product over k (`lowrank_term`); L and R
+are small and read from L2. The loop over the tiles is software-pipelined (STAGES): the next tile's loads are in
+flight while this one's products and stores run, which a program of one tile, waiting on L2 for L and R and on
+HBM for gate and up in turn, cannot do. gate's and up's terms are not taken with the affine (they would belong
+before it).
 """
 import torch
 import triton
@@ -47,11 +50,16 @@ from kernels.softcap_attention import _dot
 
 BLOCK = 1024
 NUM_WARPS = 4
-# With low-rank terms: a tile of BLOCK_R rows × BLOCK_C columns, and the terms' k in chunks of BLOCK_K (an adapter's
-# rank 16 in one tensor-core product). Where they pay on an H100 (the measurements: docs/benchmarks.md, "The MLP
-# adapters inside the activation"): gate of at least 2^24 elements; below, the add pass beside the 1-d kernel is
-# faster.
-BLOCK_R, BLOCK_C, BLOCK_K, TILE_WARPS = 64, 32, 16, 4
+# With low-rank terms: a program's strip of BLOCK_C columns and up to STEPS tiles of BLOCK_R rows, pipelined in
+# STAGES; the terms' k in chunks of up to MAX_BLOCK_K, one tensor-core product each (an adapter's rank 16 in one).
+# Where they pay on an H100 (the measurements: docs/benchmarks.md, "The MLP adapters inside the activation" and "The
+# activation's adapter terms as pipelined strips"): gate of at least 2^24 elements; below, the add pass beside the
+# 1-d kernel is faster.
+BLOCK_R, BLOCK_C, STEPS, STAGES, TILE_WARPS = 32, 128, 8, 3, 4
+MAX_BLOCK_K = 64
+# The pipelined loop holds the next tiles' L and R in shared memory: half-precision terms of k up to MAX_PIPELINED_K
+# fit an sm_80's; others take the loop unpipelined (STAGES 1).
+MAX_PIPELINED_K = 64
 MIN_TERM_ELEMENTS = 1 << 24
 
 
@@ -62,12 +70,25 @@ def terms_pay(gate):
 
 
 @triton.jit
-def tile(n, n_cols, TERMS: tl.constexpr, BLOCK: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
-    """(offs, mask, rows, cols) of the program's elements: BLOCK consecutive ones (offs 1-d; rows and cols are offs,
-    unused), or with TERMS a BLOCK_R × BLOCK_C tile of the (n // n_cols, n_cols) operands (offs 2-d)."""
+def tile_steps(n, n_cols, TERMS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, STEPS: tl.constexpr):
+    """How many tiles the program takes: one block of BLOCK elements, or with TERMS its strip's row tiles (up to
+    STEPS, fewer at the operands' last rows)."""
+    if TERMS:
+        first = (tl.program_id(0) // tl.cdiv(n_cols, BLOCK_C)) * STEPS
+        return tl.minimum(STEPS, tl.cdiv(n // n_cols, BLOCK_R) - first)
+    else:
+        return 1
+
+
+@triton.jit
+def tile(step, n, n_cols, TERMS: tl.constexpr, BLOCK: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+         STEPS: tl.constexpr):
+    """(offs, mask, rows, cols) of the program's elements at its step-th tile: BLOCK consecutive ones (offs 1-d;
+    rows and cols are offs, unused), or with TERMS the step-th BLOCK_R × BLOCK_C tile down its strip of the
+    (n // n_cols, n_cols) operands (offs 2-d)."""
     if TERMS:
         col_tiles = tl.cdiv(n_cols, BLOCK_C)
-        rows = (tl.program_id(0) // col_tiles) * BLOCK_R + tl.arange(0, BLOCK_R)
+        rows = ((tl.program_id(0) // col_tiles) * STEPS + step) * BLOCK_R + tl.arange(0, BLOCK_R)
         cols = (tl.program_id(0) % col_tiles) * BLOCK_C + tl.arange(0, BLOCK_C)
         offs = rows[:, None].to(tl.int64) * n_cols + cols[None, :]
         mask = (rows[:, None] < n // n_cols) & (cols[None, :] < n_cols)
@@ -79,13 +100,15 @@ def tile(n, n_cols, TERMS: tl.constexpr, BLOCK: tl.constexpr, BLOCK_R: tl.conste
 
 @triton.jit
 def lowrank_term(term, rows, cols, n_rows, n_cols, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
-                 BLOCK_K: tl.constexpr, DTYPE: tl.constexpr, OPERAND: tl.constexpr, PRECISION: tl.constexpr):
+                 BLOCK_K: tl.constexpr, K_CHUNKS: tl.constexpr, DTYPE: tl.constexpr, OPERAND: tl.constexpr,
+                 PRECISION: tl.constexpr):
     """Σ_c L[rows, c] R[cols, c] (BLOCK_R, BLOCK_C) in fp32, for term = (L, its two strides, R, its two strides, k):
-    one tensor-core product a chunk of BLOCK_K along k, zeros outside L and R."""
+    one tensor-core product a chunk of BLOCK_K along k, K_CHUNKS of them (unrolled, so that the loop around stays
+    one loop for the pipeliner), zeros outside L and R."""
     l_ptr, l_stride0, l_stride1, r_ptr, r_stride0, r_stride1, k = term
     acc = tl.zeros((BLOCK_R, BLOCK_C), dtype=tl.float32)
-    for k0 in range(0, k, BLOCK_K):
-        c = k0 + tl.arange(0, BLOCK_K)
+    for chunk in tl.static_range(K_CHUNKS):
+        c = chunk * BLOCK_K + tl.arange(0, BLOCK_K)
         left = tl.load(l_ptr + rows[:, None] * l_stride0 + c[None, :] * l_stride1,
                        mask=(rows[:, None] < n_rows) & (c[None, :] < k), other=0.0)  # (BLOCK_R, BLOCK_K)
         right = tl.load(r_ptr + cols[None, :] * r_stride0 + c[:, None] * r_stride1,
@@ -113,21 +136,22 @@ def load_gate_up(gate_ptr, up_ptr, scale_ptr, bias_ptr, offs, mask, n, n_cols,
 
 @triton.jit
 def add_gate_up_terms(g, u, terms, rows, cols, n, n_cols, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
-                      BLOCK_K: tl.constexpr, DTYPE: tl.constexpr, OPERAND: tl.constexpr, PRECISION: tl.constexpr):
+                      BLOCK_K: tl.constexpr, K_CHUNKS: tl.constexpr, DTYPE: tl.constexpr, OPERAND: tl.constexpr,
+                      PRECISION: tl.constexpr):
     """(G, U) = (g + L_gate R_gateᵀ, u + L_up R_upᵀ) on the program's tile, terms = (gate's, up's) (`lowrank_term`)."""
     gate_term, up_term = terms
-    g += lowrank_term(gate_term, rows, cols, n // n_cols, n_cols, BLOCK_R, BLOCK_C, BLOCK_K, DTYPE, OPERAND,
-                      PRECISION)
-    u += lowrank_term(up_term, rows, cols, n // n_cols, n_cols, BLOCK_R, BLOCK_C, BLOCK_K, DTYPE, OPERAND,
-                      PRECISION)
+    g += lowrank_term(gate_term, rows, cols, n // n_cols, n_cols, BLOCK_R, BLOCK_C, BLOCK_K, K_CHUNKS, DTYPE,
+                      OPERAND, PRECISION)
+    u += lowrank_term(up_term, rows, cols, n // n_cols, n_cols, BLOCK_R, BLOCK_C, BLOCK_K, K_CHUNKS, DTYPE,
+                      OPERAND, PRECISION)
     return g, u
 
 
 @triton.jit
 def block_amax(stored, mask):
-    """max |stored| over the masked block (1-d or a 2-d tile), in stored's dtype (exact): a program's share of a
-    call's amax."""
-    return tl.max(tl.ravel(tl.where(mask, tl.abs(stored.to(tl.float32)), 0.0)), axis=0).to(stored.dtype)
+    """max |stored| over the masked block (1-d or a 2-d tile), in fp32 (exact: one of stored's values): a program's
+    share of a call's amax, stored in the call's dtype after its last tile."""
+    return tl.max(tl.ravel(tl.where(mask, tl.abs(stored.to(tl.float32)), 0.0)), axis=0)
 
 
 def amax_args(like, programs, amax):
@@ -172,10 +196,11 @@ def _term(left, right, rows, n_cols, name):
 def terms_args(gate, scale, terms=None, dh_term=None, backward=False):
     """The kernels' low-rank arguments and their grid's size: `terms` = ((L_gate, R_gate), (L_up, R_up)),
     `dh_term` = (L_h, R_h) of dh (backward only), each None or given (see the module docstring). Without either,
-    the 1-d blocks of BLOCK elements (the tile constexprs then unused)."""
+    the 1-d blocks of BLOCK elements, one a program (the tile constexprs then unused). BLOCK_K: the terms' largest
+    k as a power of two from 16 (a tensor-core product's least k) to MAX_BLOCK_K; K_CHUNKS: the chunks of k."""
     n = gate.numel()
     args = dict(terms=None, TERMS=terms is not None or dh_term is not None, BLOCK_R=BLOCK_R, BLOCK_C=BLOCK_C,
-                BLOCK_K=BLOCK_K, **dot_constexprs(gate))
+                BLOCK_K=16, K_CHUNKS=1, STEPS=1, STAGES=1, **dot_constexprs(gate))
     if backward:
         args.update(dh_term=None, GATE_UP_TERMS=terms is not None, DH_TERM=dh_term is not None)
     if not args["TERMS"]:
@@ -186,11 +211,22 @@ def terms_args(gate, scale, terms=None, dh_term=None, backward=False):
     for t in (*(terms[0] + terms[1] if terms else ()), *(dh_term or ())):
         assert t.device == gate.device and t.dtype == gate.dtype, \
             f"glu: the low-rank terms must be {gate.dtype} on {gate.device}, got {t.dtype} on {t.device}"
+    ks = []  # each term's k
     if terms is not None:
         args["terms"] = (_term(*terms[0], rows, n_cols, "the gate term"), _term(*terms[1], rows, n_cols, "the up term"))
+        ks += [t[-1] for t in args["terms"]]
     if dh_term is not None:
         args["dh_term"] = _term(*dh_term, rows, n_cols, "the dh term")
-    return args, triton.cdiv(rows, BLOCK_R) * triton.cdiv(n_cols, BLOCK_C)
+        ks.append(args["dh_term"][-1])
+    k = max(ks)
+    block_k = min(MAX_BLOCK_K, max(16, triton.next_power_of_2(k)))
+    args.update(BLOCK_K=block_k, K_CHUNKS=triton.cdiv(k, block_k), STEPS=STEPS, STAGES=tile_stages(gate.dtype, k))
+    return args, triton.cdiv(rows, BLOCK_R * STEPS) * triton.cdiv(n_cols, BLOCK_C)
+
+
+def tile_stages(dtype, k):
+    """The pipeline's STAGES for terms of rank k in `dtype` (MAX_PIPELINED_K)."""
+    return STAGES if dtype.itemsize == 2 and k <= MAX_PIPELINED_K else 1
 
 
 def glu_forward(kernel, gate, up, scale=None, bias=None, amax=None, terms=None, **constexprs):

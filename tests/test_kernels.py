@@ -640,12 +640,13 @@ def test_activation_per_row_affine(act, dtype, has_bias):
 
 @pytest.mark.parametrize("act", list(ACTIVATIONS))
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("rows,n,k,k_h", [(37, 129, 20, 5), (70, 33, 48, 16), (1, 1, 1, 1), (33, 300, 0, 0)])
+@pytest.mark.parametrize("rows,n,k,k_h", [(37, 129, 20, 5), (70, 33, 48, 16), (1, 1, 1, 1), (33, 300, 0, 0),
+                                         (290, 40, 80, 16)])
 def test_activation_lowrank_terms(act, dtype, rows, n, k, k_h):
     """Low-rank terms (the LoRA MLP's adapters): h, dG, dU from gate + L_g R_gᵀ, up + L_u R_uᵀ and dh + L_h R_hᵀ
-    equal the reference on those sums computed in float64, with L and R strided or not, k from 48 down to zero, odd
-    shapes and a partial tile; the backward's h (over dh) is the forward's to the bit, and the amaxes are those of
-    what is stored."""
+    equal the reference on those sums computed in float64, with L and R strided or not, k from 80 (two chunks) down
+    to zero, odd shapes and partial tiles, and more rows than a program's strip takes; the backward's h (over dh) is
+    the forward's to the bit, and the amaxes are those of what is stored."""
     _, reference, forward, backward = ACTIVATIONS[act]
     gen = torch.Generator().manual_seed(rows * n + k)
 

@@ -208,28 +208,38 @@ def kernel_cases():
 def glu_cases():
     """SwiGLU's and GeGLU's kernels (kernels/glu.py): every flag combination of the elementwise blocks, and the tiles
     with low-rank terms where the LoRA MLP runs them: gate's and up's terms, dH's, or both (no affine; h written
-    over dH, with and without amax), and dH's beside DoRA's affine of gate and up."""
+    over dH, with and without amax), and dH's beside DoRA's affine of gate and up, at rank 16, at the largest
+    pipelined rank and at a rank of two chunks (whose shared memory is what could exceed a GPU's)."""
+    import torch
+
     import kernels.geglu as gg
     import kernels.glu as glu
     import kernels.swiglu as sw
+    TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
     cases = []
     for (mod, name, approx), dtype, arch in product(((sw, "swiglu", ()), (gg, "geglu", ("APPROX_TANH",))), DTYPES,
                                                     ARCHS):
         term = (f"*{dtype}", "i32", "i32", f"*{dtype}", "i32", "i32", "i32")  # (L, its strides, R, its strides, k)
         operand = getattr(tl, {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}[dtype])
-        base = dict(BLOCK=glu.BLOCK, BLOCK_R=glu.BLOCK_R, BLOCK_C=glu.BLOCK_C, BLOCK_K=glu.BLOCK_K, DTYPE=operand,
-                    OPERAND=operand, PRECISION="ieee" if dtype == "fp32" else "tf32")
+        base = dict(BLOCK=glu.BLOCK, BLOCK_R=glu.BLOCK_R, BLOCK_C=glu.BLOCK_C, BLOCK_K=16, K_CHUNKS=1, STEPS=1,
+                    STAGES=1, DTYPE=operand, OPERAND=operand, PRECISION="ieee" if dtype == "fp32" else "tf32")
         elementwise = dict(TERMS=False, terms=None)
+        tiles = dict(TERMS=True, STEPS=glu.STEPS, STAGES=glu.tile_stages(TORCH_DTYPES[dtype], 16))  # rank 16
         forward = [{**f, **elementwise} for f in flags(*approx, "AFFINE", "HAS_BIAS", "AMAX")] + [
-            {**f, "AFFINE": False, "HAS_BIAS": False, "TERMS": True} for f in flags(*approx, "AMAX")]
+            {**f, "AFFINE": False, "HAS_BIAS": False, **tiles} for f in flags(*approx, "AMAX")]
         no_terms = dict(GATE_UP_TERMS=False, DH_TERM=False, dh_term=None, **elementwise)
         backward = [{**f, **no_terms} for f in flags(*approx, "AFFINE", "HAS_BIAS", "AMAX", "WRITE_H")]
         for gate_up, dh in ((True, True), (True, False), (False, True)):
-            backward += [{**f, "AFFINE": False, "HAS_BIAS": False, "WRITE_H": True, "TERMS": True,
+            backward += [{**f, "AFFINE": False, "HAS_BIAS": False, "WRITE_H": True, **tiles,
                           "GATE_UP_TERMS": gate_up, "DH_TERM": dh, **({} if gate_up else {"terms": None}),
                           **({} if dh else {"dh_term": None})} for f in flags(*approx, "AMAX")]
-        backward += [{**f, "AFFINE": True, "AMAX": False, "WRITE_H": True, "TERMS": True, "GATE_UP_TERMS": False,
+        backward += [{**f, "AFFINE": True, "AMAX": False, "WRITE_H": True, **tiles, "GATE_UP_TERMS": False,
                       "DH_TERM": True, "terms": None} for f in flags(*approx, "HAS_BIAS")]
+        for k in (64, 128):  # the largest pipelined rank, and one of two chunks
+            rank = dict(BLOCK_K=glu.MAX_BLOCK_K, K_CHUNKS=k // glu.MAX_BLOCK_K, AMAX=True,
+                        STAGES=glu.tile_stages(TORCH_DTYPES[dtype], k))
+            forward.append({**forward[-1], **rank})
+            backward.append({**next(f for f in backward if f["GATE_UP_TERMS"] and f["DH_TERM"]), **rank})
         pointers = ("gate", "up", "scale", "bias", "h", "amax")
         signatures = (
             ("forward", forward, {**{f"{a}_ptr": f"*{dtype}" for a in pointers}, "n": "i32", "n_cols": "i32",
@@ -241,8 +251,9 @@ def glu_cases():
                 constexprs = {**base, **combo}
                 sig = {**signature, **dict.fromkeys(constexprs, "constexpr")}
                 kernel = f"_{name}_{direction}_kernel"
-                cases.append(Case("-".join([kernel, dtype, flag_id(combo), f"sm{arch}"]), mod.__name__, kernel, sig,
-                                  constexprs, glu.TILE_WARPS if combo["TERMS"] else glu.NUM_WARPS, arch))
+                rank = [f"k{constexprs['BLOCK_K'] * constexprs['K_CHUNKS']}"] if constexprs["BLOCK_K"] > 16 else []
+                cases.append(Case("-".join([kernel, dtype, flag_id(combo), *rank, f"sm{arch}"]), mod.__name__, kernel,
+                                  sig, constexprs, glu.TILE_WARPS if combo["TERMS"] else glu.NUM_WARPS, arch))
     return cases
 
 
