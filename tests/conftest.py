@@ -10,6 +10,17 @@ from scripts.fetch_smollm2 import DEFAULT_DIR as SMOLLM2_DIR  # read before any 
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 
+
+def pytest_collection_modifyitems(config, items):
+    """Where the interpreter is off (a GPU machine), skip what runs Triton kernels on CPU tensors (the mark
+    `interpreter`, tests/helpers.py): compiled kernels take GPU tensors only."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        skip = pytest.mark.skip(reason="runs Triton kernels on CPU tensors, in Triton's interpreter, which is off on "
+                                       "a GPU machine (its kernels are tested on the GPU: tests/test_kernels*.py)")
+        for item in items:
+            if "interpreter" in item.keywords:
+                item.add_marker(skip)
+
 # Under pytest-xdist (`-n N`: the README's test command) N workers share the machine's cores: each takes its share
 # of torch's threads, and so do the processes a test starts (scripts, DDP ranks), which read OMP_NUM_THREADS. Most
 # tests run Python (Triton's interpreter) on one core; without the share, the matmul-bound ones oversubscribe it.

@@ -3,8 +3,15 @@ import json
 import os
 import zlib
 
+import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+
+# Triton kernels on CPU tensors run in Triton's interpreter, which tests/conftest.py turns on only where there is no
+# CUDA GPU. A test or a parameter that needs it is marked `interpreter`, and skipped on a GPU machine, whose kernel
+# tests run on the GPU (tests/test_kernels*.py, `-m gpu`). USE_KERNELS: use_kernels False, then True so marked.
+interpreter = pytest.mark.interpreter
+USE_KERNELS = [False, pytest.param(True, marks=interpreter)]
 
 
 def assert_close(actual, expected, atol, rtol, name="tensor"):

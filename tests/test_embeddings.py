@@ -15,7 +15,7 @@ from model import LoRAConfig, load_model, load_tokenizer
 from model.adapters import load_with_adapter, merge_and_save, save_adapter
 from model.embeddings import EMBEDDINGS, add_tokens, parse_tokens, train_embeddings_
 from model.weights import trainable_parameters
-from tests.helpers import assert_close, randomize_lora_b, read_metrics, refused, rel_err
+from tests.helpers import assert_close, interpreter, randomize_lora_b, read_metrics, refused, rel_err
 from tests.test_train import cfg_for
 from tests.tiny_models import make_run_folder
 
@@ -55,6 +55,7 @@ def trained(folder, new_ids=(), all_rows=True, vocab=400, **load):
 
 # ----------------------------------------------------------------------------- --train-embeddings
 
+@interpreter
 def test_embedding_gradients_equal_transformers(base):
     """The fused head's dW (lm_head, and the tied embedding's two paths added) and the lookup's gradient equal
     transformers' on the same weights, for a summed token loss: through the Triton kernels on the tied model,

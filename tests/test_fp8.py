@@ -22,7 +22,7 @@ from kernels.references import (
 from model import LoRAConfig, load_model
 from model.fp8 import quantize_fp8_
 from model.lora import lora_mlp, lora_projections
-from tests.helpers import H, I, R, frozen_projections, glu, randomize_lora_b, refused, rel_err
+from tests.helpers import USE_KERNELS, H, I, R, frozen_projections, glu, randomize_lora_b, refused, rel_err
 
 TIGHT = 1e-5  # fp32 GEMMs of the same e4m3 operands against fp64 (relative, in norm)
 N = 32  # tokens: a multiple of 16, so the MLP's transposed products run as such; 13 below: the copied layout
@@ -128,7 +128,7 @@ def test_projections_equal_emulated_fp8(nf4):
 
 @pytest.mark.parametrize("nf4", [False, True], ids=["bf16-base", "nf4-base"])
 @pytest.mark.parametrize("tokens", [N, 13])
-@pytest.mark.parametrize("kernels", [False, True], ids=["torch-glu", "kernel-glu"])
+@pytest.mark.parametrize("kernels", USE_KERNELS, ids=["torch-glu", "kernel-glu"])
 def test_mlp_equals_emulated_fp8(nf4, tokens, kernels):
     """The MLP's one scale of H and of [dG | dU] comes from the amax its activation finds as it writes them: the
     torch reference's, or the kernels' (in Triton's interpreter here)."""

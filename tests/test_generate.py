@@ -7,7 +7,7 @@ import torch
 
 from model import LoRAConfig, load_model
 from model.generate import KVCache, encode_prompt, generate, sample, stop_ids
-from tests.helpers import assert_close, randomize_lora_b, rel_err
+from tests.helpers import assert_close, interpreter, randomize_lora_b, rel_err
 from tests.tiny_models import FAMILIES, save_tiny
 from tests.tiny_tokenizer import make_test_tokenizer
 
@@ -90,6 +90,7 @@ def test_static_cache_matches_full_forward(family, tmp_path):
 
 @pytest.mark.parametrize("family, bf16_head_norms", [("llama", False), ("qwen3", False), ("gemma2", False),
                                                      ("gemma3", False), ("qwen3", True)])
+@interpreter
 def test_decoding_kernels_match_full_forward(family, bf16_head_norms, tmp_path, monkeypatch):
     """With the kernels, a static cache's one-token steps take the decoding kernels (rope into the cache with the
     q/k norms, attention over it in place, each residual add with the norm after it, and with sandwich norms the
@@ -129,6 +130,7 @@ def test_decoding_kernels_match_full_forward(family, bf16_head_norms, tmp_path, 
                                                 ("qwen3", torch.float32, 2e-5), ("gemma", torch.float32, 2e-5),
                                                 ("gemma2", torch.float32, 2e-5), ("gemma3", torch.float32, 2e-5),
                                                 ("llama", torch.float16, 2e-2)])
+@interpreter
 def test_fused_decoding_layers(family, dtype, tol, tmp_path, monkeypatch):
     """With the kernels, the one-token steps of Llama, Qwen2 (its q | k | v bias), Qwen3 (its q and k heads'
     norms), Gemma (GeGLU), Gemma 2 (sandwich norms, softcapped attention, a window) and Gemma 3 (sandwich norms, q/k

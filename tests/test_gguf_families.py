@@ -154,6 +154,7 @@ def test_missing_keys_take_llama_cpp_defaults_with_one_note(made, tmp_path, caps
     ref, folder, _ = made("gemma3")
     path = write_like_llama_cpp(ref, folder, str(tmp_path / "bare.gguf"), "gemma3",
                                 skip_keys=("attention.sliding_window", "rope.freq_base"))
+    capsys.readouterr()  # what building the model printed (transformers' progress bar, where this test builds it)
     cfg = read_config(path)
     assert (cfg.sliding_window, cfg.rope_theta, cfg.rope_local_theta) == (512, 1000000.0, 10000.0)
     assert cfg.layer_types == ["sliding"] * 5 + ["full"] and cfg.attn_scale == 256 ** -0.5

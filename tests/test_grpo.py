@@ -12,7 +12,7 @@ import grpo
 from data.batches import IGNORE_INDEX, _row, _stack, pad_batch
 from model import LoRAConfig, load_model
 from model.lora import lora_parameters
-from tests.helpers import assert_close, randomize_lora_b, rel_err
+from tests.helpers import USE_KERNELS, assert_close, randomize_lora_b, rel_err
 from tests.tiny_models import save_tiny
 
 # (loss type, importance, beta, the KL's ratio factor): every loss type, the KL on (with and without the factor)
@@ -246,7 +246,7 @@ def test_metric_sums_stay_in_one_buffer(policy):
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma2"])
-@pytest.mark.parametrize("use_kernels", [False, True])
+@pytest.mark.parametrize("use_kernels", USE_KERNELS)
 def test_token_logps_at_a_temperature_match_transformers(tmp_path, family, use_kernels):
     """token_logps at temperature T is log_softmax(logits / T) of transformers' logits (after Gemma 2's final
     softcap, as TRL divides them), gathered at the targets, 0 elsewhere; through the Triton head and the torch

@@ -23,6 +23,7 @@ from model.lora import (
     pack_weights_,
 )
 from tests.helpers import (
+    USE_KERNELS,
     BaseGemms,
     H,
     I,
@@ -31,6 +32,7 @@ from tests.helpers import (
     attention_projs,
     compare,
     glu,
+    interpreter,
     make_proj,
     mlp_projs,
     randomize_lora_b,
@@ -103,6 +105,7 @@ MERGE_TABLE_CASES = [(torch.float32, "lora", None), (torch.float32, "dora", None
                      (torch.bfloat16, "dora", "nf4")]
 
 
+@interpreter
 @pytest.mark.parametrize("dtype,variant,quantize", MERGE_TABLE_CASES,
                          ids=[f"{str(d)[6:]}-{v}{'-' + q if q else ''}" for d, v, q in MERGE_TABLE_CASES])
 def test_merged_adapters_with_the_kernels_equal_merged_weight(llama_folder, dtype, variant, quantize):
@@ -330,7 +333,7 @@ def test_fused_mlp_matches_unfused(dtype, amp, act, dropout, packed):
                 run(lambda t: unfused_mlp(t, projs, act), x, projs), amp or dtype, f"{act} MLP")
 
 
-@pytest.mark.parametrize("use_kernels", [False, True], ids=["torch", "kernels"])
+@pytest.mark.parametrize("use_kernels", USE_KERNELS, ids=["torch", "kernels"])
 @pytest.mark.parametrize("dropout", ["on", "off"])
 @pytest.mark.parametrize("dtype,amp", DTYPE_CASES, ids=DTYPE_IDS)
 def test_fused_residual_matches_unfused(dtype, amp, dropout, use_kernels):
@@ -388,6 +391,7 @@ def test_residual_added_by_the_base_gemm(family, inside, monkeypatch, tmp_path):
     assert sum(calls) == inside * len(model.model.layers)
 
 
+@interpreter
 @pytest.mark.parametrize("family,forward_adds", [("llama", 0), ("gemma2", 2)])
 def test_residual_stream_adds_no_pass_of_its_own(family, forward_adds, tmp_path):
     """With the kernels, a step runs no add of whole (B, T, H) activations for the residual stream: forward adds the
@@ -434,6 +438,7 @@ def test_fused_mlp_partial_targets(adapted):
             run(lambda t: unfused_mlp(t, projs, "gelu"), x, projs), torch.float32, "MLP")
 
 
+@interpreter
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("act", ["silu", "gelu_tanh"])
 def test_fused_mlp_with_triton_kernels(dtype, act):
@@ -456,6 +461,7 @@ def recording(glu_ops, calls):
     return glu_ops._replace(forward=forward, backward=backward)
 
 
+@interpreter
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("act", ["silu", "gelu_tanh"])
 @pytest.mark.parametrize("dropout", ["off", "mixed", "down"])
@@ -497,6 +503,7 @@ def test_cuda_mlp_adapters_inside_the_activation(act):
         assert ("terms" in calls[0][1], "dh_term" in calls[1][1]) == (inside, inside)
 
 
+@interpreter
 def test_kernel_mlp_backward_runs_once():
     """With the kernels, backward overwrites the saved G and U: a second backward must fail loudly."""
     projs = mlp_projs(torch.float32)
@@ -506,7 +513,7 @@ def test_kernel_mlp_backward_runs_once():
         y.sum().backward()
 
 
-@pytest.mark.parametrize("use_kernels", [False, True], ids=["torch", "kernels"])
+@pytest.mark.parametrize("use_kernels", USE_KERNELS, ids=["torch", "kernels"])
 @pytest.mark.parametrize("dropout", ["on", "off"])
 def test_mlp_backward_runs_no_activation_forward(use_kernels, dropout):
     """The MLP's backward takes H for the down adapter's dA from the activation's backward (written over dH), so

@@ -7,7 +7,7 @@ import torch
 
 from masters import Masters, param_groups
 from precision import LossScaler
-from tests.helpers import assert_close
+from tests.helpers import USE_KERNELS, assert_close
 
 SHAPES = [(33, 17), (5,), (3, 423), (64, 8)]
 LR = 1e-3
@@ -94,7 +94,7 @@ def _compare(ref, flat, dtype):
     return differ / total
 
 
-@pytest.mark.parametrize("use_kernels", [False, True], ids=["reference", "kernel"])
+@pytest.mark.parametrize("use_kernels", USE_KERNELS, ids=["reference", "kernel"])
 @pytest.mark.parametrize("weight_decay", [0.0, 0.1])
 @pytest.mark.parametrize("clip", [None, 0.05])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

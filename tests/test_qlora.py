@@ -14,12 +14,14 @@ from model import LoRAConfig, load_model
 from model.lora import LoRALinear, lora_mlp, lora_parameters, lora_projections
 from model.qlora import NF4Weight, quantize_linear_, quantize_model
 from tests.helpers import (
+    USE_KERNELS,
     H,
     I,
     R,
     attention_projs,
     compare,
     glu,
+    interpreter,
     make_proj,
     mlp_projs,
     randomize_lora_b,
@@ -88,7 +90,7 @@ GROUPS = {"gate/up/down": (mlp_projs, lambda t, projs: lora_mlp(t, projs, glu("s
 
 
 @pytest.mark.parametrize("group", GROUPS)
-@pytest.mark.parametrize("kernel", [False, True], ids=["bitsandbytes", "triton"])
+@pytest.mark.parametrize("kernel", USE_KERNELS, ids=["bitsandbytes", "triton"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_fused_nf4_equals_fused_dequantized_weights(dtype, kernel, group, monkeypatch):
     """The fused Functions on NF4 weights, which dequantize a group's weights into the rows of one buffer, give
@@ -116,8 +118,8 @@ FOLDED = {  # (name, in, out, bias, adapted) of the projections of each case
     "o": [("o_proj", FOLD_H, FOLD_H, False, True)]}
 
 
-@pytest.mark.parametrize("case", ["mlp", "mlp-kernels", "q/k/v", "o"])
-@pytest.mark.parametrize("kernel", [False, True], ids=["bitsandbytes", "triton"])
+@pytest.mark.parametrize("case", ["mlp", pytest.param("mlp-kernels", marks=interpreter), "q/k/v", "o"])
+@pytest.mark.parametrize("kernel", USE_KERNELS, ids=["bitsandbytes", "triton"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_folded_adapters_match_the_dequantized_reference(dtype, kernel, case, monkeypatch):
     """Without dropout, the adapters of NF4 projections join the base GEMM along K ([X | s X Aᵀ] [W | B]ᵀ forward,

@@ -12,7 +12,7 @@ from data.rollouts import Rollout, collate
 from model import LoRAConfig, load_model
 from model.generate import GroupSampler, generate, sample_groups, sample_tokens
 from model.lora import MergedAdapters, lora_parameters
-from tests.helpers import assert_close, randomize_lora_b
+from tests.helpers import assert_close, interpreter, randomize_lora_b
 from tests.tiny_models import save_tiny
 
 PROMPTS = [[3, 17, 9, 40, 2], [5, 6], [7, 100, 21, 8, 99, 31, 4, 12]]  # different lengths: left padding
@@ -110,6 +110,7 @@ def test_logps_equal_the_full_forward(tiny, temperature):
         assert_close(torch.tensor(lp), want, atol=1e-5, rtol=1e-5, name=f"row {i} log-probs")
 
 
+@interpreter
 def test_logps_with_the_decoding_kernels(tmp_path):
     """With the kernels (the GPU's decoding path: rope into the cache, attention over it from each row's first
     slot), each sampled token's log-prob equals the full forward's, for left-padded prompts, in fp32, with Gemma 2's
@@ -175,6 +176,7 @@ FIVE = {"triton::_decode_qkv_kernel": 1, "triton::_decode_attention_kernel": 1, 
 
 
 @pytest.mark.parametrize("fused, want", [(True, FIVE), (False, NINE)], ids=["five", "nine"])
+@interpreter
 def test_a_decoding_step_with_the_kernels_launches_five_or_nine_kernels_a_layer(tmp_path, fused, want):
     """The GPU's merged decoding step (kernels on), counted as scripts/bench/decode_ops.py counts it: a layer is
     the five fused kernels of model/decode.py (norm + q | k | v + RoPE + cache write, attention, o + add, norm +

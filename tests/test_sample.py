@@ -11,7 +11,7 @@ from kernels.sample import sample_tokens as sample_kernel
 from model import load_model
 from model.generate import sample_groups, sample_tokens
 from model.transformer import Ops
-from tests.helpers import assert_close
+from tests.helpers import assert_close, interpreter
 
 BLOCK = 512  # small blocks, so that a row of 1000 or 5003 logits is read in several chunks of one or more blocks
 gpu = pytest.mark.gpu
@@ -40,6 +40,7 @@ def check(logits, temperature, noise, **launch):
 @pytest.mark.parametrize("temperature", [0.0, 0.7, 1.0])
 @pytest.mark.parametrize("V", [1000, 5003])
 @pytest.mark.parametrize("rows", [1, 3, 16])
+@interpreter
 def test_the_kernel_equals_the_float64_reference(rows, V, temperature, dtype):
     """Tokens and log-probs against float64, with V not a multiple of the block: several chunks a row (the last one
     partial) for 1 and 3 rows, one chunk of several blocks a row for 16."""
@@ -58,6 +59,7 @@ def test_launch_config_splits_few_rows_into_chunks():
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@interpreter
 def test_a_maximum_in_the_last_chunk(temperature, dtype):
     """Row b's most likely token is V - 1 - b, in the last, partial chunk: it is the argmax, and is drawn (its
     probability is about 1), and the log-sum-exp of the chunks is dominated by that chunk's."""
@@ -70,6 +72,7 @@ def test_a_maximum_in_the_last_chunk(temperature, dtype):
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
+@interpreter
 def test_ties_go_to_the_lowest_index(temperature):
     """Equal best scores in one lane (two blocks apart), in two lanes of a chunk and in two chunks of a row give the
     lowest index, as torch.argmax does."""
@@ -85,6 +88,7 @@ def test_ties_go_to_the_lowest_index(temperature):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("temperature", [0.0, 0.7, 1.0])
+@interpreter
 def test_the_same_tokens_as_the_torch_path(temperature, dtype):
     """model/generate.py `sample_tokens` with the kernel draws, from the same generator state, the tokens its torch
     path draws, with the same log-probs, and leaves the generator where the torch path leaves it."""
@@ -118,6 +122,7 @@ def test_bad_arguments_are_one_clear_error():
         sample_kernel(logits, 1.0, noise[:, :5])
 
 
+@interpreter
 def test_a_rollout_draws_with_the_models_kernel(llama_folder):
     """The kernels' ops carry the sampler, the references' do not; a GroupSampler draws every step's tokens with its
     model's, and samples the completions (and log-probs) that the torch path samples from the same seed."""

@@ -19,7 +19,7 @@ from model.lora import (
     pack_adapters_,
     pack_weights_,
 )
-from tests.helpers import randomize_lora_b, rel_err
+from tests.helpers import interpreter, randomize_lora_b, rel_err
 from tests.tiny_models import FAMILIES, save_tiny
 
 B, T = 2, 12
@@ -149,7 +149,8 @@ def dora_run(folder, lora, fused, dtype=torch.float32, **options):
 
 
 @pytest.mark.parametrize("family,kernels,checkpointing", [(f, False, False) for f in FAMILIES] + [
-    ("qwen2", False, True), ("llama", True, True), ("gemma", True, False)])
+    ("qwen2", False, True), pytest.param("llama", True, True, marks=interpreter),
+    pytest.param("gemma", True, False, marks=interpreter)])
 def test_dora_fused_path_equals_unfused(family, kernels, checkpointing, base, monkeypatch):
     """The fused LoRA Functions carry DoRA (without dropout): logits and every adapter gradient (A, B, magnitudes)
     equal the unfused reference's, with some projections unadapted (llama: a q/k/v and a gate/up group with
@@ -220,6 +221,7 @@ def test_dora_scales_are_computed_once_per_checkpointed_layer(base, monkeypatch)
     assert len(calls) == 4 * len(model.model.layers)  # q/k/v, o, gate/up and down, each once
 
 
+@interpreter
 def test_dora_kernel_computes_the_scales_of_every_packed_group(base, monkeypatch):
     """With the kernels and DoRA on every projection, each group's scales come from the one-launch kernel
     (kernels/dora_norm.py), never from the torch ops (their values: test_dora_fused_path_equals_unfused, gemma)."""
@@ -233,6 +235,7 @@ def test_dora_kernel_computes_the_scales_of_every_packed_group(base, monkeypatch
     assert all(p.grad is not None for n, p in lora_parameters(model) if n.endswith("lora_magnitude_vector"))
 
 
+@interpreter
 def test_dora_scales_of_every_layer_come_from_one_launch(base, monkeypatch):
     """With the kernels, the scales of every packed group of every layer come from one launch a forward
     (model/dora_scales.py), never from a launch a group, and its table of addresses is built once: the later
