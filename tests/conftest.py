@@ -21,6 +21,7 @@ def pytest_collection_modifyitems(config, items):
             if "interpreter" in item.keywords:
                 item.add_marker(skip)
 
+
 # Under pytest-xdist (`-n N`: the README's test command) N workers share the machine's cores: each takes its share
 # of torch's threads, and so do the processes a test starts (scripts, DDP ranks), which read OMP_NUM_THREADS. Most
 # tests run Python (Triton's interpreter) on one core; without the share, the matmul-bound ones oversubscribe it.

@@ -60,6 +60,12 @@ def flag_id(d):
     return "-".join(f"{k}={int(v)}" for k, v in d.items() if isinstance(v, bool)) or "base"
 
 
+def torch_dtype(name):
+    """The torch dtype of a case's dtype name (DTYPES)."""
+    import torch
+    return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[name]
+
+
 def kernel_cases():
     """The launch configurations of the largest realistic shapes, from the launchers themselves."""
     import kernels.adamw_master as adam
@@ -210,12 +216,9 @@ def glu_cases():
     with low-rank terms where the LoRA MLP runs them: gate's and up's terms, dH's, or both (no affine; h written
     over dH, with and without amax), and dH's beside DoRA's affine of gate and up, at rank 16, at the largest
     pipelined rank and at a rank of two chunks (whose shared memory is what could exceed a GPU's)."""
-    import torch
-
     import kernels.geglu as gg
     import kernels.glu as glu
     import kernels.swiglu as sw
-    TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
     cases = []
     for (mod, name, approx), dtype, arch in product(((sw, "swiglu", ()), (gg, "geglu", ("APPROX_TANH",))), DTYPES,
                                                     ARCHS):
@@ -224,7 +227,7 @@ def glu_cases():
         base = dict(BLOCK=glu.BLOCK, BLOCK_R=glu.BLOCK_R, BLOCK_C=glu.BLOCK_C, BLOCK_K=16, K_CHUNKS=1, STEPS=1,
                     STAGES=1, DTYPE=operand, OPERAND=operand, PRECISION="ieee" if dtype == "fp32" else "tf32")
         elementwise = dict(TERMS=False, terms=None)
-        tiles = dict(TERMS=True, STEPS=glu.STEPS, STAGES=glu.tile_stages(TORCH_DTYPES[dtype], 16))  # rank 16
+        tiles = dict(TERMS=True, STEPS=glu.STEPS, STAGES=glu.tile_stages(torch_dtype(dtype), 16))  # rank 16
         forward = [{**f, **elementwise} for f in flags(*approx, "AFFINE", "HAS_BIAS", "AMAX")] + [
             {**f, "AFFINE": False, "HAS_BIAS": False, **tiles} for f in flags(*approx, "AMAX")]
         no_terms = dict(GATE_UP_TERMS=False, DH_TERM=False, dh_term=None, **elementwise)
@@ -237,7 +240,7 @@ def glu_cases():
                       "DH_TERM": True, "terms": None} for f in flags(*approx, "HAS_BIAS")]
         for k in (64, 128):  # the largest pipelined rank, and one of two chunks
             rank = dict(BLOCK_K=glu.MAX_BLOCK_K, K_CHUNKS=k // glu.MAX_BLOCK_K, AMAX=True,
-                        STAGES=glu.tile_stages(TORCH_DTYPES[dtype], k))
+                        STAGES=glu.tile_stages(torch_dtype(dtype), k))
             forward.append({**forward[-1], **rank})
             backward.append({**next(f for f in backward if f["GATE_UP_TERMS"] and f["DH_TERM"]), **rank})
         pointers = ("gate", "up", "scale", "bias", "h", "amax")
@@ -261,13 +264,11 @@ def adapter_grads_cases():
     """The LoRA dY products from one read (kernels/adapter_grads.py) at its launcher's configurations, every dtype,
     ranks padded to 16 and 64, with the pointers 16-byte aligned as torch's tensors make them: the tiles of dY then
     pipeline through shared memory, which is what needs the most of it."""
-    import torch
 
     import kernels.adapter_grads as ag
-    names = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
     cases = []
     for dtype, R, arch in product(DTYPES, (16, 64), ARCHS):
-        block_f, block_t, warps, stages = ag.launch_config(names[dtype])
+        block_f, block_t, warps, stages = ag.launch_config(torch_dtype(dtype))
         operand = getattr(tl, {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}[dtype])
         constexprs = dict(RANK=R, R=R, BLOCK_F=block_f, BLOCK_T=block_t, DTYPE=operand, OPERAND=operand,
                           PRECISION="ieee" if dtype == "fp32" else "tf32")
@@ -285,13 +286,11 @@ def decode_attention_cases(da):
     pads to the same tiles) and Gemma's widest (rep 8, D 256), in every dtype and every flag combination, with the
     pointers 16-byte aligned as Triton's launcher specializes them for torch's tensors: the loads then vectorize
     and pipeline through shared memory, which is what runs on a GPU and what needs the most shared memory."""
-    import torch
-    names = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
     cases = []
     for (label, (rep, D)), dtype, combo, arch in product(
             (("qwen", (7, 64)), ("large", (8, 256))), DTYPES,
             flags("HAS_FIRST", "HAS_WINDOW", "HAS_SOFTCAP"), ARCHS):
-        block_rep, block_s, block_d = da.launch_config(rep, D, names[dtype])
+        block_rep, block_s, block_d = da.launch_config(rep, D, torch_dtype(dtype))
         operand = getattr(tl, {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}[dtype])
         constexprs = dict(D=D, REP=rep, BLOCK_REP=block_rep, BLOCK_S=block_s, BLOCK_D=block_d, DTYPE=operand,
                           OPERAND=operand, PRECISION="ieee" if dtype == "fp32" else "tf32", PDL=arch >= 90, **combo)
@@ -309,8 +308,6 @@ def softcap_attention_cases(sa):
     operands): Gemma 2's head of 256 (2B, 9B) in every dtype on sm_80, whose shared memory is the smaller, and in
     bf16 on sm_90; the 128 (27B) and 64 configurations once each. Each compile of these takes seconds: the cases
     are the ones that differ in configuration, dtype or architecture, not every product of them."""
-    import torch
-    names = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
     pointers = {"_forward_kernel": ("q", "k", "v", "y", "lse", "lo"),
                 "_backward_dkdv_kernel": ("q", "k", "v", "dy", "lse", "delta", "lo", "hi", "dk", "dv"),
                 "_backward_dq_kernel": ("q", "k", "v", "dy", "lse", "delta", "lo", "dq")}
@@ -319,7 +316,7 @@ def softcap_attention_cases(sa):
     for kernel, args in pointers.items():
         for D, dtype, arch in ((256, "bf16", 80), (256, "fp16", 80), (256, "fp32", 80), (256, "bf16", 90),
                                (128, "bf16", 80), (64, "fp16", 90)):
-            block_m, block_n, warps, stages = sa.launch_config(D, names[dtype], kernel != "_forward_kernel")
+            block_m, block_n, warps, stages = sa.launch_config(D, torch_dtype(dtype), kernel != "_forward_kernel")
             operand = getattr(tl, {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}[dtype])
             constexprs = dict(REP=2, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=D, DTYPE=operand, OPERAND=operand,
                               PRECISION="ieee" if dtype == "fp32" else "tf32")
@@ -345,7 +342,6 @@ def decode_gemm_cases():
     import torch
 
     import kernels.decode_linear as dl
-    names = {"bf16": torch.bfloat16, "fp32": torch.float32}
     gemm = {"_decode_linear_kernel": ("kernels.decode_linear", ("x", "w", "b", "r", "y", "nw", "xs"),
                                       ("M", "N", "K", "K_CHUNK"), {"BLOCK_N": 32}),
             "_decode_swiglu_kernel": ("kernels.decode_swiglu", ("x", "nw", "w", "b", "h", "zs", "xo"),
@@ -391,7 +387,7 @@ def decode_gemm_cases():
                 width = {"_decode_linear_kernel": shape.get("BLOCK_N", 0)}.get(kernel, 2 * shape.get("BLOCK_N", 0)
                                                                                    + 2 * shape.get("BLOCK_HALF", 0))
                 stages = dl.num_stages((dl.MAX_ROWS + width) * constexprs["BLOCK_K"],
-                                       torch.empty(0, dtype=names[dtype]))
+                                       torch.empty(0, dtype=torch_dtype(dtype)))
                 chain = ("-sandwich" if mode is sandwich else "-noadd" if mode is modes[2] else
                          "-chained" if mode is modes[1] else "")
                 name = f"{kernel}-{dtype}-split{split}{chain}{'-n64' if shape.get('BLOCK_N') == 64 else ''}-sm{arch}"
