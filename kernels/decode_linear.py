@@ -118,7 +118,11 @@ class Workspace:
         self.retired = []
 
     def get(self, partials: int, tiles: int, device):
-        """(partials, counts): at least `partials` fp32 and `tiles` int32 (zeros) on `device`."""
+        """(partials, counts): at least `partials` fp32 and `tiles` int32 (zeros) on `device` ("cuda" is the current
+        GPU: compared as the buffers' own device, "cuda:0", so that a request that fits keeps them)."""
+        device = torch.device(device)
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
         if self.partials is None or self.partials.device != device or self.partials.numel() < partials:
             self._retire(self.partials)
             self.partials = torch.empty(max(partials, 1), dtype=torch.float32, device=device)

@@ -49,6 +49,7 @@ rowwise recipe do. [dG | dU], with one scale, fits all tokens into e4m3's range:
 tensor's amax (3.5e-5) keep fewer than 3 mantissa bits, and those below 2^-10 / 448 of it (2.2e-6) round to zero.
 """
 import warnings
+from functools import lru_cache
 
 import torch
 import torch.nn as nn
@@ -66,11 +67,25 @@ from kernels.references import (
 ALIGN = 16  # _scaled_mm's multiple for the reduction and output widths
 
 
-def unavailable() -> str | None:
-    """Why this torch cannot run the fp8 GEMMs, or None."""
+def unavailable(device=None) -> str | None:
+    """Why this torch cannot run the fp8 GEMMs (on `device`, where given), or None."""
     if not hasattr(torch, "_scaled_mm") or not hasattr(torch, "float8_e4m3fn"):
         return f"torch {torch.__version__} has no torch._scaled_mm for float8_e4m3fn"
+    if device is not None and torch.device(device).type == "cpu" and not _cpu_rowwise():
+        return (f"torch {torch.__version__}'s CPU torch._scaled_mm takes one scale a tensor, not the per-row scales "
+                f"these GEMMs use (torch 2.13's takes them)")
     return None
+
+
+@lru_cache
+def _cpu_rowwise() -> bool:
+    """Whether this torch's CPU torch._scaled_mm takes per-row scales (torch 2.11's asserts one a tensor)."""
+    a = torch.ones(16, 16).to(E4M3)
+    try:
+        torch._scaled_mm(a, a.t(), scale_a=torch.ones(16, 1), scale_b=torch.ones(1, 16), out_dtype=torch.float32)
+    except RuntimeError:
+        return False
+    return True
 
 
 def quantize_rows(x):
@@ -160,7 +175,10 @@ def quantize_fp8_(groups):
     """Give every group of projections (those that read one input) its FP8Weights; a bf16 base's weights are
     then dropped. A group whose shapes _scaled_mm does not take stays on the bf16 path: one warning names them
     all. Raises ValueError for a base weight that trains (the fp8 GEMMs give no weight gradient)."""
-    if reason := unavailable():
+    groups = list(groups)
+    first = groups[0][0] if groups else None
+    device = None if first is None else (first.weight if first.nf4 is None else first.nf4.packed).device
+    if reason := unavailable(device):
         warnings.warn(f"fp8: {reason}; the base GEMMs stay in the model dtype", stacklevel=2)
         return
     skipped = []

@@ -20,10 +20,12 @@ from kernels.references import (
     nf4_to_fp8_reference,
 )
 from model import LoRAConfig, load_model
-from model.fp8 import quantize_fp8_
+from model.fp8 import quantize_fp8_, unavailable
 from model.lora import lora_mlp, lora_projections
 from tests.helpers import USE_KERNELS, H, I, R, frozen_projections, glu, randomize_lora_b, refused, rel_err
 
+# torch 2.11's CPU _scaled_mm takes one scale a tensor (the GPU machine's torch): there the CPU fp8 path is refused
+pytestmark = pytest.mark.skipif(unavailable("cpu") is not None, reason=str(unavailable("cpu")))
 TIGHT = 1e-5  # fp32 GEMMs of the same e4m3 operands against fp64 (relative, in norm)
 N = 32  # tokens: a multiple of 16, so the MLP's transposed products run as such; 13 below: the copied layout
 
@@ -165,6 +167,17 @@ def test_group_keeps_the_reciprocals_of_its_nf4_scales(nf4):
     assert torch.equal(fp8.reciprocal, fp8_reciprocal(fp8.scale)) and fp8.reciprocal.shape == (128,)
     assert torch.equal(fp8.reciprocal_t, fp8_reciprocal(fp8.scale_t)) and fp8.reciprocal_t.shape == (H,)
     assert {"reciprocal", "reciprocal_t"} <= dict(fp8.named_buffers()).keys()
+
+
+def test_a_torch_without_per_row_scales_keeps_the_exact_path(monkeypatch):
+    """A CPU torch._scaled_mm that takes one scale a tensor (torch 2.11's): one warning that says so, every group
+    left on the exact path, its weights kept."""
+    import model.fp8
+    monkeypatch.setattr(model.fp8, "_cpu_rowwise", lambda: False)
+    projs = projections(False)
+    with pytest.warns(UserWarning, match="takes one scale a tensor, not the per-row scales .* stay in the model dtype"):
+        quantize_fp8_([projs])
+    assert all(p.fp8 is None and p.weight is not None for p in projs)
 
 
 def test_group_that_does_not_fit_stays_exact():

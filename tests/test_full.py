@@ -164,6 +164,8 @@ def test_saved_model_loads_in_transformers_and_exports_to_gguf(run_model, tmp_pa
     scripts/export_gguf.py writes a GGUF of it whose logits (read back through the gguf package) are the same."""
     import sys
 
+    pytest.importorskip("gguf", reason="the optional gguf package is not installed: pip install -e '.[gguf]'")
+
     import transformers as tf
 
     from tests.helpers import ROOT
