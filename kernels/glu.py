@@ -53,20 +53,23 @@ NUM_WARPS = 4
 # With low-rank terms: a program's strip of BLOCK_C columns and up to STEPS tiles of BLOCK_R rows, pipelined in
 # STAGES; the terms' k in chunks of up to MAX_BLOCK_K, one tensor-core product each (an adapter's rank 16 in one).
 # Where they pay on an H100 (the measurements: docs/benchmarks.md, "The MLP adapters inside the activation" and "The
-# activation's adapter terms as pipelined strips"): gate of at least 2^24 elements; below, the add pass beside the
-# 1-d kernel is faster.
+# activation's adapter terms as pipelined strips"; dev/perf-notes.md, "The adapters' terms below MIN_TERM_ELEMENTS"):
+# gate of at least 2^24 elements, both of its dimensions multiples of ALIGN (a tile's rows then load as whole vectors;
+# at an odd token count the backward took 1.8 times the add pass's); elsewhere the add pass beside the 1-d kernel is
+# faster.
 BLOCK_R, BLOCK_C, STEPS, STAGES, TILE_WARPS = 32, 128, 8, 3, 4
 MAX_BLOCK_K = 64
 # The pipelined loop holds the next tiles' L and R in shared memory: half-precision terms of k up to MAX_PIPELINED_K
 # fit an sm_80's; others take the loop unpipelined (STAGES 1).
 MAX_PIPELINED_K = 64
-MIN_TERM_ELEMENTS = 1 << 24
+MIN_TERM_ELEMENTS, ALIGN = 1 << 24, 16
 
 
 def terms_pay(gate):
     """Whether the low-rank terms belong inside the kernels for a gate like `gate` (module docstring): on a GPU where
-    it is large enough, and always in Triton's interpreter (CPU), where the tests run them."""
-    return not gate.is_cuda or gate.numel() >= MIN_TERM_ELEMENTS
+    it is large enough and its dimensions are aligned, and always in Triton's interpreter (CPU), where the tests run
+    them."""
+    return not gate.is_cuda or (gate.numel() >= MIN_TERM_ELEMENTS and all(d % ALIGN == 0 for d in gate.shape))
 
 
 @triton.jit

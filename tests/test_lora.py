@@ -1,5 +1,7 @@
 """LoRA: parity with PEFT on every family, the fused Functions against the unfused path in
 every dtype (bias and dropout included), gradcheck, and dtype discipline under autocast."""
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -488,19 +490,36 @@ def test_fused_mlp_adapters_inside_the_activation(dtype, act, dropout):
 @pytest.mark.parametrize("act", ["silu", "gelu_tanh"])
 def test_cuda_mlp_adapters_inside_the_activation(act):
     """On CUDA in bf16, at a size where the activation's kernels take the adapters' terms (gate of 2^24 elements,
-    `terms_pay`), the fused MLP equals the unfused path; at a small size the add passes run instead."""
+    `terms_pay`), the fused MLP equals the unfused path; at a small size or an odd token count the add passes run
+    instead."""
     from kernels.glu import MIN_TERM_ELEMENTS
     width = 4096
     projs = [make_proj(i, o, False, 16, torch.bfloat16, n, seed).cuda() for seed, (n, i, o) in
              enumerate([("gate_proj", H, width), ("up_proj", H, width), ("down_proj", width, H)])]
     set_dropout(projs, "off")
-    for tokens, inside in ((MIN_TERM_ELEMENTS // width, True), (64, False)):
+    for tokens, inside in ((MIN_TERM_ELEMENTS // width, True), (64, False), (MIN_TERM_ELEMENTS // width + 1, False)):
         calls = []
         activation = recording(glu(act, use_kernels=True), calls)
         x = torch.randn(tokens, H, device="cuda").to(torch.bfloat16)
         compare(run(lambda t, ops=activation: lora_mlp(t, projs, ops), x, projs),
                 run(lambda t: unfused_mlp(t, projs, act), x, projs), torch.bfloat16, f"cuda {act} MLP, {tokens} tokens")
         assert ("terms" in calls[0][1], "dh_term" in calls[1][1]) == (inside, inside)
+
+
+def test_terms_join_the_kernels_on_a_gpu_where_large_and_aligned():
+    """`terms_pay`: on a GPU the adapters' terms join the activation's kernels for a gate of at least 2^24 elements
+    whose dimensions are multiples of 16 (either layout), not for a smaller one or an odd token count; always in
+    Triton's interpreter."""
+    from types import SimpleNamespace
+
+    from kernels.glu import MIN_TERM_ELEMENTS, terms_pay
+
+    def gate(*shape, cuda=True):
+        return SimpleNamespace(is_cuda=cuda, shape=shape, numel=lambda: math.prod(shape))
+    tokens = MIN_TERM_ELEMENTS // 4096
+    assert terms_pay(gate(4096, tokens)) and terms_pay(gate(tokens, 4096))
+    assert not terms_pay(gate(4096, tokens - 16)) and not terms_pay(gate(4096, tokens + 1))
+    assert not terms_pay(gate(4096 + 8, tokens)) and terms_pay(gate(4096, tokens - 16, cuda=False))
 
 
 @interpreter
