@@ -4,7 +4,7 @@ gate and up, the forward writing h, the backward writing dgate and dup.
 A GLU kernel takes (gate_ptr, up_ptr, scale_ptr, bias_ptr, h_ptr, amax_ptr, n, n_cols, terms, ...) forward and
 (dh_ptr, gate_ptr, up_ptr, scale_ptr, bias_ptr, dgate_ptr, dup_ptr, amax_ptr, n, n_cols, terms, dh_term, ...)
 backward, plus its own constexprs, AFFINE, HAS_BIAS, AMAX, the low-rank ones (`terms_args`) and BLOCK; `tile`
-places a program's elements and `load_gate_up` reads gate and up for both. With
+places a program's elements, `load_gate_up` reads gate and up for both and `load_dh` dh backward. With
 inplace=True the backward writes dgate over gate and dup over up, each element being read before it
 is overwritten: for fused callers (the LoRA MLP) that own gate and up and are done with them.
 
@@ -121,33 +121,41 @@ def lowrank_term(term, rows, cols, n_rows, n_cols, BLOCK_R: tl.constexpr, BLOCK_
 
 
 @triton.jit
-def load_gate_up(gate_ptr, up_ptr, scale_ptr, bias_ptr, offs, mask, n, n_cols,
-                 AFFINE: tl.constexpr, HAS_BIAS: tl.constexpr):
-    """(G, U) in fp32 at `offs`: gate and up as stored, or their per-row affine (see the module docstring)."""
+def load_gate_up(gate_ptr, up_ptr, scale_ptr, bias_ptr, terms, offs, mask, rows, cols, n, n_cols,
+                 AFFINE: tl.constexpr, HAS_BIAS: tl.constexpr, TERMS: tl.constexpr, BLOCK_R: tl.constexpr,
+                 BLOCK_C: tl.constexpr, BLOCK_K: tl.constexpr, K_CHUNKS: tl.constexpr, DTYPE: tl.constexpr,
+                 OPERAND: tl.constexpr, PRECISION: tl.constexpr):
+    """(G, U) in fp32 at `offs`: gate and up as stored, or their per-row affine, or with TERMS gate + L_gate R_gateᵀ
+    and up + L_up R_upᵀ on the program's tile, terms = (gate's, up's) (`lowrank_term`; see the module docstring)."""
     g = tl.load(gate_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(up_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     if AFFINE:
         row = offs // n_cols
-        rows = n // n_cols
+        n_rows = n // n_cols
         g = g * tl.load(scale_ptr + row, mask=mask, other=0.0).to(tl.float32)
-        u = u * tl.load(scale_ptr + rows + row, mask=mask, other=0.0).to(tl.float32)
+        u = u * tl.load(scale_ptr + n_rows + row, mask=mask, other=0.0).to(tl.float32)
         if HAS_BIAS:
             g = g + tl.load(bias_ptr + row, mask=mask, other=0.0).to(tl.float32)
-            u = u + tl.load(bias_ptr + rows + row, mask=mask, other=0.0).to(tl.float32)
+            u = u + tl.load(bias_ptr + n_rows + row, mask=mask, other=0.0).to(tl.float32)
+    if TERMS:
+        gate_term, up_term = terms
+        g += lowrank_term(gate_term, rows, cols, n // n_cols, n_cols, BLOCK_R, BLOCK_C, BLOCK_K, K_CHUNKS, DTYPE,
+                          OPERAND, PRECISION)
+        u += lowrank_term(up_term, rows, cols, n // n_cols, n_cols, BLOCK_R, BLOCK_C, BLOCK_K, K_CHUNKS, DTYPE,
+                          OPERAND, PRECISION)
     return g, u
 
 
 @triton.jit
-def add_gate_up_terms(g, u, terms, rows, cols, n, n_cols, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
-                      BLOCK_K: tl.constexpr, K_CHUNKS: tl.constexpr, DTYPE: tl.constexpr, OPERAND: tl.constexpr,
-                      PRECISION: tl.constexpr):
-    """(G, U) = (g + L_gate R_gateᵀ, u + L_up R_upᵀ) on the program's tile, terms = (gate's, up's) (`lowrank_term`)."""
-    gate_term, up_term = terms
-    g += lowrank_term(gate_term, rows, cols, n // n_cols, n_cols, BLOCK_R, BLOCK_C, BLOCK_K, K_CHUNKS, DTYPE,
-                      OPERAND, PRECISION)
-    u += lowrank_term(up_term, rows, cols, n // n_cols, n_cols, BLOCK_R, BLOCK_C, BLOCK_K, K_CHUNKS, DTYPE,
-                      OPERAND, PRECISION)
-    return g, u
+def load_dh(dh_ptr, dh_term, offs, mask, rows, cols, n, n_cols, DH_TERM: tl.constexpr, BLOCK_R: tl.constexpr,
+            BLOCK_C: tl.constexpr, BLOCK_K: tl.constexpr, K_CHUNKS: tl.constexpr, DTYPE: tl.constexpr,
+            OPERAND: tl.constexpr, PRECISION: tl.constexpr):
+    """dH in fp32 at `offs`: dh as stored, or with DH_TERM dh + L_h R_hᵀ on the program's tile (`lowrank_term`)."""
+    dh = tl.load(dh_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    if DH_TERM:
+        dh += lowrank_term(dh_term, rows, cols, n // n_cols, n_cols, BLOCK_R, BLOCK_C, BLOCK_K, K_CHUNKS, DTYPE,
+                           OPERAND, PRECISION)
+    return dh
 
 
 @triton.jit

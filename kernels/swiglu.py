@@ -25,12 +25,11 @@ import triton
 import triton.language as tl
 
 from kernels.glu import (
-    add_gate_up_terms,
     block_amax,
     glu_backward,
     glu_forward,
+    load_dh,
     load_gate_up,
-    lowrank_term,
     tile,
     tile_steps,
 )
@@ -46,10 +45,8 @@ def _swiglu_forward_kernel(gate_ptr, up_ptr, scale_ptr, bias_ptr, h_ptr, amax_pt
     amax = tl.zeros((), dtype=tl.float32)
     for step in tl.range(0, tile_steps(n, n_cols, TERMS, BLOCK_R, BLOCK_C, STEPS), num_stages=STAGES):
         offs, mask, rows, cols = tile(step, n, n_cols, TERMS, BLOCK, BLOCK_R, BLOCK_C, STEPS)
-        g, u = load_gate_up(gate_ptr, up_ptr, scale_ptr, bias_ptr, offs, mask, n, n_cols, AFFINE, HAS_BIAS)
-        if TERMS:
-            g, u = add_gate_up_terms(g, u, terms, rows, cols, n, n_cols, BLOCK_R, BLOCK_C, BLOCK_K, K_CHUNKS, DTYPE,
-                                     OPERAND, PRECISION)
+        g, u = load_gate_up(gate_ptr, up_ptr, scale_ptr, bias_ptr, terms, offs, mask, rows, cols, n, n_cols, AFFINE,
+                            HAS_BIAS, TERMS, BLOCK_R, BLOCK_C, BLOCK_K, K_CHUNKS, DTYPE, OPERAND, PRECISION)
         h = (g * tl.sigmoid(g) * u).to(h_ptr.dtype.element_ty)
         tl.store(h_ptr + offs, h, mask=mask)
         if AMAX:
@@ -69,14 +66,10 @@ def _swiglu_backward_kernel(dh_ptr, gate_ptr, up_ptr, scale_ptr, bias_ptr, dgate
     amax = tl.zeros((), dtype=tl.float32)
     for step in tl.range(0, tile_steps(n, n_cols, TERMS, BLOCK_R, BLOCK_C, STEPS), num_stages=STAGES):
         offs, mask, rows, cols = tile(step, n, n_cols, TERMS, BLOCK, BLOCK_R, BLOCK_C, STEPS)
-        dh = tl.load(dh_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        if DH_TERM:
-            dh += lowrank_term(dh_term, rows, cols, n // n_cols, n_cols, BLOCK_R, BLOCK_C, BLOCK_K, K_CHUNKS, DTYPE,
-                               OPERAND, PRECISION)
-        g, u = load_gate_up(gate_ptr, up_ptr, scale_ptr, bias_ptr, offs, mask, n, n_cols, AFFINE, HAS_BIAS)
-        if GATE_UP_TERMS:
-            g, u = add_gate_up_terms(g, u, terms, rows, cols, n, n_cols, BLOCK_R, BLOCK_C, BLOCK_K, K_CHUNKS, DTYPE,
-                                     OPERAND, PRECISION)
+        dh = load_dh(dh_ptr, dh_term, offs, mask, rows, cols, n, n_cols, DH_TERM, BLOCK_R, BLOCK_C, BLOCK_K, K_CHUNKS,
+                     DTYPE, OPERAND, PRECISION)
+        g, u = load_gate_up(gate_ptr, up_ptr, scale_ptr, bias_ptr, terms, offs, mask, rows, cols, n, n_cols, AFFINE,
+                            HAS_BIAS, GATE_UP_TERMS, BLOCK_R, BLOCK_C, BLOCK_K, K_CHUNKS, DTYPE, OPERAND, PRECISION)
         s = tl.sigmoid(g)
         dup = (dh * g * s).to(dup_ptr.dtype.element_ty)
         dgate = (dh * u * s * (1.0 + g * (1.0 - s))).to(dgate_ptr.dtype.element_ty)
