@@ -54,9 +54,8 @@ NUM_WARPS = 4
 # STAGES; the terms' k in chunks of up to MAX_BLOCK_K, one tensor-core product each (an adapter's rank 16 in one).
 # Where they pay on an H100 (the measurements: docs/benchmarks.md, "The MLP adapters inside the activation" and "The
 # activation's adapter terms as pipelined strips"; dev/perf-notes.md, "The adapters' terms below MIN_TERM_ELEMENTS"):
-# gate of at least 2^24 elements, both of its dimensions multiples of ALIGN (a tile's rows then load as whole vectors;
-# at an odd token count the backward took 1.8 times the add pass's); elsewhere the add pass beside the 1-d kernel is
-# faster.
+# gate of at least 2^24 elements, both of its dimensions multiples of ALIGN (a tile's rows then load as whole
+# vectors); elsewhere the add pass beside the 1-d kernel is faster.
 BLOCK_R, BLOCK_C, STEPS, STAGES, TILE_WARPS = 32, 128, 8, 3, 4
 MAX_BLOCK_K = 64
 # The pipelined loop holds the next tiles' L and R in shared memory: half-precision terms of k up to MAX_PIPELINED_K

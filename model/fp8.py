@@ -79,7 +79,7 @@ def unavailable(device=None) -> str | None:
 
 @lru_cache
 def _cpu_rowwise() -> bool:
-    """Whether this torch's CPU torch._scaled_mm takes per-row scales (torch 2.11's asserts one a tensor)."""
+    """Whether this torch's CPU torch._scaled_mm takes per-row scales (some builds assert one scale a tensor)."""
     a = torch.ones(16, 16).to(E4M3)
     try:
         torch._scaled_mm(a, a.t(), scale_a=torch.ones(16, 1), scale_b=torch.ones(1, 16), out_dtype=torch.float32)

@@ -24,7 +24,7 @@ from model.fp8 import quantize_fp8_, unavailable
 from model.lora import lora_mlp, lora_projections
 from tests.helpers import USE_KERNELS, H, I, R, frozen_projections, glu, randomize_lora_b, refused, rel_err
 
-# torch 2.11's CPU _scaled_mm takes one scale a tensor (the GPU machine's torch): there the CPU fp8 path is refused
+# where the CPU torch._scaled_mm takes one scale a tensor, the CPU fp8 path is refused: these GEMM tests skip there
 pytestmark = pytest.mark.skipif(unavailable("cpu") is not None, reason=str(unavailable("cpu")))
 TIGHT = 1e-5  # fp32 GEMMs of the same e4m3 operands against fp64 (relative, in norm)
 N = 32  # tokens: a multiple of 16, so the MLP's transposed products run as such; 13 below: the copied layout
