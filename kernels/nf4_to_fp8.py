@@ -20,14 +20,15 @@ reciprocals 1 / scale (kernels.references.fp8_reciprocal), which model/fp8.py co
 by them is the reference's, and a thread holds values of many rows or columns. e4m3 comes from
 kernels/fp8_quantize.py's `e4m3_bits` (the GPU's conversion on sm_89+, else the fp32 bits).
 
-One launch covers the group: each projection keeps its own NF4 tensors (a tuple of pointers per argument),
-and the grid's first axis runs over the row tiles of every projection in turn, so that a tile never spans two
-projections; the program picks its projection by its tile index. One program converts a BLOCK_R × BLOCK_K
-tile of W. Where K is a multiple of 64 (every real model), each tile row holds whole 64-value blocks: the
-program reads each block's absmax once and each packed byte once (both nibbles, joined), as
-kernels/nf4_dequantize.py does. Otherwise blocks and bytes may straddle rows, and each value gathers its own.
-The transposed tile is transposed in registers (`tl.trans`), so that its store runs along out's contiguous
-dimension too: BLOCK_R bytes a row of out, whole 32-byte sectors.
+One launch covers the group: each projection keeps its own NF4 tensors (a tuple of pointers per argument), and the
+grid's second axis runs over the row tiles of every projection in turn, so that a tile never spans two projections;
+the program picks its projection by its tile index. The first axis runs along K, so that programs launched one after
+another convert neighbouring tiles of the same rows and read and write neighbouring bytes (the faster order on an
+H100: dev/perf-notes.md). One program converts a BLOCK_R × BLOCK_K tile of W. Where K is a multiple of 64 (every
+real model), each tile row holds whole 64-value blocks: the program reads each block's absmax once and each packed
+byte once (both nibbles, joined), as kernels/nf4_dequantize.py does. Otherwise blocks and bytes may straddle rows,
+and each value gathers its own. The transposed tile is transposed in registers (`tl.trans`), so that its store runs
+along out's contiguous dimension too: BLOCK_R bytes a row of out, whole 32-byte sectors.
 
 `out` may be a slice of a larger buffer whose last dimension is contiguous: its row stride is an argument.
 
@@ -94,8 +95,8 @@ def _nf4_to_fp8_kernel(weights, rows, first_rows, first_tiles, levels_ptr, rcp_p
                        BLOCK: tl.constexpr, ABSMAX_BLOCK: tl.constexpr):
     """weights: N tuples (packed, absmax, absmax_scale, absmax_offset, absmax_code), one a projection; rows: their
     R_j; first_rows: the group's row where each starts; first_tiles: the row tile where each starts, and the end."""
-    tile = tl.program_id(0)
-    k0 = tl.program_id(1) * BLOCK_K
+    tile = tl.program_id(1)
+    k0 = tl.program_id(0) * BLOCK_K
     k = k0 + tl.arange(0, BLOCK_K)  # (BLOCK_K,)
     for j in tl.static_range(N):  # the one projection whose rows this tile holds
         if (tile >= first_tiles[j]) & (tile < first_tiles[j + 1]):
@@ -148,7 +149,7 @@ def nf4_to_fp8(weights, reciprocal, out, transposed=False):
     for R in rows:
         tiles.append(tiles[-1] + triton.cdiv(R, BLOCK_R))
     first_rows = [sum(rows[:j]) for j in range(len(rows))]
-    grid = (tiles[-1], triton.cdiv(K, BLOCK_K))
+    grid = (triton.cdiv(K, BLOCK_K), tiles[-1])
     _nf4_to_fp8_kernel[grid](tuple(tuple(q) for q, _ in weights), tuple(rows), tuple(first_rows), tuple(tiles),
                              _levels(device), reciprocal, out.view(torch.uint8), out.stride(0), K, N=len(weights),
                              TRANSPOSED=transposed, WHOLE_BLOCKS=K % NF4_BLOCK == 0,
