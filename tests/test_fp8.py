@@ -170,7 +170,7 @@ def test_group_keeps_the_reciprocals_of_its_nf4_scales(nf4):
 
 
 def test_a_torch_without_per_row_scales_keeps_the_exact_path(monkeypatch):
-    """A CPU torch._scaled_mm that takes one scale a tensor (torch 2.11's): one warning that says so, every group
+    """A CPU torch._scaled_mm that takes one scale a tensor: one warning that says so, every group
     left on the exact path, its weights kept."""
     import model.fp8
     monkeypatch.setattr(model.fp8, "_cpu_rowwise", lambda: False)
