@@ -27,6 +27,8 @@ their modules (`from kernels.rms_norm import rms_norm`).
     adamw_master.py                AdamW over flat fp32 masters, rounding the weights back, in one pass
     fp8_quantize.py                row-wise e4m3 quantization of activations (a scale per row)
     fp8_quantize_tensor.py         tensor-wise e4m3 quantization (one scale), of the MLP's transposed operands
+    residual_lowrank_add.py        an fp8 projection's output plus the residual and its adapter's product, in
+                                   one pass (o, down)
     references.py                  the pure-torch reference of every kernel (torch only, no Triton):
                                    what the tests compare against and the model runs with kernels off
 """

@@ -206,8 +206,8 @@ def _term(left, right, rows, n_cols, name):
 def terms_args(gate, scale, terms=None, dh_term=None, backward=False):
     """The kernels' low-rank arguments and their grid's size: `terms` = ((L_gate, R_gate), (L_up, R_up)),
     `dh_term` = (L_h, R_h) of dh (backward only), each None or given (see the module docstring). Without either,
-    the 1-d blocks of BLOCK elements, one a program (the tile constexprs then unused). BLOCK_K: the terms' largest
-    k as a power of two from 16 (a tensor-core product's least k) to MAX_BLOCK_K; K_CHUNKS: the chunks of k."""
+    the 1-d blocks of BLOCK elements, one a program (the tile constexprs then unused). BLOCK_K and K_CHUNKS: of the
+    terms' largest k (`rank_blocks`)."""
     n = gate.numel()
     args = dict(terms=None, TERMS=terms is not None or dh_term is not None, BLOCK_R=BLOCK_R, BLOCK_C=BLOCK_C,
                 BLOCK_K=16, K_CHUNKS=1, STEPS=1, STAGES=1, **dot_constexprs(gate))
@@ -229,9 +229,16 @@ def terms_args(gate, scale, terms=None, dh_term=None, backward=False):
         args["dh_term"] = _term(*dh_term, rows, n_cols, "the dh term")
         ks.append(args["dh_term"][-1])
     k = max(ks)
-    block_k = min(MAX_BLOCK_K, max(16, triton.next_power_of_2(k)))
-    args.update(BLOCK_K=block_k, K_CHUNKS=triton.cdiv(k, block_k), STEPS=STEPS, STAGES=tile_stages(gate.dtype, k))
+    block_k, chunks = rank_blocks(k)
+    args.update(BLOCK_K=block_k, K_CHUNKS=chunks, STEPS=STEPS, STAGES=tile_stages(gate.dtype, k))
     return args, triton.cdiv(rows, BLOCK_R * STEPS) * triton.cdiv(n_cols, BLOCK_C)
+
+
+def rank_blocks(k):
+    """(BLOCK_K, K_CHUNKS) of `lowrank_term` for a term of rank k: k's next power of two from 16 (a tensor-core
+    product's least k) to MAX_BLOCK_K, and the chunks of that many that cover k."""
+    block_k = min(MAX_BLOCK_K, max(16, triton.next_power_of_2(k)))
+    return block_k, triton.cdiv(k, block_k)
 
 
 def tile_stages(dtype, k):

@@ -19,6 +19,7 @@ This module imports torch only, so that those runs need no Triton.
     fp8_quantize_rows_reference            kernels/fp8_quantize.py
     fp8_quantize_tensor_reference          kernels/fp8_quantize_tensor.py
     nf4_to_fp8_reference                   kernels/nf4_to_fp8.py
+    residual_lowrank_add_reference         kernels/residual_lowrank_add.py
     adamw_master_reference                 kernels/adamw_master.py
 """
 import math
@@ -363,6 +364,26 @@ def adapter_grads_reference(dyt, p, b, scale, r, q_out=None):
     db = torch.cat([d[m * out:(m + 1) * out] @ pa[:, m * r:(m + 1) * r] for m in range(members)])
     q = b.t().to(acc) @ d * scale
     return db, q.to(dyt.dtype) if q_out is None else q_out.copy_(q)
+
+
+# ----------------------------------------------------------------------------- an fp8 output's residual and adapter
+
+def check_residual_lowrank_add_args(y, residual, p, b):
+    N, C = y.shape
+    k = p.shape[-1]
+    if residual.shape != y.shape or p.shape != (N, k) or b.shape != (C, k):
+        raise ValueError(f"residual_lowrank_add_: y and residual (N, C), p (N, k), b (C, k); got {tuple(y.shape)}, "
+                         f"{tuple(residual.shape)}, {tuple(p.shape)}, {tuple(b.shape)}")
+    if len({t.dtype for t in (y, residual, p, b)}) > 1 or len({t.device for t in (y, residual, p, b)}) > 1:
+        raise ValueError("residual_lowrank_add_: y, residual, p and b must share one dtype and one device")
+    if y.stride(1) != 1 or residual.stride(1) != 1:
+        raise ValueError("residual_lowrank_add_: y and residual need unit column strides")
+
+
+def residual_lowrank_add_reference(y, residual, p, b):
+    """y += residual + p bᵀ in place, in fp32 with one rounding, and returns y."""
+    check_residual_lowrank_add_args(y, residual, p, b)
+    return y.copy_(torch.addmm(y.float() + residual.float(), p.float(), b.float().t()))
 
 
 # ----------------------------------------------------------------------------- DoRA's norms

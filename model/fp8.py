@@ -62,6 +62,7 @@ from kernels.references import (
     fp8_scale,
     nf4_block_absmax,
     nf4_to_fp8_reference,
+    residual_lowrank_add_reference,
 )
 
 ALIGN = 16  # _scaled_mm's multiple for the reduction and output widths
@@ -94,6 +95,16 @@ def quantize_rows(x):
         from kernels.fp8_quantize import fp8_quantize_rows  # Triton is imported only where the kernel runs
         return fp8_quantize_rows(x)
     return fp8_quantize_rows_reference(x)
+
+
+def add_residual_and_adapter_(y, residual, p, b):
+    """y += residual + p bᵀ in one pass, and returns y: an fp8 GEMM's output (o, down) with the residual stream and
+    the adapter's product (p = s X Aᵀ, b = B), since _scaled_mm takes no addend to fold the residual into as the
+    bf16 path's GEMM does (kernels/residual_lowrank_add.py on CUDA, its reference elsewhere)."""
+    if y.is_cuda:
+        from kernels.residual_lowrank_add import residual_lowrank_add_  # Triton is imported only where it runs
+        return residual_lowrank_add_(y, residual, p, b)
+    return residual_lowrank_add_reference(y, residual, p, b)
 
 
 def stored_transposed(x) -> bool:

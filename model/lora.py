@@ -85,7 +85,9 @@ joins the base GEMM along K instead of adding into its output in a pass of its o
 one rounding of the sum, and the output is written once and never read and written again. The price is a copy of
 X (or dY) beside the thin product, worth it where the output is wider than the input: forward for q|k|v, o and
 gate|up, backward for down; gate|up's backward needs no copy, as its [dG | dU] buffer carries Σr spare rows from
-the forward for s dY B. Dropout, DoRA, full-precision weights (W would be copied) and --fp8 keep the adds.
+the forward for s dY B. Dropout, DoRA, full-precision weights (W would be copied) and --fp8 keep the adds. With
+--fp8, whose GEMM takes no addend, o's and down's add takes the layer's residual too: Y + R + s (X Aᵀ) Bᵀ in one
+pass (`_late_residual`, kernels/residual_lowrank_add.py), where adding R after the GEMM would take one more.
 
 The MLP, with act(g) = g·σ(g) (SwiGLU) or gelu(g) (GeGLU):
 
@@ -139,7 +141,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from kernels.references import dora_backward_reference, merged_weight_reference
-from model.fp8 import fp8_input_grad, fp8_linear, stored_transposed
+from model.fp8 import add_residual_and_adapter_, fp8_input_grad, fp8_linear, stored_transposed
 
 ALL_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 COMPUTE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)  # float64: gradcheck only
@@ -678,7 +680,8 @@ def _base(projs, x, dtype, transposed=False, bias=True, residual=None, adapter_b
     adapters add into, and refuses. A dequantized, concatenated or cast weight is freed on return. bias=False:
     without the biases (DoRA adds them after its scaling, `_dora_output`). adapter_b: x is [X | s X Aᵀ] and the
     weight [W | B] (`_folded`). With --fp8 the GEMM runs in fp8 (model/fp8.py) and the biases and the residual are
-    added after it; amax: max |x| where the caller has it (`fp8_linear`)."""
+    added after it (the residual with the adapters' product, where the caller passes it to `_adapt` instead:
+    `_late_residual`); amax: max |x| where the caller has it (`fp8_linear`)."""
     assert len({p.bias is None for p in projs}) == 1, "fused LoRA: projections of one input all have a bias or none"
     assert residual is None or not transposed, "fused LoRA: a residual is added to a row-major output only"
     b = _bias(projs, dtype) if bias else None
@@ -897,19 +900,33 @@ def _blocks(projs, group):
     return slice(first, spans[group[-1]].stop), list(zip(rows, _columns(projs, group)))
 
 
-def _adapt(y, projs, group, x, a_masters, b_masters, dtype):
+def _adapt(y, projs, group, x, a_masters, b_masters, dtype, residual=None):
     """Add s (X A_iᵀ) B_iᵀ into projection i's columns of y (N, Σout) for the group's members i, whose adapters read
     x, in two GEMMs for the group: s X Aᵀ with the A stacked, [A_1; A_2; ...] (Σr, in), then its product with the
     members' B set on the diagonal of one matrix (the group's output columns by Σr, zeros elsewhere). Returns what
     backward needs, in `dtype` (so that it casts nothing again): s X Aᵀ (N, Σr), the stacked A and the block B.
-    y None: no output is wanted, only what backward needs (the second GEMM is skipped)."""
+    y None: no output is wanted, only what backward needs (the second GEMM is skipped). residual: added to y
+    with the product, in one pass over y (`_late_residual`)."""
     a = _packed([a_masters[i] for i in group]).to(dtype)  # one cast of a view when `pack_adapters_` stacked them
     xa = _scaled_mm(x, a.t(), projs[group[0]].scale)
     b = _block_b(projs, group, b_masters, dtype)
-    if y is not None:
+    if y is not None and residual is not None:
+        add_residual_and_adapter_(y, residual, xa, b)
+    elif y is not None:
         cols, _ = _blocks(projs, group)
         y[:, cols].addmm_(xa, b.t())
     return [xa, a, b]
+
+
+def _late_residual(projs, groups, dora, residual):
+    """The residual where the fp8 path adds it to the output together with the adapters' product (`_adapt`): one
+    pass over the output, where adding it after the GEMM takes a pass of its own (torch._scaled_mm takes no addend;
+    the bf16 path's GEMM takes the residual as its C). For one adapter group that spans every projection, without
+    DoRA (which adds it after its scaling), and a residual of unit column stride. Else None: `_base` adds it."""
+    if residual is None or dora or projs[0].fp8 is None or len(groups) != 1 or residual.stride(-1) != 1:
+        return None
+    cols, _ = _blocks(projs, groups[0])
+    return residual if cols == slice(0, sum(p.out_features for p in projs)) else None
 
 
 def _block_b(projs, group, b_masters, dtype):
@@ -974,9 +991,11 @@ def _adapt_backward_one_read(fn, projs, group, dyt, x, xa, b, need_a, need_b, ma
     return dybt
 
 
-def _adapt_groups(y, projs, groups, x_loras, x, a_masters, b_masters, dtype):
-    """`_adapt` for every group, each reading its own input (`_read`); what backward needs, three tensors a group."""
-    return [t for g in groups for t in _adapt(y, projs, g, _read(g, x_loras, x), a_masters, b_masters, dtype)]
+def _adapt_groups(y, projs, groups, x_loras, x, a_masters, b_masters, dtype, residual=None):
+    """`_adapt` for every group, each reading its own input (`_read`); what backward needs, three tensors a group.
+    residual: `_late_residual`'s, of the one group."""
+    return [t for g in groups
+            for t in _adapt(y, projs, g, _read(g, x_loras, x), a_masters, b_masters, dtype, residual)]
 
 
 def _adapt_groups_backward(projs, groups, saved, dy, x_loras, x, dx, need_x, need_a, need_b, masters, da, db,
@@ -1039,8 +1058,9 @@ class _LoRAProjections(torch.autograd.Function):
             elif _folded(projs, groups, x_loras, dora) and sum(p.out_features for p in projs) >= xc.shape[1]:
                 y, saved = _base_folded(projs, groups[0], xc, a_masters, b_masters, dtype, residual=residual)
             else:
-                y = _base(projs, xc, dtype, bias=not dora, residual=None if dora else residual)
-                saved = _adapt_groups(y, projs, groups, x_loras, xc, a_masters, b_masters, dtype)
+                late = _late_residual(projs, groups, dora, residual)
+                y = _base(projs, xc, dtype, bias=not dora, residual=None if dora or late is not None else residual)
+                saved = _adapt_groups(y, projs, groups, x_loras, xc, a_masters, b_masters, dtype, late)
             if dora:
                 scales = _dora_scales(projs, groups, saved, mags, (a_masters, b_masters), dtype, store, dora_ops.norms)
                 saved += [y, *scales]  # P, g, 1 / ‖W + s·B·A‖
@@ -1145,10 +1165,12 @@ class _LoRAMLP(torch.autograd.Function):
                 mask = F.dropout(h.new_ones(h.shape), p_drop)  # 0 or 1/(1-p), drawn as F.dropout(h) draws
                 keep, h_lora = mask != 0, h * mask
                 del mask
-            y = _base((down,), h, dtype, bias=not dora_d, residual=None if dora_d else residual, amax=amax) \
-                if output or dora_d else None
+            late = _late_residual((down,), [[0]] if down.r else [], dora_d, residual)
+            y = _base((down,), h, dtype, bias=not dora_d, residual=None if dora_d or late is not None else residual,
+                      amax=amax) if output or dora_d else None
             if down.r:
-                saved += _adapt(y, (down,), [0], h if h_lora is None else h_lora, a_masters[2:], b_masters[2:], dtype)
+                saved += _adapt(y, (down,), [0], h if h_lora is None else h_lora, a_masters[2:], b_masters[2:], dtype,
+                                late)
             if dora_d:
                 scales = _dora_scales((down,), [[0]], saved[-3:], mags[2:], (a_masters[2:], b_masters[2:]), dtype,
                                       store, dora_ops.norms)

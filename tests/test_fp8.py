@@ -143,6 +143,27 @@ def test_mlp_equals_emulated_fp8(nf4, tokens, kernels):
     check(fused, grads(lambda x: emulated_mlp(x, *projs), x.double(), projs), 1e-4, "fp8 MLP vs emulated")
 
 
+@pytest.mark.parametrize("nf4", [False, True], ids=["bf16-base", "nf4-base"])
+def test_outputs_into_the_residual_equal_emulated_fp8(nf4, monkeypatch):
+    """o and the MLP's down with the residual stream: the fp8 path adds it with the adapter's product in one pass
+    (model/lora.py `_late_residual`, once each here), after the GEMM that takes no addend."""
+    import model.lora
+    calls = []
+    add = model.lora.add_residual_and_adapter_
+    monkeypatch.setattr(model.lora, "add_residual_and_adapter_", lambda *a: calls.append(1) or add(*a))
+    o, = projections(nf4, (("o_proj", H),))
+    gate, up = projections(nf4, (("gate_proj", I), ("up_proj", I)))
+    down, = projections(nf4, (("down_proj", H),), in_f=I)
+    quantize_fp8_([(o,), (gate, up), (down,)])
+    x, r = torch.randn(N, H), torch.randn(N, H)
+    fused = grads(lambda x: lora_projections(x, (o,), residual=r)[0], x, (o,))
+    check(fused, grads(lambda x: emulated_group(x, (o,)) + r.double(), x.double(), (o,)), TIGHT, "o vs emulated")
+    projs = (gate, up, down)
+    fused = grads(lambda x: lora_mlp(x, projs, glu("silu", use_kernels=False), residual=r), x, projs)
+    check(fused, grads(lambda x: emulated_mlp(x, *projs) + r.double(), x.double(), projs), 1e-4, "MLP vs emulated")
+    assert len(calls) == 2, "o and down each add the residual with the adapter's product"
+
+
 def test_nf4_scales_bound_the_weight():
     """The NF4 scales come from block absmaxes alone: they must bound every row and column of the weight, and
     stay near its amax (the block absmax is the largest |value| of its block, up to double quantization)."""

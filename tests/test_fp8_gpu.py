@@ -149,6 +149,34 @@ def test_fused_fp8_equals_emulated_on_gpu(nf4, tokens):
         assert rel_err(a, e) < 3e-2, f"MLP tensor {i}: {rel_err(a, e):.3g}"
 
 
+@pytest.mark.parametrize("nf4", [False, True], ids=["bf16-base", "nf4-base"])
+@pytest.mark.parametrize("tokens", [77, 512])
+def test_fp8_outputs_into_the_residual_equal_emulated_on_gpu(nf4, tokens, monkeypatch):
+    """o and the MLP's down with the residual stream: the fp8 path adds it with the adapter's product in one pass
+    (model/lora.py `_late_residual`, once each here); the outputs, dX and the LoRA grads against the fp64 emulation
+    plus the residual."""
+    import model.lora
+    calls = []
+    add = model.lora.add_residual_and_adapter_
+    monkeypatch.setattr(model.lora, "add_residual_and_adapter_", lambda *a: calls.append(1) or add(*a))
+    H, I = 1040, 1360
+    o, = projections(nf4, (("o_proj", H),), H)
+    gate, up = projections(nf4, (("gate_proj", I), ("up_proj", I)), H)
+    down, = projections(nf4, (("down_proj", H),), I)
+    quantize_fp8_([(o,), (gate, up), (down,)])
+    x, r = (torch.randn(tokens, H, device=DEV, dtype=torch.bfloat16) for _ in range(2))
+    fused = grads(lambda x: lora_projections(x, (o,), residual=r)[0], x, (o,))
+    emulated = grads(lambda x: emulated_group(x, (o,)) + r.double(), x.double(), (o,))
+    for i, (a, e) in enumerate(zip(fused, emulated)):
+        assert rel_err(a, e) < 2e-2, f"o tensor {i}: {rel_err(a, e):.3g}"
+    projs = (gate, up, down)
+    fused = grads(lambda x: lora_mlp(x, projs, glu("silu", use_kernels=True), residual=r), x, projs)
+    emulated = grads(lambda x: emulated_mlp(x, *projs) + r.double(), x.double(), projs)
+    for i, (a, e) in enumerate(zip(fused, emulated)):
+        assert rel_err(a, e) < 3e-2, f"MLP tensor {i}: {rel_err(a, e):.3g}"
+    assert len(calls) == 2, "o and down each add the residual with the adapter's product"
+
+
 @pytest.mark.parametrize("quantize", [None, "nf4"])
 def test_fp8_model_in_a_cuda_graph(llama_folder, quantize):
     """A replayed step with --fp8 gives the eager step's loss and gradients (no host sync, fixed allocations)."""

@@ -26,11 +26,13 @@ from kernels.references import (
     fused_linear_cross_entropy_reference,
     geglu_reference,
     merged_weight_reference,
+    residual_lowrank_add_reference,
     rms_norm_and_residual_reference,
     rms_norm_reference,
     rope_reference,
     swiglu_reference,
 )
+from kernels.residual_lowrank_add import residual_lowrank_add_
 from kernels.rms_norm import rms_norm, rms_norm_and_residual
 from kernels.rope import apply_rope
 from kernels.swiglu import swiglu, swiglu_backward, swiglu_forward
@@ -745,6 +747,41 @@ def test_adapter_grads(dtype, members, out, N, r):
     check_adapter_grads(DEVICE, dtype, members, out, N, r)
 
 
+def check_residual_lowrank_add(device, dtype, N, C, k, spare):
+    """y += residual + p bᵀ for y the first C columns of an (N, C + spare) buffer, against fp64: the kernel in place
+    (the spare columns untouched) and the reference."""
+    buffer = torch.randn(N, C + spare, device=device).to(dtype)
+    y, r = buffer[:, :C], torch.randn(N, C, device=device).to(dtype)
+    p, b = torch.randn(N, k, device=device).to(dtype), (torch.randn(C, k, device=device) / k ** 0.5).to(dtype)
+    expected = y.double() + r.double() + p.double() @ b.double().t()
+    spare_before, ref = buffer[:, C:].clone(), y.clone()
+    assert residual_lowrank_add_(y, r, p, b) is y
+    close(y, expected, dtype, "y + residual + p bᵀ")
+    assert torch.equal(buffer[:, C:], spare_before), "columns beyond y were written"
+    close(residual_lowrank_add_reference(ref, r, p, b), expected, dtype, "the reference")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("N,C,k,spare", [(37, 70, 16, 0), (1, 300, 5, 8), (130, 129, 80, 3), (65, 256, 48, 0),
+                                         (0, 64, 16, 0)])
+def test_residual_lowrank_add(dtype, N, C, k, spare):
+    """An fp8 output's residual and adapter product in one pass: partial row and column tiles (37 × 70, 130 × 129),
+    one token, ranks padded to the dot's 16 (5) or over two chunks of 64 (80), row strides wider than the row
+    (spare columns), and no tokens."""
+    check_residual_lowrank_add(DEVICE, dtype, N, C, k, spare)
+
+
+def test_residual_lowrank_add_refuses_mismatched_arguments():
+    y = torch.zeros(4, 8)
+    for args, match in (((y, torch.zeros(4, 9), torch.zeros(4, 2), torch.zeros(8, 2)), "residual"),
+                        ((y, torch.zeros(4, 8), torch.zeros(4, 2), torch.zeros(8, 3)), "p"),
+                        ((y, torch.zeros(4, 8, dtype=torch.bfloat16), torch.zeros(4, 2), torch.zeros(8, 2)), "dtype"),
+                        ((y, torch.zeros(8, 4).t(), torch.zeros(4, 2), torch.zeros(8, 2)), "unit column")):
+        for fn in (residual_lowrank_add_, residual_lowrank_add_reference):
+            with pytest.raises(ValueError, match=match):
+                fn(*args)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("ends,r,in_features", [((40, 56, 72), 4, 50), ((24, 48), 16, 37), ((33,), 8, 300),
                                                 ((20, 30, 45), 24, 19), ((70, 100, 130), 4, 65), ((75,), 136, 40)])
@@ -969,6 +1006,16 @@ def test_gpu_adapter_grads(dtype, out, N, r):
     Qwen2.5-0.5B (r 8, a partial token block); where one read does not pay (r 64, SmolLM2-135M's MLP) the launcher
     declines and writes nothing."""
     check_adapter_grads("cuda", dtype, 2, out, N, r)
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("N,C,k", [(4096, 4096, 16), (4093, 3584, 32), (77, 4096, 64), (4096, 2304, 128)])
+def test_gpu_residual_lowrank_add(dtype, N, C, k):
+    """o's and down's output at Llama-3.1-8B's and Qwen2.5-7B's widths (2 × 2048 tokens, and a partial row tile),
+    Gemma-2-9B's, ranks 16 to 128."""
+    check_residual_lowrank_add("cuda", dtype, N, C, k, 0)
 
 
 @gpu

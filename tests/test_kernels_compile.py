@@ -208,7 +208,7 @@ def kernel_cases():
             cases.append(Case("-".join([kernel, *label, dtype, flag_id(combo), f"sm{arch}"]), module, kernel, sig,
                               constexprs, warps, arch))
     return cases + glu_cases() + decode_attention_cases(da) + softcap_attention_cases(sa) + decode_gemm_cases() + \
-        adapter_grads_cases()
+        adapter_grads_cases() + residual_lowrank_add_cases()
 
 
 def glu_cases():
@@ -278,6 +278,26 @@ def adapter_grads_cases():
         cases.append(Case(f"_adapter_grads_kernel-R{R}-{dtype}-sm{arch}", ag.__name__, "_adapter_grads_kernel", sig,
                           constexprs, warps, arch, stages, aligned=("dyt_ptr", "p_ptr", "b_ptr", "db_ptr", "q_ptr", "N",
                                                                     "stride_dyt", "stride_p", "stride_b")))
+    return cases
+
+
+def residual_lowrank_add_cases():
+    """An fp8 output's residual and adapter product (kernels/residual_lowrank_add.py), every dtype, rank 16 (one
+    chunk) and 128 (two chunks of 64), the pointers 16-byte aligned as torch's tensors make them."""
+    import kernels.residual_lowrank_add as rla
+    from kernels.glu import rank_blocks
+    cases = []
+    for dtype, k, arch in product(DTYPES, (16, 128), ARCHS):
+        operand = getattr(tl, {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}[dtype])
+        block_k, chunks = rank_blocks(k)
+        constexprs = dict(BLOCK_R=rla.BLOCK_R, BLOCK_C=rla.BLOCK_C, BLOCK_K=block_k, K_CHUNKS=chunks, DTYPE=operand,
+                          OPERAND=operand, PRECISION="ieee" if dtype == "fp32" else "tf32")
+        term = (f"*{dtype}", "i32", "i32", f"*{dtype}", "i32", "i32", "i32")  # (P, its strides, B, its strides, k)
+        sig = {"y_ptr": f"*{dtype}", "y_row_stride": "i32", "r_ptr": f"*{dtype}", "r_row_stride": "i32", "term": term,
+               "n_rows": "i32", "n_cols": "i32", **dict.fromkeys(constexprs, "constexpr")}
+        cases.append(Case(f"_residual_lowrank_add_kernel-k{k}-{dtype}-sm{arch}", rla.__name__,
+                          "_residual_lowrank_add_kernel", sig, constexprs, rla.NUM_WARPS, arch,
+                          aligned=("y_ptr", "r_ptr", "y_row_stride", "r_row_stride", "n_cols")))
     return cases
 
 
