@@ -214,8 +214,10 @@ def kernel_cases():
 def glu_cases():
     """SwiGLU's and GeGLU's kernels (kernels/glu.py): every flag combination of the elementwise blocks, and the tiles
     with low-rank terms where the LoRA MLP runs them: gate's and up's terms, dH's, or both (no affine; h written
-    over dH, with and without amax), and dH's beside DoRA's affine of gate and up, at rank 16, at the largest
-    pipelined rank and at a rank of two chunks (whose shared memory is what could exceed a GPU's)."""
+    over dH, with and without amax), and dH's beside DoRA's affine of gate and up, at rank 16, and in half precision
+    at the largest pipelined rank and at a rank of two chunks, whose shared memory is what could exceed a GPU's.
+    fp32 terms run unpipelined (`tile_stages`) and their products as FMAs, whose code at k 64 and 128 took 10-100 s
+    a case to compile on one core of a 2-core CPU machine: their rank-16 cases compile every fp32 flag."""
     import kernels.geglu as gg
     import kernels.glu as glu
     import kernels.swiglu as sw
@@ -238,7 +240,7 @@ def glu_cases():
                           **({} if dh else {"dh_term": None})} for f in flags(*approx, "AMAX")]
         backward += [{**f, "AFFINE": True, "AMAX": False, "WRITE_H": True, **tiles, "GATE_UP_TERMS": False,
                       "DH_TERM": True, "terms": None} for f in flags(*approx, "HAS_BIAS")]
-        for k in (64, 128):  # the largest pipelined rank, and one of two chunks
+        for k in (64, 128) if dtype != "fp32" else ():  # the largest pipelined rank, and one of two chunks
             rank = dict(BLOCK_K=glu.MAX_BLOCK_K, K_CHUNKS=k // glu.MAX_BLOCK_K, AMAX=True,
                         STAGES=glu.tile_stages(torch_dtype(dtype), k))
             forward.append({**forward[-1], **rank})
@@ -282,12 +284,15 @@ def adapter_grads_cases():
 
 
 def residual_lowrank_add_cases():
-    """An fp8 output's residual and adapter product (kernels/residual_lowrank_add.py), every dtype, rank 16 (one
-    chunk) and 128 (two chunks of 64), the pointers 16-byte aligned as torch's tensors make them."""
+    """An fp8 output's residual and adapter product (kernels/residual_lowrank_add.py), every dtype at rank 16 (one
+    chunk) and half precision at 128 (two chunks of 64; fp32's products are FMAs, whose code there takes ~20 s a case
+    to compile, and --fp8 runs beside bf16), the pointers 16-byte aligned as torch's tensors make them."""
     import kernels.residual_lowrank_add as rla
     from kernels.glu import rank_blocks
     cases = []
     for dtype, k, arch in product(DTYPES, (16, 128), ARCHS):
+        if dtype == "fp32" and k > 16:
+            continue
         operand = getattr(tl, {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}[dtype])
         block_k, chunks = rank_blocks(k)
         constexprs = dict(BLOCK_R=rla.BLOCK_R, BLOCK_C=rla.BLOCK_C, BLOCK_K=block_k, K_CHUNKS=chunks, DTYPE=operand,
