@@ -536,11 +536,21 @@ def check_linear_loss_args(hidden, weight, bias, targets, opts: LossOptions):
 
 def fused_linear_cross_entropy_reference(hidden, weight, targets, *, bias=None, ignore_index=-100, softcap=None,
                                          scale=None, reduction="mean", num_targets=None):
-    """Pure torch: full logits in the compute dtype, then the fp32 cross-entropy reference."""
+    """Pure torch: logits in the compute dtype, then the fp32 cross-entropy reference. On a CPU only the rows with a
+    target take logits: a row without one has loss 0 and no gradient either way, and there the head's matmul is a
+    large part of a small model's step, most of whose rows are often a prompt's. Elsewhere (a GPU with the kernels
+    off, whose step a CUDA graph may capture) every row does, since which rows have a target depends on the data."""
     check_linear_loss_args(hidden, weight, bias, targets, LossOptions(ignore_index, softcap, scale, reduction))
-    logits = F.linear(hidden, weight, bias)  # (N, V)
-    return cross_entropy_reference(logits, targets, ignore_index=ignore_index, softcap=softcap, scale=scale,
+    rows, n = None, len(targets)
+    if hidden.device.type == "cpu" and not bool((targets != ignore_index).all()):
+        rows = (targets != ignore_index).nonzero().squeeze(1)
+        hidden, targets = hidden[rows], targets[rows]
+    logits = F.linear(hidden, weight, bias)  # (rows, V)
+    loss = cross_entropy_reference(logits, targets, ignore_index=ignore_index, softcap=softcap, scale=scale,
                                    reduction=reduction, num_targets=num_targets)
+    if rows is None or reduction != "none":
+        return loss
+    return loss.new_zeros(n).index_put((rows,), loss)  # (N,): 0 where a row has no target
 
 
 # ----------------------------------------------------------------------------- NF4 dequantization

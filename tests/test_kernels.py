@@ -320,15 +320,41 @@ def test_fused_linear_cross_entropy_none_with_trainable_weight_is_refused():
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("N", [0, 6])
-def test_fused_linear_cross_entropy_zero_targets(dtype, N):
+@pytest.mark.parametrize("fn", [fused_linear_cross_entropy, fused_linear_cross_entropy_reference],
+                         ids=["kernel", "reference"])
+def test_fused_linear_cross_entropy_zero_targets(dtype, N, fn):
     h = torch.randn(N, 16, device=DEVICE).to(dtype).requires_grad_()
     w = torch.randn(300, 16, device=DEVICE).to(dtype).requires_grad_()
-    loss = fused_linear_cross_entropy(h, w, torch.full((N,), -100, device=DEVICE), softcap=30.0)
+    loss = fn(h, w, torch.full((N,), -100, device=DEVICE), softcap=30.0)
     assert loss.item() == 0.0
     loss.backward()
     for name, t in (("dhidden", h), ("dweight", w)):
         assert t.grad.shape == t.shape and t.grad.dtype == dtype, name
         assert torch.isfinite(t.grad).all() and (t.grad == 0).all(), name
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_reference_on_cpu_takes_logits_of_the_target_rows_only(reduction, monkeypatch):
+    """The CPU reference multiplies only the rows with a target by the head; its losses and the gradients of the
+    hidden states and of a trainable head equal those from every row's logits (0 and none where there is no
+    target)."""
+    h = torch.randn(9, 16, requires_grad=True)
+    w = torch.randn(300, 16, requires_grad=reduction != "none")  # "none" with a trainable head is refused
+    targets = make_targets(9, 300, -100, "cpu")
+    rows = []
+    linear = F.linear
+    monkeypatch.setattr(F, "linear", lambda x, *a: rows.append(len(x)) or linear(x, *a))
+    loss = fused_linear_cross_entropy_reference(h, w, targets, softcap=30.0, reduction=reduction)
+    assert rows == [int((targets != -100).sum())] and rows[0] < 9
+    monkeypatch.setattr(F, "linear", linear)
+    dy = torch.randn(loss.shape)
+    grads = torch.autograd.grad(loss, [t for t in (h, w) if t.requires_grad], dy)
+    expected = cross_entropy_reference(F.linear(h, w), targets, softcap=30.0, reduction=reduction)
+    for a, e in zip((loss, *grads), (expected, *torch.autograd.grad(expected, [t for t in (h, w) if t.requires_grad],
+                                                                     dy))):
+        close(a, e, torch.float32, "loss or gradient")
+    if reduction == "none":
+        assert (loss[targets == -100] == 0).all()
 
 
 def test_fused_linear_cross_entropy_no_grad_skips_gradient():
