@@ -541,9 +541,9 @@ def fused_linear_cross_entropy_reference(hidden, weight, targets, *, bias=None, 
     large part of a small model's step, most of whose rows are often a prompt's. Elsewhere (a GPU with the kernels
     off, whose step a CUDA graph may capture) every row does, since which rows have a target depends on the data."""
     check_linear_loss_args(hidden, weight, bias, targets, LossOptions(ignore_index, softcap, scale, reduction))
-    rows, n = None, len(targets)
-    if hidden.device.type == "cpu" and not bool((targets != ignore_index).all()):
-        rows = (targets != ignore_index).nonzero().squeeze(1)
+    rows, n, keep = None, len(targets), targets != ignore_index
+    if hidden.device.type == "cpu" and not bool(keep.all()):
+        rows = keep.nonzero().squeeze(1)
         hidden, targets = hidden[rows], targets[rows]
     logits = F.linear(hidden, weight, bias)  # (rows, V)
     loss = cross_entropy_reference(logits, targets, ignore_index=ignore_index, softcap=softcap, scale=scale,

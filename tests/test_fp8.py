@@ -143,14 +143,20 @@ def test_mlp_equals_emulated_fp8(nf4, tokens, kernels):
     check(fused, grads(lambda x: emulated_mlp(x, *projs), x.double(), projs), 1e-4, "fp8 MLP vs emulated")
 
 
+def one_pass_adds(monkeypatch):
+    """A list that grows by one at each call of the fp8 path's one-pass add of the residual and the adapter's
+    product (model/lora.py `_adapt`)."""
+    import model.lora
+    calls, add = [], model.lora.add_residual_and_adapter_
+    monkeypatch.setattr(model.lora, "add_residual_and_adapter_", lambda *a: calls.append(1) or add(*a))
+    return calls
+
+
 @pytest.mark.parametrize("nf4", [False, True], ids=["bf16-base", "nf4-base"])
 def test_outputs_into_the_residual_equal_emulated_fp8(nf4, monkeypatch):
     """o and the MLP's down with the residual stream: the fp8 path adds it with the adapter's product in one pass
     (model/lora.py `_late_residual`, once each here), after the GEMM that takes no addend."""
-    import model.lora
-    calls = []
-    add = model.lora.add_residual_and_adapter_
-    monkeypatch.setattr(model.lora, "add_residual_and_adapter_", lambda *a: calls.append(1) or add(*a))
+    calls = one_pass_adds(monkeypatch)
     o, = projections(nf4, (("o_proj", H),))
     gate, up = projections(nf4, (("gate_proj", I), ("up_proj", I)))
     down, = projections(nf4, (("down_proj", H),), in_f=I)

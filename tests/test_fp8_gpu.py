@@ -23,7 +23,7 @@ from model.fp8 import _mm, _weights, quantize_fp8_
 from model.lora import lora_mlp, lora_parameters, lora_projections
 from model.qlora import NF4Weight
 from tests.helpers import assert_bit_equal, frozen_projections, glu, randomize_lora_b, rel_err
-from tests.test_fp8 import emulated_group, emulated_mlp, grads
+from tests.test_fp8 import emulated_group, emulated_mlp, grads, one_pass_adds
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
@@ -155,10 +155,7 @@ def test_fp8_outputs_into_the_residual_equal_emulated_on_gpu(nf4, tokens, monkey
     """o and the MLP's down with the residual stream: the fp8 path adds it with the adapter's product in one pass
     (model/lora.py `_late_residual`, once each here); the outputs, dX and the LoRA grads against the fp64 emulation
     plus the residual."""
-    import model.lora
-    calls = []
-    add = model.lora.add_residual_and_adapter_
-    monkeypatch.setattr(model.lora, "add_residual_and_adapter_", lambda *a: calls.append(1) or add(*a))
+    calls = one_pass_adds(monkeypatch)
     H, I = 1040, 1360
     o, = projections(nf4, (("o_proj", H),), H)
     gate, up = projections(nf4, (("gate_proj", I), ("up_proj", I)), H)

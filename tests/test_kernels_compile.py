@@ -66,6 +66,13 @@ def torch_dtype(name):
     return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[name]
 
 
+def dot_case(name):
+    """DTYPE, OPERAND and PRECISION of kernels/softcap_attention.py's `_dot` as a GPU launch of a case's dtype name
+    sets them (kernels/decode_linear.py's `dot_constexprs`)."""
+    operand = getattr(tl, {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}[name])
+    return dict(DTYPE=operand, OPERAND=operand, PRECISION="ieee" if name == "fp32" else "tf32")
+
+
 def kernel_cases():
     """The launch configurations of the largest realistic shapes, from the launchers themselves."""
     import kernels.adamw_master as adam
@@ -225,9 +232,8 @@ def glu_cases():
     for (mod, name, approx), dtype, arch in product(((sw, "swiglu", ()), (gg, "geglu", ("APPROX_TANH",))), DTYPES,
                                                     ARCHS):
         term = (f"*{dtype}", "i32", "i32", f"*{dtype}", "i32", "i32", "i32")  # (L, its strides, R, its strides, k)
-        operand = getattr(tl, {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}[dtype])
         base = dict(BLOCK=glu.BLOCK, BLOCK_R=glu.BLOCK_R, BLOCK_C=glu.BLOCK_C, BLOCK_K=16, K_CHUNKS=1, STEPS=1,
-                    STAGES=1, DTYPE=operand, OPERAND=operand, PRECISION="ieee" if dtype == "fp32" else "tf32")
+                    STAGES=1, **dot_case(dtype))
         elementwise = dict(TERMS=False, terms=None)
         tiles = dict(TERMS=True, STEPS=glu.STEPS, STAGES=glu.tile_stages(torch_dtype(dtype), 16))  # rank 16
         forward = [{**f, **elementwise} for f in flags(*approx, "AFFINE", "HAS_BIAS", "AMAX")] + [
@@ -271,9 +277,7 @@ def adapter_grads_cases():
     cases = []
     for dtype, R, arch in product(DTYPES, (16, 64), ARCHS):
         block_f, block_t, warps, stages = ag.launch_config(torch_dtype(dtype))
-        operand = getattr(tl, {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}[dtype])
-        constexprs = dict(RANK=R, R=R, BLOCK_F=block_f, BLOCK_T=block_t, DTYPE=operand, OPERAND=operand,
-                          PRECISION="ieee" if dtype == "fp32" else "tf32")
+        constexprs = dict(RANK=R, R=R, BLOCK_F=block_f, BLOCK_T=block_t, **dot_case(dtype))
         sig = {"dyt_ptr": f"*{dtype}", "p_ptr": f"*{dtype}", "b_ptr": f"*{dtype}", "db_ptr": "*fp32", "q_ptr": "*fp32",
                **dict.fromkeys(("N", "M", "OUT", "stride_dyt", "stride_p", "stride_b"), "i32"), "scale": "fp32",
                "runs": "i32", "tiles_per_run": "i32", **dict.fromkeys(constexprs, "constexpr")}
@@ -293,10 +297,8 @@ def residual_lowrank_add_cases():
     for dtype, k, arch in product(DTYPES, (16, 128), ARCHS):
         if dtype == "fp32" and k > 16:
             continue
-        operand = getattr(tl, {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}[dtype])
         block_k, chunks = rank_blocks(k)
-        constexprs = dict(BLOCK_R=rla.BLOCK_R, BLOCK_C=rla.BLOCK_C, BLOCK_K=block_k, K_CHUNKS=chunks, DTYPE=operand,
-                          OPERAND=operand, PRECISION="ieee" if dtype == "fp32" else "tf32")
+        constexprs = dict(BLOCK_R=rla.BLOCK_R, BLOCK_C=rla.BLOCK_C, BLOCK_K=block_k, K_CHUNKS=chunks, **dot_case(dtype))
         term = (f"*{dtype}", "i32", "i32", f"*{dtype}", "i32", "i32", "i32")  # (P, its strides, B, its strides, k)
         sig = {"y_ptr": f"*{dtype}", "y_row_stride": "i32", "r_ptr": f"*{dtype}", "r_row_stride": "i32", "term": term,
                "n_rows": "i32", "n_cols": "i32", **dict.fromkeys(constexprs, "constexpr")}
@@ -316,9 +318,8 @@ def decode_attention_cases(da):
             (("qwen", (7, 64)), ("large", (8, 256))), DTYPES,
             flags("HAS_FIRST", "HAS_WINDOW", "HAS_SOFTCAP"), ARCHS):
         block_rep, block_s, block_d = da.launch_config(rep, D, torch_dtype(dtype))
-        operand = getattr(tl, {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}[dtype])
-        constexprs = dict(D=D, REP=rep, BLOCK_REP=block_rep, BLOCK_S=block_s, BLOCK_D=block_d, DTYPE=operand,
-                          OPERAND=operand, PRECISION="ieee" if dtype == "fp32" else "tf32", PDL=arch >= 90, **combo)
+        constexprs = dict(D=D, REP=rep, BLOCK_REP=block_rep, BLOCK_S=block_s, BLOCK_D=block_d, **dot_case(dtype),
+                          PDL=arch >= 90, **combo)
         sig = {**{f"{a}_ptr": f"*{dtype}" for a in ("q", "k", "v", "y")}, "first_ptr": "*i64", "at_ptr": "*i64",
                "S": "i32", "HK": "i32", "window": "i32", "scale": "fp32", "softcap": "fp32",
                **dict.fromkeys(constexprs, "constexpr")}
@@ -342,9 +343,7 @@ def softcap_attention_cases(sa):
         for D, dtype, arch in ((256, "bf16", 80), (256, "fp16", 80), (256, "fp32", 80), (256, "bf16", 90),
                                (128, "bf16", 80), (64, "fp16", 90)):
             block_m, block_n, warps, stages = sa.launch_config(D, torch_dtype(dtype), kernel != "_forward_kernel")
-            operand = getattr(tl, {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}[dtype])
-            constexprs = dict(REP=2, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=D, DTYPE=operand, OPERAND=operand,
-                              PRECISION="ieee" if dtype == "fp32" else "tf32")
+            constexprs = dict(REP=2, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=D, **dot_case(dtype))
             sig = {**{f"{a}_ptr": f"*{types.get(a, dtype)}" for a in args},
                    **dict.fromkeys(("T", "HQ", "HK", "D"), "i32"), "scale": "fp32", "softcap": "fp32",
                    **dict.fromkeys(constexprs, "constexpr")}
@@ -392,7 +391,6 @@ def decode_gemm_cases():
         if kernel == "_decode_qkv_kernel":
             runs.append(("fp32", 80, 4, base_shape))
         for dtype, arch, split, shape in runs:
-            operand = getattr(tl, {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}[dtype])
             modes = chained.get(kernel, (plain, {**plain, "NORMALIZE": False, "T_STEPS": 4}, sandwich))
             for mode in modes[:1] if dtype == "fp32" else modes[:2] if shape.get("BLOCK_N") == 64 else modes:
                 extra = {}
@@ -400,8 +398,7 @@ def decode_gemm_cases():
                     extra["QK_NORM"] = dtype == "fp32" or not mode["NORMALIZE"] or mode["SANDWICH"]
                 if mode is sandwich:  # Gemma's norm rounding, and its GeGLU
                     extra.update(GEMMA_CAST=True, **({"ACT": "gelu_tanh"} if "ACT" in shape else {}))
-                constexprs = {**dict(HAS_BIAS=True, SPLIT=split, DTYPE=operand, OPERAND=operand,
-                                     PRECISION="ieee" if dtype == "fp32" else "tf32", BLOCK_M=dl.MAX_ROWS,
+                constexprs = {**dict(HAS_BIAS=True, SPLIT=split, **dot_case(dtype), BLOCK_M=dl.MAX_ROWS,
                                      BLOCK_K=32 if dtype == "fp32" else 128, PDL=arch >= 90),
                               **shape, **mode, **extra}
                 sig = {**{f"{a}_ptr": f"*{dtype}" for a in pointers},
