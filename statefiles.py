@@ -153,9 +153,10 @@ def fingerprint(encoded):
 
 
 def rng_state():
-    """Every random stream the loop draws from (dropout): torch's CPU and CUDA generators and Python's."""
+    """Every random stream the loop draws from (dropout): torch's CPU and CUDA generators and Python's. The CUDA
+    ones only where the run has started CUDA: a CPU run on a machine with a GPU leaves the GPU alone."""
     return {"torch": torch.get_rng_state(), "python": random.getstate(),
-            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
+            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None}
 
 
 def set_rng_state(state):

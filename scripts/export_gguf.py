@@ -27,9 +27,13 @@ from cli import HelpFormatter, add_push_to_hub, add_tokenizer, run_tool  # noqa:
 from model import load_tokenizer  # noqa: E402
 from model.adapters import BASE_PRECISION_HELP, BASE_PRECISIONS, adapter_tokenizer, load_with_adapter  # noqa: E402
 from model.files import check_new_output  # noqa: E402
-from model.gguf import FILE_TYPES  # noqa: E402
-from model.gguf_export import gguf_vocab, save_gguf  # noqa: E402
 from model.hub import base_model_id, check_push, model_card, push  # noqa: E402
+
+try:  # the gguf extra: without it, one line that says how to install it
+    from model.gguf import FILE_TYPES
+    from model.gguf_export import gguf_vocab, save_gguf
+except ImportError as e:
+    sys.exit(f"error: {e}")
 
 
 def export(model_path, out, adapter=None, ftype="f16", base_precision="as-trained", tokenizer=None):

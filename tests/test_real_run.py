@@ -16,7 +16,7 @@ def test_real_rl_runs_and_reports_pass_at_1(tiny, tmp_path):
     """`real_run.py rl --quick` runs rl.py on builtin:arithmetic, held out at step 0 and at the end, and prints
     the summary line with pass@1 before and after."""
     out = tmp_path / "rl"
-    r = run_script("real_run.py", "rl", "--model", tiny, "--out", out, "--quick")
+    r = run_script("real_run.py", "rl", "--model", tiny, "--out", out, "--quick", "--", "--max-len", "256")
     assert r.returncode == 0, r.stderr[-2000:]
     rows = read_metrics(out)
     assert [r["step"] for r in rows if "eval_pass@1" in r] == [0, 2, 4]

@@ -36,7 +36,7 @@ def args(setup, out, *more):
     model, data, reward = setup
     return ["--model", model, "--data", data, "--reward", reward, "--out-dir", str(out), "--num-generations", "4",
             "--batch-size", "4", "--max-new-tokens", "2", "--lora-r", "4", "--lr", "0.03", "--warmup-steps", "0",
-            "--eval-every", "0", "--save-every", "0", *more]
+            "--eval-every", "0", "--save-every", "0", "--device", "cpu", *more]
 
 
 def test_reward_rises_and_metrics_are_named_as_trl(setup, tmp_path):
@@ -175,7 +175,7 @@ def test_smollm2_learns_an_exact_answer_task(smollm2_path, tmp_path):
     out = tmp_path / "run"
     assert rl.cli(["--model", smollm2_path, "--data", str(data), "--out-dir", str(out), "--max-steps", "16",
                    "--batch-size", "4", "--num-generations", "4", "--max-new-tokens", "8", "--lr", "2e-3",
-                   "--eval-every", "0", "--save-every", "0", "--max-len", "128"]) == 0
+                   "--eval-every", "0", "--save-every", "0", "--max-len", "128", "--device", "cpu"]) == 0
     steps = [r for r in read_metrics(out) if "loss" in r]
     first, last = ({k: sum(r[k] for r in rs) / 5 for k in ("reward", "rewards/exact_answer/mean")}
                    for rs in (steps[:5], steps[-5:]))

@@ -10,7 +10,7 @@ import triton.language as tl
 from kernels.references import KeyRange, key_range, softcap_attention_reference
 from kernels.softcap_attention import softcap_attention
 from model.transformer import attention_mask
-from tests.helpers import rel_err
+from tests.helpers import interpreter, rel_err
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # ‖kernel − float64‖ / ‖float64‖: p and dz are rounded to the inputs' dtype before their products, as in
@@ -149,6 +149,7 @@ def test_softcap_attention_gemma2_9b_shape(window, docs):
     check(torch.bfloat16, 2, 16, 8, T, 256, window, doc, scale=224 ** -0.5, softcap=50.0)
 
 
+@interpreter
 def test_gemma2_through_the_kernel_equals_explicit_scores(tmp_path):
     """A tiny Gemma 2 (softcap 5, window 8 on its sliding layer, heads of 24) trained on packed rows: with the
     kernels its layers attend through the flash kernel (a KeyRange, no (T, T) mask) and give the loss and LoRA

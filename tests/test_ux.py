@@ -1,6 +1,7 @@
 """The train.py experience: --help, --config files, --num-epochs, the progress display, hardware defaults,
 device and dtype choice, the NF4 header, quiet imports and downloads, runs without Triton, and samples."""
 import dataclasses
+import importlib.util
 import io
 import json
 import math
@@ -109,6 +110,8 @@ def test_plot_without_matplotlib_is_one_line(tmp_path):
 
 
 def test_script_help_shows_defaults():
+    """Each script's --help shows its defaults; export_gguf.py, without the optional gguf package, says in one
+    line how to install it."""
     code = """
         import contextlib, io, runpy, sys
         for script in ("generate.py", "export_gguf.py", "merge.py"):
@@ -118,8 +121,15 @@ def test_script_help_shows_defaults():
             print(script, "(default: as-trained)" in " ".join(text.getvalue().split()))
     """
     status, out, err = run_python(code)
-    assert status == 0 and out.split() == ["generate.py", "True", "export_gguf.py", "True", "merge.py", "True"], \
-        out + err[-2000:]
+    has_gguf = importlib.util.find_spec("gguf") is not None
+    assert status == 0 and out.split() == ["generate.py", "True", "export_gguf.py", str(has_gguf), "merge.py",
+                                           "True"], out + err[-2000:]
+    if not has_gguf:
+        status, out, err = run_python("import runpy, sys; sys.argv = ['export_gguf.py', '--help']; "
+                                      "runpy.run_path('scripts/export_gguf.py', run_name='__main__')")
+        assert status == 1 and err.strip().splitlines() == ["error: reading or writing GGUF files needs the gguf "
+                                                            "package: pip install 'gguf>=0.10' (or pip install -e "
+                                                            "'.[gguf]')"], err
 
 
 # ----------------------------------------------------------------------------- --config
