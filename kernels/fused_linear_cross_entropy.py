@@ -34,6 +34,7 @@ import torch.nn.functional as F
 
 from kernels.cross_entropy import cross_entropy_forward, grad_scale
 from kernels.references import LossOptions, check_linear_loss_args, reduce_losses
+from kernels.token_sum_layouts import token_sum_operands
 
 # The chunk logits take CHUNK_BYTES: for a small model with a large vocabulary they are the largest
 # transient of a checkpointed step. But a chunk keeps at least MIN_CHUNK_ROWS rows, as smaller lm_head
@@ -60,8 +61,10 @@ def chunk_rows(N: int, V: int, itemsize: int, need_dw: bool) -> int:
 def _matmul_into_fp32(a, b, out, accumulate):
     """out (fp32) = a @ b, or out += a @ b. On CUDA the matmul writes (and adds in) fp32 itself:
     no product is rounded to bf16/fp16, none overflows fp16, and no [V, H] temporary is made.
-    On CPU (the tests) the operands are upcast: fp32 math."""
+    On CPU (the tests) the operands are upcast: fp32 math. The products sum over tokens: dW's operands take
+    layouts that cuBLAS sums whole (kernels/token_sum_layouts.py)."""
     if out.is_cuda:
+        a, b = token_sum_operands(a, b)
         if accumulate:
             torch.addmm(out, a, b, out_dtype=torch.float32, out=out)
         else:

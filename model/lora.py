@@ -141,6 +141,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from kernels.references import dora_backward_reference, merged_weight_reference
+from kernels.token_sum_layouts import token_sum_operands
 from model.fp8 import add_residual_and_adapter_, fp8_input_grad, fp8_linear, stored_transposed
 
 ALL_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -573,9 +574,12 @@ def _scaled_mm(a, b, scale):
 
 def _mm_to(a, b, dtype):
     """a @ b in `dtype`: on CUDA a half-precision product is written in fp32 by the GEMM itself (no
-    rounding to half precision, no cast kernel); elsewhere the product is cast."""
-    if a.is_cuda and a.dtype != dtype:
-        return torch.mm(a, b, out_dtype=dtype)
+    rounding to half precision, no cast kernel); elsewhere the product is cast. Its products sum over the tokens,
+    in layouts that cuBLAS sums whole (kernels/token_sum_layouts.py)."""
+    if a.is_cuda:
+        a, b = token_sum_operands(a, b)
+        if a.dtype != dtype:
+            return torch.mm(a, b, out_dtype=dtype)
     return torch.mm(a, b).to(dtype)
 
 

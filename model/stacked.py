@@ -21,7 +21,7 @@ kernels transposed and be copied.
 import torch
 import torch.nn.functional as F
 
-from model.lora import _rows_view, compute_dtype
+from model.lora import _mm_to, _rows_view, compute_dtype
 
 
 def stacked(projs):
@@ -64,7 +64,7 @@ class _StackedLinear(torch.autograd.Function):
         need_x = ctx.needs_input_grad[0]
         with torch.autocast(xc.device.type, enabled=False):
             dx = torch.mm(dy, _rows_view(weights).to(dy.dtype)).to(ctx.x_dtype) if need_x else None  # (N, in)
-            dw = torch.mm(dy.t(), xc).to(ctx.w_dtype)  # (Σout, in)
+            dw = _mm_to(dy.t(), xc, ctx.w_dtype)  # (Σout, in), summing every token
             db = dy.sum(0).to(ctx.w_dtype) if ctx.bias else None  # (Σout,)
         dbs = db.split(rows) if db is not None else ()
         return (dx, None, *dw.split(rows), *dbs)

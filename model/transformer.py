@@ -508,7 +508,8 @@ class Attention(nn.Module):
         if fused:
             q, k, v = lora_projections(x, qkv, store, self.ops.dora)
         else:  # one GEMM each way where q, k, v all train (full fine-tuning), else one projection at a time
-            q, k, v = stacked_projections(x, qkv) if self.ops.fused_lora and stacked(qkv) else (p(x) for p in qkv)
+            q, k, v = stacked_projections(x, qkv) if self.ops.fused_lora and stacked(qkv) else \
+                (project(p, x, self.ops.fused_lora) for p in qkv)
         q = q.view(B, T, self.nh, self.d)  # fused: column slices of one (B, T, q | k | v) tensor
         k = k.view(B, T, self.nkv, self.d)
         # Attention saves v for backward: a copy of it, not a slice, lets the q | k | v tensor go after RoPE. Without
@@ -536,8 +537,14 @@ class Attention(nn.Module):
                 return kept_output(y, self.o_proj, store, self.ops.dora, residual, keep.offload)
         if fused:
             return lora_projections(y, (self.o_proj,), store, self.ops.dora, residual)[0]
-        y = self.o_proj(y)
+        y = project(self.o_proj, y, self.ops.fused_lora)
         return y if residual is None else residual + y
+
+
+def project(p, x, fused):
+    """p(x). A projection that trains its weight (full fine-tuning) runs as a `stacked_projections` of one where
+    the ops are fused: its dW then sums every token (kernels/token_sum_layouts.py), where plain autograd's may not."""
+    return stacked_projections(x, (p,))[0] if fused and stacked((p,)) else p(x)
 
 
 class MLP(nn.Module):
@@ -557,7 +564,9 @@ class MLP(nn.Module):
         projs = (self.gate_proj, self.up_proj, self.down_proj)
         if self.ops.fused_lora and fusable(projs):
             return lora_mlp(x, projs, self.glu, output, store, self.ops.dora, residual)
-        y = self.down_proj(self.glu.function(self.gate_proj(x), self.up_proj(x)))
+        fused = self.ops.fused_lora
+        h = self.glu.function(project(self.gate_proj, x, fused), project(self.up_proj, x, fused))
+        y = project(self.down_proj, h, fused)
         return y if residual is None else residual + y
 
 

@@ -15,6 +15,7 @@ from model.lora import (
     NoDropout,
     _LoRAMLP,
     _LoRAProjections,
+    _mm_to,
     _packed,
     adapters_disabled,
     givable,
@@ -25,6 +26,7 @@ from model.lora import (
     pack_weights_,
 )
 from tests.helpers import (
+    RTOL,
     USE_KERNELS,
     BaseGemms,
     H,
@@ -485,25 +487,116 @@ def test_fused_mlp_adapters_inside_the_activation(dtype, act, dropout):
     assert calls == [("forward", sorted(["amax"] + gate_up)), ("backward", sorted(["amax"] + gate_up + dh))]
 
 
+def exact_copies(projs):
+    """float64 copies of bf16 LoRALinears (the same rounded base weights, the same LoRA weights): the reference
+    whose GEMMs sum every token (see `test_cuda_lora_gradient_gemms_sum_every_token`)."""
+    out = []
+    for p in projs:
+        e = make_proj(p.in_features, p.out_features, False, p.r, torch.float64, p.name, 0).cuda()
+        with torch.no_grad():
+            e.weight.copy_(p.weight.double())
+            if p.r:
+                e.lora_A.copy_(p.lora_A)
+                e.lora_B.copy_(p.lora_B)
+        e.dropout_p = p.dropout_p
+        out.append(e)
+    return out
+
+
+def assert_near_exact(got, exact, what, tol=RTOL[torch.bfloat16]):
+    """Outputs, dx and LoRA grads of a bf16 `run` within tol × each tensor's largest value of float64's."""
+    for name, g, e in zip(("output", "dx", *(f"LoRA grad {i}" for i in range(len(got[2])))),
+                          (got[0][0], got[1], *got[2]), (exact[0][0], exact[1], *exact[2])):
+        err = (g.double() - e).abs().max().item() / e.abs().max().item()
+        assert err < tol, f"{what}: {name} {err:.4f} of its largest value off float64"
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("act", ["silu", "gelu_tanh"])
 def test_cuda_mlp_adapters_inside_the_activation(act):
     """On CUDA in bf16, at a size where the activation's kernels take the adapters' terms (gate of 2^24 elements,
-    `terms_pay`), the fused MLP equals the unfused path; at a small size or an odd token count the add passes run
+    `terms_pay`), the fused MLP equals float64's; at a small size or an odd token count the add passes run
     instead."""
     from kernels.glu import MIN_TERM_ELEMENTS
     width = 4096
     projs = [make_proj(i, o, False, 16, torch.bfloat16, n, seed).cuda() for seed, (n, i, o) in
              enumerate([("gate_proj", H, width), ("up_proj", H, width), ("down_proj", width, H)])]
     set_dropout(projs, "off")
+    gate, up, down = exact_copies(projs)
+    fn = {"silu": F.silu, "gelu_tanh": lambda g: F.gelu(g, approximate="tanh")}[act]
     for tokens, inside in ((MIN_TERM_ELEMENTS // width, True), (64, False), (MIN_TERM_ELEMENTS // width + 1, False)):
         calls = []
         activation = recording(glu(act, use_kernels=True), calls)
-        x = torch.randn(tokens, H, device="cuda").to(torch.bfloat16)
-        compare(run(lambda t, ops=activation: lora_mlp(t, projs, ops), x, projs),
-                run(lambda t: unfused_mlp(t, projs, act), x, projs), torch.bfloat16, f"cuda {act} MLP, {tokens} tokens")
+        x = torch.randn(tokens, H, generator=torch.Generator().manual_seed(tokens)).to("cuda", torch.bfloat16)
+        assert_near_exact(run(lambda t, ops=activation: lora_mlp(t, projs, ops), x, projs),
+                          run(lambda t: down(fn(gate(t)) * up(t)), x.double(), (gate, up, down)),
+                          f"cuda {act} MLP, {tokens} tokens")
         assert ("terms" in calls[0][1], "dh_term" in calls[1][1]) == (inside, inside)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_lora_gradient_gemms_sum_every_token():
+    """`_mm_to`, the GEMM of the LoRA gradients dB = dYᵀ (s X Aᵀ) and dA = (s dY B)ᵀ X, sums every one of its K
+    tokens in each layout of its operands: cuBLAS loses the last term of a column-major bf16 `a` times a row-major
+    `b` at some K (4097, 6145, ... on an H200; kernels/token_sum_layouts.py). Against fp32 products (a lost term
+    is ~2% of the largest value, the fp32 output's rounding ~1e-6)."""
+    torch.manual_seed(0)
+    for K in (*range(4090, 4106), 4225, 6145, 8193):
+        for (m, n) in ((4096, 16), (16, 4096), (896, 32)):
+            for a_cols, b_cols in ((True, False), (False, False), (True, True), (False, True)):
+                a = (torch.randn(K, m, device="cuda").t() if a_cols else torch.randn(m, K, device="cuda")).bfloat16()
+                b = (torch.randn(n, K, device="cuda").t() if b_cols else torch.randn(K, n, device="cuda")).bfloat16()
+                ref = a.float() @ b.float()
+                err = (_mm_to(a, b, torch.float32) - ref).abs().max().item() / ref.abs().max().item()
+                assert err < 1e-4, (K, m, n, a_cols, b_cols, err)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("tokens", [4096, 4097, 6145])
+def test_cuda_lora_projections_sum_every_token(tokens):
+    """q | k | v and o on the fused path in bf16 (48 → 4096 and 4096 → 48, r 16, no dropout) at token counts
+    where cuBLAS would lose a token's term of dA and dB (3-7% of dB's largest value; bf16's rounding ~0.5%):
+    outputs and gradients equal float64's."""
+    up = make_proj(H, 4096, False, 16, torch.bfloat16, "q_proj", 0).cuda()
+    back = make_proj(4096, H, False, 16, torch.bfloat16, "o_proj", 1).cuda()
+    set_dropout((up, back), "off")
+    for proj in (up, back):
+        x = torch.randn(tokens, proj.in_features, generator=torch.Generator().manual_seed(tokens))
+        x = x.to("cuda", torch.bfloat16)
+        exact, = exact_copies((proj,))
+        assert_near_exact(run(lambda t, p=proj: lora_projections(t, (p,))[0], x, (proj,)),
+                          run(exact, x.double(), (exact,)), f"{proj.name}, {tokens} tokens")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("tokens", [4096, 2817, 4353])
+def test_cuda_trained_projection_sums_every_token(tokens):
+    """Full fine-tuning: a bf16 projection that trains its weight (SmolLM2's k_proj, 576 → 192), through
+    `project` on the fused path, at token counts where torch's own autograd GEMM loses a token's term of dW on an
+    H200: dW, db and dX equal float64's."""
+    from model.transformer import project
+    p = make_proj(576, 192, True, 0, torch.bfloat16, "k_proj", 0).cuda()
+    p.weight.requires_grad_(True)
+    p.bias.requires_grad_(True)
+    exact = make_proj(576, 192, True, 0, torch.float64, "k_proj", 0).cuda()
+    with torch.no_grad():
+        exact.weight.copy_(p.weight.double())
+        exact.bias.copy_(p.bias.double())
+    exact.weight.requires_grad_(True)
+    exact.bias.requires_grad_(True)
+    x = torch.randn(tokens, 576, generator=torch.Generator().manual_seed(tokens))
+    dy = torch.randn(tokens, 192, generator=torch.Generator().manual_seed(0))
+    xg, xe = x.to("cuda", torch.bfloat16).requires_grad_(), x.to("cuda", torch.float64).requires_grad_()
+    project(p, xg, True).backward(dy.to("cuda", torch.bfloat16))
+    exact(xe).backward(dy.to("cuda", torch.bfloat16).double())
+    for name, g, e in (("dW", p.weight.grad, exact.weight.grad), ("db", p.bias.grad, exact.bias.grad),
+                       ("dX", xg.grad, xe.grad)):
+        err = (g.double() - e).abs().max().item() / e.abs().max().item()
+        assert err < RTOL[torch.bfloat16], f"{name}: {err:.4f} of its largest value off float64 at {tokens} tokens"
 
 
 def test_terms_join_the_kernels_on_a_gpu_where_large_and_aligned():
