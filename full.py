@@ -13,10 +13,10 @@
     without a range, every layer.
 Left out, --full trains every weight.
 
-A trained projection runs through LoRALinear's plain forward (F.linear in autograd), which gives dW and db; the
-fused LoRA Functions return no gradient for a base weight, so a projection group (q, k, v with o; gate, up,
-down) takes them only while all of its weights are frozen (model/lora.py, `fusable`). Where q, k and v all train,
-they run as one GEMM each way, their weights stored as one tensor (model/stacked.py). The norms' and the fused
+A trained projection runs as model/stacked.py's autograd Function (model/transformer.py, `project`), which gives
+dW and db; the fused LoRA Functions return no gradient for a base weight, so a projection group (q, k, v with o;
+gate, up, down) takes them only while all of its weights are frozen (model/lora.py, `fusable`). Where q, k and v
+all train, they run as one GEMM each way, their weights stored as one tensor. The norms' and the fused
 head's kernels give their weight's gradient themselves.
 """
 import re

@@ -1,6 +1,7 @@
 """Projections that read one input and train their base weights (full fine-tuning), as one GEMM each way.
 
-For q, k, v whose weights W_i [out_i, in] (and biases b_i) all train, and that carry no adapter, with
+For projections whose weights W_i [out_i, in] (and biases b_i) all train, and that carry no adapter (q, k, v
+together, or any one alone: model/transformer.py `project`), with
 W = [W_1; W_2; ...] (Σout, in) and b = [b_1 | b_2 | ...] (Σout,):
 
     Y  = X Wᵀ + b          (N, Σout)   one GEMM; Y_i its columns
@@ -11,10 +12,12 @@ W = [W_1; W_2; ...] (Σout, in) and b = [b_1 | b_2 | ...] (Σout,):
 W is read without a copy: `pack_weights_` (model/lora.py) stores the weights of a group that trains as consecutive
 rows of one tensor, and `Masters` (masters.py) keeps them consecutive in its flat buffers, so they stay one strided
 view (`stacked`). Each weight's gradient is its rows of dW, and autograd accumulates it into the weight's .grad.
+dW's operands take layouts that cuBLAS sums whole (kernels/token_sum_layouts.py), where F.linear's own backward
+may lose a token's term.
 
-Only q, k, v take this path. Gate and up stay two projections: the GLU kernels (kernels/glu.py) read G and U as
-flat contiguous tensors, and take column slices of one (N, 2I) output only through a copy of each (forward and
-backward), which costs more than the one add of their dX it would save. The fused LoRA MLP avoids that by working
+Only q, k, v take this path as a group. Gate and up stay two projections: the GLU kernels (kernels/glu.py) read G
+and U as flat contiguous tensors, and take column slices of one (N, 2I) output only through a copy of each (forward
+and backward), which costs more than the one add of their dX it would save. The fused LoRA MLP avoids that by working
 transposed throughout (model/lora.py, `_LoRAMLP`), which a plain autograd MLP cannot: its dH would reach the
 kernels transposed and be copied.
 """
