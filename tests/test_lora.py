@@ -557,9 +557,9 @@ def test_cuda_lora_gradient_gemms_sum_every_token():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("tokens", [4096, 4097, 6145])
 def test_cuda_lora_projections_sum_every_token(tokens):
-    """q | k | v and o on the fused path in bf16 (48 → 4096 and 4096 → 48, r 16, no dropout) at token counts
-    where cuBLAS would lose a token's term of dA and dB (3-7% of dB's largest value; bf16's rounding ~0.5%):
-    outputs and gradients equal float64's."""
+    """A q-shaped (48 → 4096) and an o-shaped (4096 → 48) projection on the fused path in bf16 (r 16, no dropout),
+    at token counts where cuBLAS would lose a token's term of dA and dB (3-7% of dB's largest value; bf16's rounding
+    ~0.5%): outputs and gradients equal float64's."""
     up = make_proj(H, 4096, False, 16, torch.bfloat16, "q_proj", 0).cuda()
     back = make_proj(4096, H, False, 16, torch.bfloat16, "o_proj", 1).cuda()
     set_dropout((up, back), "off")
