@@ -30,7 +30,7 @@ their modules (`from kernels.rms_norm import rms_norm`).
     residual_lowrank_add.py        an fp8 projection's output plus the residual and its adapter's product, in
                                    one pass (o, down)
     token_sum_layouts.py           no kernel: the layouts of a GEMM over tokens (a weight's gradient) that
-                                   cuBLAS sums whole
+                                   cuBLAS sums whole, and which tensors are stored transposed
     references.py                  the pure-torch reference of every kernel (torch only, no Triton):
                                    what the tests compare against and the model runs with kernels off
 """

@@ -11,9 +11,14 @@ value. So the smaller operand is copied into the other layout first: for LoRA a 
 import torch
 
 
+def stored_transposed(x: torch.Tensor) -> bool:
+    """Whether x [M, K] is stored [K × M], column-major (dYᵀ as a view of dY; the MLP's H and [dG | dU])."""
+    return x.stride(0) == 1 and x.stride(1) != 1
+
+
 def token_sum_operands(a: torch.Tensor, b: torch.Tensor):
     """(a, b) for a @ b with K the tokens: on CUDA, with `a` column-major and `b` row-major, the smaller of the two
     as a copy in the other layout (a row-major, or b column-major); else both as given."""
-    if a.is_cuda and a.stride(0) == 1 and a.stride(1) != 1 and b.stride(1) == 1:
+    if a.is_cuda and stored_transposed(a) and b.stride(1) == 1:
         return (a.contiguous(), b) if a.numel() <= b.numel() else (a, b.t().contiguous().t())
     return a, b

@@ -64,6 +64,7 @@ from kernels.references import (
     nf4_to_fp8_reference,
     residual_lowrank_add_reference,
 )
+from kernels.token_sum_layouts import stored_transposed
 
 ALIGN = 16  # _scaled_mm's multiple for the reduction and output widths
 
@@ -105,11 +106,6 @@ def add_residual_and_adapter_(y, residual, p, b):
         from kernels.residual_lowrank_add import residual_lowrank_add_  # Triton is imported only where it runs
         return residual_lowrank_add_(y, residual, p, b)
     return residual_lowrank_add_reference(y, residual, p, b)
-
-
-def stored_transposed(x) -> bool:
-    """Whether x [M, K] is stored [K × M], column-major (the MLP's H and [dG | dU])."""
-    return x.stride(0) == 1 and x.stride(1) != 1
 
 
 def quantize_activation(x, amax=None):

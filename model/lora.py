@@ -141,8 +141,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from kernels.references import dora_backward_reference, merged_weight_reference
-from kernels.token_sum_layouts import token_sum_operands
-from model.fp8 import add_residual_and_adapter_, fp8_input_grad, fp8_linear, stored_transposed
+from kernels.token_sum_layouts import stored_transposed, token_sum_operands
+from model.fp8 import add_residual_and_adapter_, fp8_input_grad, fp8_linear
 
 ALL_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 COMPUTE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)  # float64: gradcheck only

@@ -488,16 +488,22 @@ def test_fused_mlp_adapters_inside_the_activation(dtype, act, dropout):
 
 
 def exact_copies(projs):
-    """float64 copies of bf16 LoRALinears (the same rounded base weights, the same LoRA weights): the reference
-    whose GEMMs sum every token (see `test_cuda_lora_gradient_gemms_sum_every_token`)."""
+    """float64 copies of bf16 LoRALinears (the same rounded base weights and biases, the same LoRA weights, the
+    same weights trained): the reference whose GEMMs sum every token (see
+    `test_cuda_lora_gradient_gemms_sum_every_token`)."""
     out = []
     for p in projs:
-        e = make_proj(p.in_features, p.out_features, False, p.r, torch.float64, p.name, 0).cuda()
+        e = make_proj(p.in_features, p.out_features, p.bias is not None, p.r, torch.float64, p.name, 0).cuda()
         with torch.no_grad():
             e.weight.copy_(p.weight.double())
+            if p.bias is not None:
+                e.bias.copy_(p.bias.double())
             if p.r:
                 e.lora_A.copy_(p.lora_A)
                 e.lora_B.copy_(p.lora_B)
+        for t, te in ((p.weight, e.weight), (p.bias, e.bias)):
+            if t is not None:
+                te.requires_grad_(t.requires_grad)
         e.dropout_p = p.dropout_p
         out.append(e)
     return out
@@ -582,12 +588,7 @@ def test_cuda_trained_projection_sums_every_token(tokens):
     p = make_proj(576, 192, True, 0, torch.bfloat16, "k_proj", 0).cuda()
     p.weight.requires_grad_(True)
     p.bias.requires_grad_(True)
-    exact = make_proj(576, 192, True, 0, torch.float64, "k_proj", 0).cuda()
-    with torch.no_grad():
-        exact.weight.copy_(p.weight.double())
-        exact.bias.copy_(p.bias.double())
-    exact.weight.requires_grad_(True)
-    exact.bias.requires_grad_(True)
+    exact, = exact_copies((p,))
     x = torch.randn(tokens, 576, generator=torch.Generator().manual_seed(tokens))
     dy = torch.randn(tokens, 192, generator=torch.Generator().manual_seed(0))
     xg, xe = x.to("cuda", torch.bfloat16).requires_grad_(), x.to("cuda", torch.float64).requires_grad_()
