@@ -2,11 +2,10 @@
 dA = (s dY B)ᵀ X, the head's dW = Gᵀ H), in layouts that cuBLAS sums whole.
 
 cuBLAS loses the last term of K, or the last few, for some K when `a` is column-major and `b` row-major (dYᵀ as a
-view of dY, X as stored) and the product is thin or of medium size: M or N below ~1000 (LoRA's rank, SmolLM2's and
-Qwen2.5-0.5B's projections). Measured on an H200 with torch 2.11 and CUDA 13.0, bf16: every K ≡ 1 mod 128 from
-2561 at rank 16 (4097, 6145, ...), more K at other widths, none at 1024 × 4096 and above, and none in the other
-three layouts (dev/perf-notes.md, "cuBLAS loses a token"). A lost token's term is 1-4% of the gradient's largest
-value. So the smaller operand is copied into the other layout first: for LoRA a copy of r × K values.
+view of dY, X as stored) and the product is thin or of medium size: M or N below ~1000 (LoRA's rank, small models'
+projections). The other three layouts lost no term where measured. A lost token's term is 1-4% of the gradient's
+largest value, so the smaller operand is copied into the other layout first: for LoRA a copy of r × K values. Which
+K, shapes and versions: dev/perf-notes.md, "cuBLAS loses a token".
 """
 import torch
 
