@@ -98,8 +98,8 @@ def offload_bytes(cfg, mcfg, dtype):
 def offload_line(model, cfg, dtype, device):
     """The header line of activation offload on a CUDA GPU (with checkpointing): what a micro-batch of cfg's size
     keeps in page-locked host memory, its layer inputs and, where the host has room for them, its attention outputs
-    (and o's), which backward then does not recompute (`Transformer.kept_tensors`); None without offload or a CUDA
-    GPU."""
+    (and o's, q | k | v's), which backward then does not recompute (`Transformer.kept_tensors`); None without
+    offload or a CUDA GPU."""
     if not cfg.offload_activations or device.type != "cuda":
         return None
     layers = model.config.n_layers
@@ -109,7 +109,9 @@ def offload_line(model, cfg, dtype, device):
     what, then = {0: ("layer inputs", "backward recomputes attention"),
                   2: ("layer inputs and attention outputs", "backward does not recompute attention"),
                   3: ("layer inputs, attention outputs and o's outputs",
-                      "backward recomputes neither attention nor o")}[len(tensors)]
+                      "backward recomputes neither attention nor o"),
+                  4: ("layer inputs, attention outputs and o's and q | k | v's outputs",
+                      "backward recomputes neither attention nor o nor q | k | v")}[len(tensors)]
     return (f"activation offload: a micro-batch's {what} wait in page-locked host memory, about "
             f"{(inputs + kept) / 2**30:.2f} GiB; {then}")
 

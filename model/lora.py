@@ -1305,10 +1305,20 @@ def _magnitudes(projs):
 def lora_projections(x, projs, store=None, dora_ops=DORA_REFERENCES, residual=None, given=None):
     """tuple(p(x) for p in projs) as one autograd Function: one GEMM for the base of all of them (`_base`),
     X cast and saved once, and dX in one GEMM too. x (..., in); the outputs are column slices of one
-    (..., Σout) tensor. store: a dict that keeps DoRA's scales for a checkpointed layer's recompute
+    (..., Σout) tensor (`projected`). store: a dict that keeps DoRA's scales for a checkpointed layer's recompute
     (`_dora_scales`). dora_ops: DoRA's kernels or their references (`DoRAOps`). residual: (..., Σout) added to
     the output (residual + y), inside the Function (`_residual_input`). given: that output (with the residual), known
     already, where `givable` holds: no GEMM of the base runs (`_LoRAProjections`)."""
+    return output_slices(projected(x, projs, store, dora_ops, residual, given), projs)
+
+
+def output_slices(y, projs):
+    """Each projection's output: the column slices of `projected`'s y (..., Σout)."""
+    return (y,) if len(projs) == 1 else y.split([p.out_features for p in projs], dim=-1)
+
+
+def projected(x, projs, store=None, dora_ops=DORA_REFERENCES, residual=None, given=None):
+    """`lora_projections`' outputs as the one (..., Σout) tensor they are column slices of."""
     x2 = x.reshape(-1, x.shape[-1])  # (N, in)
     lora = [t for p in projs for t in (p.lora_input(x2), p.lora_A, p.lora_B)]
     mags = _magnitudes(projs)
@@ -1318,9 +1328,7 @@ def lora_projections(x, projs, store=None, dora_ops=DORA_REFERENCES, residual=No
         given = given.reshape(-1, given.shape[-1])
     y = _LoRAProjections.apply(projs, store, dora_ops, given, x2, *lora, *mags, *inside)
     y = y.view(*x.shape[:-1], y.shape[-1])
-    if residual is not None and not inside:
-        y = residual + y
-    return (y,) if len(projs) == 1 else y.split([p.out_features for p in projs], dim=-1)
+    return y if residual is None or inside else residual + y
 
 
 def givable(projs, x, residual=None):

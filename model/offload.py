@@ -21,11 +21,11 @@ The hooks are torch's saved-tensor hooks around the reentrant checkpoint of one 
 checkpoint saves its inputs (x, the RoPE tables, the mask), and only x is moved.
 
 A layer's first run may also hand over tensors that its recompute reads instead of computing them again (its
-attention's output and log-sum-exp, and o's output: `keep`, model/transformer.py). They travel with the layer's
-input: copied out with it (one wait and one event for all of them, so that a CUDA graph keeps one side branch of
-copies), brought back with it, and given back by `take`. They more than double the host memory a forward holds and
-the bytes it copies, so the model hands them over only where the host has room for them (`room_for`) and the
-layer's work hides their copies (`Transformer.kept_tensors`).
+attention's output and log-sum-exp, o's output and q | k | v's: `keep`, model/transformer.py). They travel with
+the layer's input: copied out with it (one wait and one event for all of them, so that a CUDA graph keeps one side
+branch of copies), brought back with it, and given back by `take`. They more than double the host memory a forward
+holds and the bytes it copies, so the model hands them over only where the host has room for them (`room_for`) and
+the layer's work hides their copies (`Transformer.kept_tensors`).
 """
 import weakref
 from dataclasses import dataclass, field

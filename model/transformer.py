@@ -55,8 +55,10 @@ from model.lora import (
     lora_mlp,
     lora_projections,
     make_linear,
+    output_slices,
     pack_adapters_,
     pack_weights_,
+    projected,
 )
 from model.offload import ActivationOffload
 from model.stacked import stacked, stacked_projections
@@ -417,7 +419,7 @@ def kept_attention(q, k, v, mask, scale, softcap, store, key, offload):
 # for each byte it copies to the host (its input's and theirs), so that the copies run under the layer's work. Below
 # it the copies outlast a GPU's forward and slow the step more than the recompute they save (the measurements behind
 # the value: docs/benchmarks.md). On a CPU the copies are memcpys, and the rule does not apply.
-KEPT_FLOPS_PER_BYTE = 4000
+KEPT_FLOPS_PER_BYTE = 6000
 
 
 def copies_hidden(cfg: ModelConfig, seqlen, copied):
@@ -431,10 +433,25 @@ def copies_hidden(cfg: ModelConfig, seqlen, copied):
 
 class Keep(NamedTuple):
     """What a checkpointed layer's first run hands to the activation offload for its recompute: its attention's output
-    and log-sum-exp (`kept_attention`), and with `output` o's output too, the residual stream after attention
-    (`kept_output`), so that the recompute runs no GEMM of o's base either."""
+    and log-sum-exp (`kept_attention`); with `output` o's output too, the residual stream after attention
+    (`kept_output`), and with `projections` q | k | v's output as well, so that the recompute runs no GEMM of their
+    bases either."""
     offload: ActivationOffload
     output: bool
+    projections: bool
+
+
+def given_output(projs, store, offload):
+    """In a checkpointed layer's recompute, the output of `projs` that its first run kept (`keep_output`), taken back
+    from the activation offload; else None."""
+    key = (projs[0], "output")
+    return offload.take(store.pop(key)) if torch.is_grad_enabled() and key in store else None
+
+
+def keep_output(y, projs, store, offload):
+    """In a checkpointed layer's first run (no gradients), hand the output y of `projs` (`projected`) to the
+    activation offload for the recompute, whose Function takes it back as given (`given_output`)."""
+    store[projs[0], "output"] = offload.keep(y)[0]
 
 
 def kept_output(y, o_proj, store, dora_ops, residual, offload):
@@ -442,13 +459,10 @@ def kept_output(y, o_proj, store, dora_ops, residual, offload):
     fused path, where `givable` holds): the first run (no gradients) computes it and hands it to the activation
     offload; the recompute takes it back and gives it to o's Function, which then runs only what backward needs
     (`lora_projections`' given). The values are the first run's, which the recompute would compute bit for bit."""
-    key = (o_proj, "output")
+    out = projected(y, (o_proj,), store, dora_ops, residual, given_output((o_proj,), store, offload))
     if not torch.is_grad_enabled():
-        out = lora_projections(y, (o_proj,), store, dora_ops, residual)[0]
-        store[key] = offload.keep(out)[0]
-        return out
-    given = offload.take(store.pop(key)) if key in store else None
-    return lora_projections(y, (o_proj,), store, dora_ops, residual, given=given)[0]
+        keep_output(out, (o_proj,), store, offload)
+    return out
 
 
 class DecodeMask(NamedTuple):
@@ -501,12 +515,18 @@ class Attention(nn.Module):
         scales kept for a checkpointed layer's recompute (`_checkpointed`). residual: (B, T, H) added to the
         output (on the fused path, by o's base GEMM, or with DoRA by the op that scales o's output). keep: in a
         checkpointed layer, what the activation offload keeps for the recompute (`Keep`): the attention's output,
-        and o's where the attention's is kept."""
+        and o's and q | k | v's where the attention's is kept."""
         B, T, _ = x.shape
         qkv = (self.q_proj, self.k_proj, self.v_proj)
         fused = self.ops.fused_lora and fusable(qkv + (self.o_proj,))
+        # q | k | v's output: kept for the recompute, where o's is (`keep_output` below), and given there
+        keep_qkv = fused and keep is not None and keep.projections and givable(qkv, x)
         if fused:
-            q, k, v = lora_projections(x, qkv, store, self.ops.dora)
+            given = given_output(qkv, store, keep.offload) if keep_qkv else None
+            qkv_out = projected(x, qkv, store, self.ops.dora, given=given)
+            q, k, v = output_slices(qkv_out, qkv)
+            if torch.is_grad_enabled() or not keep_qkv:
+                del qkv_out  # the attention runs without it
         else:  # one GEMM each way where q, k, v all train (full fine-tuning), else one projection at a time
             q, k, v = stacked_projections(x, qkv) if self.ops.fused_lora and stacked(qkv) else \
                 (project(p, x, self.ops.fused_lora) for p in qkv)
@@ -534,7 +554,10 @@ class Attention(nn.Module):
                 y = attend(q, k, v, mask, self.scale, self.softcap)
             y = y.transpose(1, 2).reshape(B, T, self.nh * self.d)
             if fused and keep_o and givable((self.o_proj,), y, residual):
-                return kept_output(y, self.o_proj, store, self.ops.dora, residual, keep.offload)
+                out = kept_output(y, self.o_proj, store, self.ops.dora, residual, keep.offload)
+                if keep_qkv and not torch.is_grad_enabled():  # and q | k | v's where o's does
+                    keep_output(qkv_out, qkv, store, keep.offload)
+                return out
         if fused:
             return lora_projections(y, (self.o_proj,), store, self.ops.dora, residual)[0]
         y = project(self.o_proj, y, self.ops.fused_lora)
@@ -588,8 +611,8 @@ class DecoderLayer(nn.Module):
         """graph_only: the output's values are not read, only its graph (the recompute of a checkpointed
         layer), so the MLP may skip its last GEMM. Not with sandwich norms: their norm saves the MLP output.
         store: a dict of DoRA's scales, computed for all layers at once (model/dora_scales.py), which also keeps
-        those computed in a checkpointed layer's first run for its recompute, and its attention's and o's outputs
-        (keep: what the activation offload carries, `Keep`)."""
+        those computed in a checkpointed layer's first run for its recompute, and its attention's and projections'
+        outputs (keep: what the activation offload carries, `Keep`)."""
         if self.sandwich:
             h, x = self.input_layernorm.with_residual(x)
             x = x + self.post_attention_layernorm(self.self_attn(h, cos, sin, mask, cache, store, keep=keep))
@@ -607,8 +630,8 @@ def _checkpointed(layer, store, keep, *args):
     the tensors saved in it. That second run skips what only the output needs (`graph_only`). `store`, a
     dict, is one object for both runs (the checkpoint keeps its arguments that are not tensors as they
     are): the first run puts DoRA's scales in it, which depend on the weights alone, and the second reads
-    them instead of computing them again; likewise the attention's and o's outputs, with activation offload
-    (`keep`: `Keep`)."""
+    them instead of computing them again; likewise the attention's and projections' outputs, with activation
+    offload (`keep`: `Keep`)."""
     return layer(*args, graph_only=torch.is_grad_enabled(), store=store, keep=keep)
 
 
@@ -736,9 +759,10 @@ class Transformer(nn.Module):
         offload = self.offload if recompute and self.offload_activations else None
         if offload:
             offload.begin()
-        # with offload, the layers' attention outputs (and o's) travel with their inputs, where the host has room
+        # with offload, the layers' attention outputs (and o's, q | k | v's) travel with their inputs, where the host
+        # has room
         kept = self.kept_tensors(B, T, x.dtype) if offload else ()
-        keep = Keep(offload, output=len(kept) == 3) if kept else None
+        keep = Keep(offload, output=len(kept) >= 3, projections=len(kept) == 4) if kept else None
         # DoRA's scales of all layers at once, each layer's in the store its (checkpointed) runs read
         stores = self.dora_scales(self.model.layers, self.ops, compute_dtype(x))
         for i, layer in enumerate(self.model.layers):
@@ -766,20 +790,24 @@ class Transformer(nn.Module):
 
     def kept_tensors(self, batch, seqlen, dtype):
         """(numel, dtype) of each tensor that a checkpointed layer hands to the activation offload for its recompute,
-        for a (batch, seqlen) forward: its attention's output and log-sum-exp (`kept_attention`), then o's output
-        (`kept_output`; on the fused path without DoRA on o). All of them, the attention's two, or none: as many as
-        the host has room for beside the layer inputs (`ActivationOffload.room_for`) and, on a GPU, as many as a
-        layer's forward hides the copies of (`KEPT_FLOPS_PER_BYTE`). None for softcapped attention, whose kernel
-        returns no log-sum-exp, and on a GPU for inputs that flash attention's kernels do not take (fp32: no kernel
-        here returns the log-sum-exp; the recompute then attends again)."""
+        for a (batch, seqlen) forward, in the order it hands them over: its attention's output and log-sum-exp
+        (`kept_attention`), then o's output and q | k | v's (`kept_output`, `keep_output`; on the fused path without
+        DoRA). All four, the first three, the attention's two, or none: as many as the host has room for beside the
+        layer inputs (`ActivationOffload.room_for`) and, on a GPU, as many as a layer's forward hides the copies of
+        (`KEPT_FLOPS_PER_BYTE`). None for softcapped attention, whose kernel returns no log-sum-exp, and on a GPU for
+        inputs that flash attention's kernels do not take (fp32: no kernel here returns the log-sum-exp; the
+        recompute then attends again)."""
         cfg, device, layers = self.config, self.model.norm.weight.device, len(self.model.layers)
         if cfg.attn_softcap is not None or not (device.type == "cpu" or self.varlen(device, dtype)):
             return ()
         tokens, heads, H = batch * seqlen, batch * seqlen * cfg.n_heads, cfg.hidden_size
         kept = [(heads * cfg.head_dim, dtype), (heads, torch.float32)]
-        o = self.model.layers[0].self_attn.o_proj
-        if self.ops.fused_lora and fusable((o,)) and not (o.dora and o.r):
+        attn = self.model.layers[0].self_attn
+        qkv = (attn.q_proj, attn.k_proj, attn.v_proj)
+        if self.ops.fused_lora and fusable(qkv + (attn.o_proj,)) and not (attn.o_proj.dora and attn.o_proj.r):
             kept.append((tokens * H, dtype))
+            if not any(p.dora and p.r for p in qkv):
+                kept.append((tokens * sum(p.out_features for p in qkv), dtype))
         inputs = tokens * H * dtype.itemsize  # a layer's
         for n in range(len(kept), 1, -1):
             more = sum(numel * d.itemsize for numel, d in kept[:n])

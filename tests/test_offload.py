@@ -140,41 +140,44 @@ class Counts(NamedTuple):
     forward: int  # attention's forward kernels
     backward: int  # and its backward kernels
     reads: int  # the GEMMs that read o's base weight
+    qkv_reads: int  # and those that read q | k | v's
 
 
 def _counted(model, *batch, **kw):
-    o = [layer.self_attn.o_proj.weight for layer in model.model.layers]
-    with AttentionCalls() as calls, BaseGemms(*o) as gemms:
+    attns = [layer.self_attn for layer in model.model.layers]
+    with AttentionCalls() as calls, BaseGemms(*(a.o_proj.weight for a in attns)) as o, \
+            BaseGemms(*(a.q_proj.weight for a in attns)) as qkv:
         out = _loss_and_grads(model, *batch, **kw)
-    return out, Counts(calls.forward, calls.backward, gemms.count)
+    return out, Counts(calls.forward, calls.backward, o.count, qkv.count)
 
 
-def test_offload_keeps_the_attention_and_o_outputs_for_the_recompute(llama_folder):
-    """With offload, each layer's first run hands its attention output and log-sum-exp, and o's output, to the
-    offload; the recompute runs attention's backward on the first two, and o's Function takes the third as its
-    output: one attention forward a layer, not two (checkpointing alone), o's weight read twice a layer (its forward,
-    its input's gradient), not three times, and the same loss and gradients, bit for bit (the same kernels, on the
-    same recomputed q, k, v)."""
+def test_offload_keeps_the_attention_and_projection_outputs_for_the_recompute(llama_folder):
+    """With offload, each layer's first run hands its attention output and log-sum-exp, q | k | v's output and o's
+    output to the offload; the recompute runs attention's backward on the first two, and the projections' Functions
+    take the others as their outputs: one attention forward a layer, not two (checkpointing alone), q | k | v's and
+    o's weights read twice a layer (their forward, their input's gradient), not three times, and the same loss and
+    gradients, bit for bit (the same kernels, on the same q, k, v)."""
     model, cfg = load_model(llama_folder, lora=LoRAConfig(r=4, alpha=8), gradient_checkpointing=True)
     randomize_lora_b(model)
     batch = _batch(cfg.vocab_size, 2, 24, "cpu")
     (loss, grads), recomputing = _counted(model, *batch)
-    assert (recomputing.forward, recomputing.backward) == (2 * cfg.n_layers, cfg.n_layers)
-    assert recomputing.reads == 3 * cfg.n_layers
+    n = cfg.n_layers
+    assert recomputing == (2 * n, n, 3 * n, 3 * n)
     model.offload_activations = True
     (kept_loss, kept_grads), kept = _counted(model, *batch)
-    assert (kept.forward, kept.backward, kept.reads) == (cfg.n_layers, cfg.n_layers, 2 * cfg.n_layers)
+    assert kept == (n, n, 2 * n, 2 * n)
     assert torch.equal(kept_loss, loss)
-    for n, g in grads.items():
-        assert torch.equal(kept_grads[n], g), n
+    for name, g in grads.items():
+        assert torch.equal(kept_grads[name], g), name
     tokens = 2 * 24
-    sizes = (tokens * cfg.n_heads * cfg.head_dim, tokens * cfg.n_heads, tokens * cfg.hidden_size)
-    assert sorted(model.offload.kept_buffers) == [(i, s) for i in range(cfg.n_layers) for s in range(3)]
+    sizes = (tokens * cfg.n_heads * cfg.head_dim, tokens * cfg.n_heads, tokens * cfg.hidden_size,
+             tokens * (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim)
+    assert sorted(model.offload.kept_buffers) == [(i, s) for i in range(n) for s in range(4)]
     assert all(b.numel() == sizes[s] for (_, s), b in model.offload.kept_buffers.items())
     model.zero_grad(set_to_none=True)
     model(*batch[:1], targets=batch[1])  # a forward without backward leaves nothing kept behind for the next one
     (again, _), calls = _counted(model, *batch)
-    assert torch.equal(again, loss) and calls.forward == cfg.n_layers and calls.reads == 2 * cfg.n_layers
+    assert torch.equal(again, loss) and calls == kept
 
 
 def test_dora_on_o_keeps_the_attention_output_alone(llama_folder):
@@ -190,26 +193,29 @@ def test_dora_on_o_keeps_the_attention_output_alone(llama_folder):
     assert torch.equal(kept_loss, loss) and all(torch.equal(kept_grads[n], g) for n, g in grads.items())
 
 
-@pytest.mark.parametrize("spare", ["all", "attention", "none"])
+@pytest.mark.parametrize("spare", ["all", "o", "attention", "none"])
 def test_outputs_are_kept_where_the_host_has_room(llama_folder, monkeypatch, spare):
     """The kept outputs more than double the host memory a forward holds: they may take half of what the host has
-    available once the layer inputs' buffers are made. At the limit of all three, all are kept; a byte less, the
-    attention's two (then the recompute runs o again); a byte under their limit, none (the recompute attends
-    again), with the same results, and no buffer is made for what is not kept."""
+    available once the layer inputs' buffers are made. At the limit of all four, all are kept; a byte less, the
+    attention's two and o's output (then the recompute runs q | k | v again); a byte under their limit, the
+    attention's two (o again too); a byte under theirs, none (the recompute attends again), with the same results,
+    and no buffer is made for what is not kept."""
     net, cfg = load_model(llama_folder, lora=LoRAConfig(r=4, alpha=8), gradient_checkpointing=True,
                           offload_activations=True)
     tokens, size = 2 * 24, 4  # fp32
     inputs = cfg.n_layers * tokens * cfg.hidden_size * size
     attention = cfg.n_layers * tokens * cfg.n_heads * (cfg.head_dim + 1) * size  # the outputs and log-sum-exps
+    qkv = cfg.n_layers * tokens * (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim * size
     outputs = cfg.n_layers * tokens * cfg.hidden_size * size
-    available = {"all": inputs + 2 * (attention + outputs), "attention": inputs + 2 * (attention + outputs) - 1,
-                 "none": inputs + 2 * attention - 1}[spare]
+    available = {"all": inputs + 2 * (attention + outputs + qkv), "o": inputs + 2 * (attention + outputs + qkv) - 1,
+                 "attention": inputs + 2 * (attention + outputs) - 1, "none": inputs + 2 * attention - 1}[spare]
     monkeypatch.setattr(model.offload, "host_available", lambda: available)
     net.reserve_offload(2, 24)
     (_, _), calls = _counted(net, *_batch(cfg.vocab_size, 2, 24, "cpu"))
     n = cfg.n_layers
-    assert (calls.forward, calls.reads, len(net.offload.kept_buffers)) == {
-        "all": (n, 2 * n, 3 * n), "attention": (n, 3 * n, 2 * n), "none": (2 * n, 3 * n, 0)}[spare]
+    assert (calls.forward, calls.qkv_reads, calls.reads, len(net.offload.kept_buffers)) == {
+        "all": (n, 2 * n, 2 * n, 4 * n), "o": (n, 3 * n, 2 * n, 3 * n), "attention": (n, 3 * n, 3 * n, 2 * n),
+        "none": (2 * n, 3 * n, 3 * n, 0)}[spare]
     assert len(net.offload.buffers) == cfg.n_layers
 
 
@@ -238,7 +244,7 @@ def test_reserve_makes_the_kept_buffers(llama_folder):
     net, cfg = load_model(llama_folder, lora=LoRAConfig(r=4), gradient_checkpointing=True, offload_activations=True)
     net.reserve_offload(2, 16)
     reserved = dict(net.offload.kept_buffers)
-    assert len(reserved) == 3 * cfg.n_layers
+    assert len(reserved) == 4 * cfg.n_layers
     _loss_and_grads(net, *_batch(cfg.vocab_size, 2, 16, "cpu"))
     assert all(net.offload.kept_buffers[k] is b for k, b in reserved.items())
 
@@ -313,10 +319,10 @@ def test_cuda_offload_lowers_peak_memory():
 @pytest.mark.parametrize("packed", [False, True], ids=["rows", "documents"])
 def test_cuda_offload_keeps_the_attention_output(llama_folder, packed, monkeypatch):
     """bf16 on a GPU: plain causal rows keep cuDNN's attention output (its backward called without a bias), and
-    documents the variable-length kernels' output; either way one attention forward a layer, not two, o's weight
-    read twice a layer, not three times, and the gradients of the path that recomputes them (cuDNN's bit for bit;
-    the variable-length backward sums dq in another order from run to run). The tiny model's layers are far too
-    small to hide the copies (`copies_hidden`): it keeps nothing unless the threshold is lifted."""
+    documents the variable-length kernels' output; either way one attention forward a layer, not two, q | k | v's
+    and o's weights read twice a layer, not three times, and the gradients of the path that recomputes them (cuDNN's
+    bit for bit; the variable-length backward sums dq in another order from run to run). The tiny model's layers are
+    far too small to hide the copies (`copies_hidden`): it keeps nothing unless the threshold is lifted."""
     monkeypatch.setattr(model.transformer, "KEPT_FLOPS_PER_BYTE", 0)
     net, cfg = load_model(llama_folder, dtype=torch.bfloat16, device="cuda", lora=LoRAConfig(r=4, alpha=8),
                           use_kernels=True, gradient_checkpointing=True)
@@ -333,13 +339,13 @@ def test_cuda_offload_keeps_the_attention_output(llama_folder, packed, monkeypat
         out[offload] = _counted(net, ids, targets, **batch)
     (loss, grads), calls = out[False]
     (kept_loss, kept_grads), kept = out[True]
-    assert (calls.forward, calls.backward, calls.reads) == (2 * cfg.n_layers, cfg.n_layers, 3 * cfg.n_layers)
-    assert (kept.forward, kept.backward, kept.reads) == (cfg.n_layers, cfg.n_layers, 2 * cfg.n_layers)
+    n = cfg.n_layers
+    assert calls == (2 * n, n, 3 * n, 3 * n) and kept == (n, n, 2 * n, 2 * n)
     assert torch.equal(kept_loss, loss)
     for n, g in grads.items():
         assert torch.equal(kept_grads[n], g) if not packed else rel_err(kept_grads[n], g) < 1e-2, n
     kept_buffers = net.offload.kept_buffers
-    assert len(kept_buffers) == 3 * cfg.n_layers and all(b.is_pinned() for b in kept_buffers.values())
+    assert len(kept_buffers) == 4 * cfg.n_layers and all(b.is_pinned() for b in kept_buffers.values())
     monkeypatch.setattr(model.transformer, "KEPT_FLOPS_PER_BYTE", 4000)
     assert net.kept_tensors(2, 256, torch.bfloat16) == ()
 
@@ -375,15 +381,19 @@ def _shape(hidden, intermediate, heads, kv_heads, head_dim=None):
 @pytest.mark.parametrize("shape, seqlen, kept, hidden", [
     (_shape(576, 1536, 9, 3), 512, 2, False),  # SmolLM2-135M at 8 x 512: slower with o's output kept too (H100)
     (_shape(576, 1536, 9, 3), 512, 1, False),  # and level with the attention's alone
-    (_shape(576, 1536, 9, 3), 8192, 2, True),  # its attention's work grows with the length, the copies do not
-    (_shape(896, 4864, 14, 2), 2048, 2, True),  # Qwen2.5-0.5B at 4 x 2048: faster with both kept
-    (_shape(2048, 5632, 32, 4), 2048, 2, True),  # TinyLlama at 4 x 2048: likewise
-    (_shape(4096, 14336, 32, 8), 2048, 2, True),  # Llama-3.1-8B
-], ids=["smollm2 o", "smollm2 attention", "smollm2 8k", "qwen2.5-0.5b", "tinyllama", "llama-3.1-8b"])
+    (_shape(576, 1536, 9, 3), 8192, 1, True),  # its attention's work grows with the length, the copies do not
+    (_shape(896, 4864, 14, 2), 2048, 2, True),  # Qwen2.5-0.5B at 4 x 2048: faster with o's kept (H100)
+    (_shape(896, 4864, 14, 2), 2048, 3, False),  # slower with q | k | v's too (H200)
+    (_shape(2048, 5632, 32, 4), 2048, 2, True),  # TinyLlama at 4 x 2048: faster with o's kept (H100)
+    (_shape(2048, 5632, 32, 4), 2048, 3, False),  # slower with q | k | v's too (H200)
+    (_shape(4096, 14336, 32, 8), 2048, 3, True),  # Llama-3.1-8B: faster with all of them (H200)
+], ids=["smollm2 o", "smollm2 attention", "smollm2 8k", "qwen2.5-0.5b o", "qwen2.5-0.5b qkv", "tinyllama o",
+        "tinyllama qkv", "llama-3.1-8b"])
 def test_kept_tensors_go_where_the_layers_work_hides_their_copies(shape, seqlen, kept, hidden):
     """On a GPU a layer hands tensors over only where its forward hides their copies to the host: the shapes measured
-    on an H100 (bf16: the layer input, the attention output and log-sum-exp, o's output; `kept` of the last two
-    kinds), against the layer's GEMM and attention FLOPs a token."""
-    h, heads = shape.hidden_size, shape.n_heads
-    copied = 2 * h + (2 * heads * shape.head_dim + 4 * heads) + (2 * h if kept == 2 else 0)
+    on an H100 or H200 (bf16: the layer input, the attention output and log-sum-exp, o's output, q | k | v's output;
+    `kept` of the last three kinds), against the layer's GEMM and attention FLOPs a token."""
+    h, heads, d = shape.hidden_size, shape.n_heads, shape.head_dim
+    copied = 2 * h + (2 * heads * d + 4 * heads) + (2 * h if kept >= 2 else 0) + (
+        2 * (heads + 2 * shape.n_kv_heads) * d if kept == 3 else 0)
     assert copies_hidden(shape, seqlen, copied) == hidden

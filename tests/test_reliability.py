@@ -916,11 +916,11 @@ def test_offload_beyond_the_host_memory_is_warned(run_model, monkeypatch):
     assert memory.memory_warning(no_offload, mcfg, torch.bfloat16, False, torch.device("cuda"), True) is None
 
 
-@pytest.mark.parametrize("room", ["all", "attention", "none"])
+@pytest.mark.parametrize("room", ["all", "o", "attention", "none"])
 def test_the_offload_line_says_what_waits_in_host_memory(run_model, monkeypatch, room):
     """On a CUDA GPU with offload, the header says what a micro-batch keeps in page-locked host memory: the layer
-    inputs, and where the host has room for them the attention outputs (then backward does not recompute attention)
-    and o's outputs (nor o); no line on a CPU or without offload."""
+    inputs, and where the host has room for them the attention outputs (then backward does not recompute attention),
+    o's outputs (nor o) and q | k | v's (nor q | k | v); no line on a CPU or without offload."""
     import model.offload
     net, mcfg = load_model(run_model, lora=LoRAConfig(r=4))
     cfg = config.TrainConfig(model=run_model, max_len=8192, batch_size=64, gradient_checkpointing=True,
@@ -928,11 +928,14 @@ def test_the_offload_line_says_what_waits_in_host_memory(run_model, monkeypatch,
     tokens = 64 * 8192
     inputs = mcfg.n_layers * tokens * mcfg.hidden_size * 2
     attention = mcfg.n_layers * tokens * mcfg.n_heads * (mcfg.head_dim * 2 + 4)  # bf16 outputs, fp32 lse
+    qkv = mcfg.n_layers * tokens * (mcfg.n_heads + 2 * mcfg.n_kv_heads) * mcfg.head_dim * 2
     outputs = mcfg.n_layers * tokens * mcfg.hidden_size * 2
-    kept = {"all": attention + outputs, "attention": attention, "none": 0}[room]
+    kept = {"all": attention + outputs + qkv, "o": attention + outputs, "attention": attention, "none": 0}[room]
     monkeypatch.setattr(model.offload, "host_available", lambda: inputs + 2 * kept)
     line = memory.offload_line(net, cfg, torch.bfloat16, torch.device("cuda"))
-    what, then = {"all": ("layer inputs, attention outputs and o's outputs", "recomputes neither attention nor o"),
+    what, then = {"all": ("layer inputs, attention outputs and o's and q | k | v's outputs",
+                          "recomputes neither attention nor o nor q | k | v"),
+                  "o": ("layer inputs, attention outputs and o's outputs", "recomputes neither attention nor o"),
                   "attention": ("layer inputs and attention outputs", "does not recompute attention"),
                   "none": ("layer inputs", "recomputes attention")}[room]
     assert line == (f"activation offload: a micro-batch's {what} wait in page-locked host memory, about "
