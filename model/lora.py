@@ -254,7 +254,7 @@ class LoRALinear(nn.Module):
         return torch.linalg.vector_norm(w.float() + self.scale * (self.lora_B.float() @ self.lora_A.float()), dim=1)
 
     def forward(self, x):
-        """The unfused reference, in plain autograd."""
+        """The unfused reference, in plain autograd (with DoRA, `dora_forward`)."""
         if self.dora and self.r:
             return self.dora_forward(x)
         y = F.linear(x, self.base_weight(), self.bias)
@@ -267,21 +267,54 @@ class LoRALinear(nn.Module):
 
     def dora_forward(self, x):
         """Y = X Wᵀ + (g - 1) ⊙ X̃ Wᵀ + g ⊙ s (X̃ Aᵀ) Bᵀ + b, g = m / ‖W + s·B·A‖ (see the module docstring);
-        without dropout X̃ = X, and Y = g ⊙ (X Wᵀ + s (X Aᵀ) Bᵀ) + b."""
+        without dropout X̃ = X, and Y = g ⊙ (X Wᵀ + s (X Aᵀ) Bᵀ) + b. DoRA with dropout trains on this path, so the
+        adapter term's token sums take `_LowRank`; the rest is plain autograd."""
         w = self.base_weight()
         x_lora = self.lora_input(x)
         y = F.linear(x, w)  # (..., out); the bias is added last, unscaled
         base = y if x_lora is None else F.linear(x_lora, w)
         x_lora = x if x_lora is None else x_lora
-        a, b = self.lora_A.to(x.dtype), self.lora_B.to(x.dtype)  # autograd returns their grads in fp32
         g = (self.lora_magnitude_vector / self.weight_norm(w)).to(x.dtype)  # (out,); m's grad returns in fp32
-        y = y + (g - 1) * base + g * ((x_lora @ a.t() @ b.t()) * self.scale)
+        y = y + (g - 1) * base + g * _LowRank.apply(x_lora, self.lora_A, self.lora_B, self.scale)
         return y if self.bias is None else y + self.bias
 
     def extra_repr(self):
         quant = (", nf4" if self.nf4 is not None else "") + (", fp8" if self.fp8 is not None else "")
         dora = ", dora" if self.dora else ""
         return f"in={self.in_features}, out={self.out_features}, r={self.r}, scale={self.scale:g}{dora}{quant}"
+
+
+class _LowRank(torch.autograd.Function):
+    """s (X Aᵀ) Bᵀ for X (..., in) and the fp32 masters A (r, in), B (out, r): DoRA with dropout's adapter term
+    (`dora_forward`, which runs in plain autograd otherwise). In the compute dtype, with the dtypes of the fused
+    Functions (the module docstring); backward: dY' = s dY, dX = dY' B A, and the token sums dA = (dY' B)ᵀ X and
+    dB = dY'ᵀ (X Aᵀ) through `_mm_to`, since plain autograd's products of a transposed view and a stored tensor are
+    the layout in which cuBLAS may drop a token (kernels/token_sum_layouts.py)."""
+
+    @staticmethod
+    def forward(ctx, x, a, b, scale):
+        _check_inputs(ctx, ["x", "lora_A", "lora_B"], (x, a, b), x)
+        dtype = compute_dtype(x)
+        with torch.autocast(x.device.type, enabled=False):
+            xc, ac, bc = x.to(dtype), a.to(dtype), b.to(dtype)
+            p = xc @ ac.t()
+            y = (p @ bc.t()) * scale
+        _expect(y, dtype, "output of the adapter term")
+        ctx.save_for_backward(xc, ac, bc, p)
+        ctx.scale = scale
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        xc, ac, bc, p = ctx.saved_tensors
+        rows = lambda t: t.reshape(-1, t.shape[-1])  # noqa: E731
+        with torch.autocast(dy.device.type, enabled=False):
+            dy = dy.to(xc.dtype) * ctx.scale
+            dp = dy @ bc
+            dx = dp @ ac
+            db = _mm_to(rows(dy).t(), rows(p), ctx.dtypes[2])
+            da = _mm_to(rows(dp).t(), rows(xc), ctx.dtypes[1])
+        return *_check_grads(ctx, (dx.to(ctx.dtypes[0]), da, db)), None
 
 
 @contextlib.contextmanager

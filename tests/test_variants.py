@@ -299,6 +299,56 @@ def test_dora_with_dropout_reads_the_dropped_input():
     assert rel_err(y, want) < 1e-6
 
 
+def _low_rank_case(tokens, device, dtype, seed=0, sizes=(40, 4, 24)):
+    """x (tokens, in) of `dtype`, fp32 masters A (r, in) and B (out, r), dY (tokens, out) of `dtype`, on `device`,
+    for sizes (in, r, out)."""
+    i, r, o = sizes
+    g = torch.Generator().manual_seed(seed)
+    x, a, b, dy = (torch.randn(*shape, generator=g) for shape in ((tokens, i), (r, i), (o, r), (tokens, o)))
+    return x.to(device, dtype), a.to(device), b.to(device), dy.to(device, dtype)
+
+
+def _low_rank_grads(fn, x, a, b, dy):
+    """(output, dX, dA, dB) of fn(x, a, b) against dY."""
+    x, a, b = (t.detach().clone().requires_grad_() for t in (x, a, b))
+    y = fn(x, a, b)
+    y.backward(dy)
+    return y.detach(), x.grad, a.grad, b.grad
+
+
+@pytest.mark.parametrize("amp", [None, torch.bfloat16], ids=["fp32", "autocast-bf16"])
+def test_dora_dropout_adapter_term_matches_float64(amp):
+    """DoRA with dropout's adapter term s (X̃ Aᵀ) Bᵀ (`_LowRank`, whose token sums run through `_mm_to`): its output
+    and gradients equal float64's, in the compute dtype's tolerance, with the dtypes of the fused Functions (the
+    output in the compute dtype, dX in X's, dA and dB in fp32, for the masters), under autocast too."""
+    from model.lora import _LowRank
+    x, a, b, dy = _low_rank_case(37, "cpu", torch.float32)
+    with torch.autocast("cpu", dtype=amp) if amp else torch.autocast("cpu", enabled=False):
+        got = _low_rank_grads(lambda t, a_, b_: _LowRank.apply(t, a_, b_, 0.5), x, a, b, dy)
+    want = _low_rank_grads(lambda t, a_, b_: (t @ a_.t() @ b_.t()) * 0.5, x.double(), a.double(), b.double(),
+                           dy.double())
+    assert [t.dtype for t in got] == [amp or torch.float32, torch.float32, torch.float32, torch.float32]
+    for name, g, w in zip(("output", "dX", "dA", "dB"), got, want):
+        assert rel_err(g.double(), w) < (2e-2 if amp else 1e-6), name
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("tokens", [4096, 4097, 6145, 2817])
+def test_cuda_dora_dropout_adapter_term_sums_every_token(tokens):
+    """On CUDA in bf16, at SmolLM2's q_proj (576 → 576, r 16) and token counts where cuBLAS would lose a token's
+    term of dA and dB in plain autograd's layout (kernels/token_sum_layouts.py), DoRA with dropout's adapter term's
+    gradients equal float64's."""
+    from model.lora import _LowRank
+    x, a, b, dy = _low_rank_case(tokens, "cuda", torch.bfloat16, seed=tokens, sizes=(576, 16, 576))
+    got = _low_rank_grads(lambda t, a_, b_: _LowRank.apply(t, a_, b_, 0.5), x, a, b, dy)
+    want = _low_rank_grads(lambda t, a_, b_: (t @ a_.t() @ b_.t()) * 0.5, x.double(), a.double(), b.double(),
+                           dy.double())
+    for name, g, w in zip(("output", "dX", "dA", "dB"), got, want):
+        err = (g.double() - w).abs().max().item() / w.abs().max().item()
+        assert err < 1e-2, f"{name}: {err:.4f} of its largest value off float64 at {tokens} tokens"
+
+
 def test_dora_nf4_uses_the_dequantized_weight(tmp_path):
     """On an NF4 base the magnitudes start as the dequantized weight's row norms, and the merge into the
     dequantized weights gives the NF4 model's logits."""
