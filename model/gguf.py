@@ -2,7 +2,7 @@
 
 References: ggml's docs/gguf.md (the format); llama.cpp's convert_hf_to_gguf.py (tensor names,
 the q/k permutation, Gemma's norms, `rope_freqs` for Llama 3 rope scaling) and llama-vocab.cpp
-(the pre-tokenizer regexes); gguf-py (`GGUFReader`, `GGUFWriter`, `quants`).
+(the pre-tokenizer regexes); gguf-py (`GGUFWriter`, `quants`). The file's layout is read by model/gguf_file.py.
 
     model, cfg = load_model("SmolLM2-135M-Instruct.Q4_1.gguf")   # routed here by model.load
     tokenizer = load_tokenizer("SmolLM2-135M-Instruct.Q4_1.gguf")
@@ -58,6 +58,7 @@ from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tok
 from tokenizers import Tokenizer as _HFTokenizer
 
 from model.config import ModelConfig
+from model.gguf_file import GGUFFile
 from model.lora import LoRAConfig
 from model.tokenizer import Tokenizer
 from model.transformer import Transformer, rope_inv_freq
@@ -173,10 +174,10 @@ _PRE_TOKENIZER_PROBE = "Hello world's WE'LL $foo  bar\n\n\t baz 12345 3.14 ¼ na
 
 
 def _open(path):
-    """The file's reader. A run reads one file three times (its config, weights and tokenizer), and parsing the
-    metadata is most of a small model's load on a CPU (a vocabulary and its merges are ~10^5 fields, parsed in
-    Python), so the last two files read are kept, each under its inode, size and modification time: a file
-    written again at its path is read again."""
+    """The file's reader (`GGUFFile`). A run reads one file three times (its config, weights and tokenizer), and
+    parsing its metadata (a vocabulary and its merges are ~10^5 strings) costs more than looking it up, so the last
+    two files read are kept, each under its inode, size and modification time: a file written again at its path is
+    read again."""
     if not os.path.isfile(path):
         raise FileNotFoundError(f"no GGUF file at {path!r}")
     st = os.stat(path)
@@ -186,7 +187,7 @@ def _open(path):
 @lru_cache(maxsize=2)
 def _reader(path, inode, size, mtime_ns):
     try:
-        return gguf.GGUFReader(path)
+        return GGUFFile(path)
     except (ValueError, OSError) as e:
         raise CheckpointError(f"cannot read {path!r} as GGUF ({e}): the file is truncated or not a GGUF file; "
                               "download it again") from e
@@ -328,8 +329,8 @@ def gguf_config(reader) -> ModelConfig:
     if rope_dims != head_dim:
         raise CheckpointError(f"{arch}.rope.dimension_count is {rope_dims} but head_dim is {head_dim}: partial "
                               "rotary embeddings are not supported")
-    n_tokens = len(reader.fields["tokenizer.ggml.tokens"].data) if "tokenizer.ggml.tokens" in reader.fields else None
-    vocab = get("vocab_size", n_tokens)
+    tokens = _meta(reader, "tokenizer.ggml.tokens", None)
+    vocab = get("vocab_size", None if tokens is None else len(tokens))
     if vocab is None:
         raise CheckpointError(f"GGUF metadata has neither {arch}.vocab_size nor tokenizer.ggml.tokens")
     defaulted = []
