@@ -792,11 +792,11 @@ class Transformer(nn.Module):
         """(numel, dtype) of each tensor that a checkpointed layer hands to the activation offload for its recompute,
         for a (batch, seqlen) forward, in the order it hands them over: its attention's output and log-sum-exp
         (`kept_attention`), then o's output and q | k | v's (`kept_output`, `keep_output`; on the fused path without
-        DoRA). All four, the first three, the attention's two, or none: as many as the host has room for beside the
-        layer inputs (`ActivationOffload.room_for`) and, on a GPU, as many as a layer's forward hides the copies of
-        (`KEPT_FLOPS_PER_BYTE`). None for softcapped attention, whose kernel returns no log-sum-exp, and on a GPU for
-        inputs that flash attention's kernels do not take (fp32: no kernel here returns the log-sum-exp; the
-        recompute then attends again)."""
+        DoRA, q | k | v's not with fp8 base GEMMs). All four, the first three, the attention's two, or none: as many
+        as the host has room for beside the layer inputs (`ActivationOffload.room_for`) and, on a GPU, as many as a
+        layer's forward hides the copies of (`KEPT_FLOPS_PER_BYTE`). None for softcapped attention, whose kernel
+        returns no log-sum-exp, and on a GPU for inputs that flash attention's kernels do not take (fp32: no kernel
+        here returns the log-sum-exp; the recompute then attends again)."""
         cfg, device, layers = self.config, self.model.norm.weight.device, len(self.model.layers)
         if cfg.attn_softcap is not None or not (device.type == "cpu" or self.varlen(device, dtype)):
             return ()
@@ -806,7 +806,9 @@ class Transformer(nn.Module):
         qkv = (attn.q_proj, attn.k_proj, attn.v_proj)
         if self.ops.fused_lora and fusable(qkv + (attn.o_proj,)) and not (attn.o_proj.dora and attn.o_proj.r):
             kept.append((tokens * H, dtype))
-            if not any(p.dora and p.r for p in qkv):
+            # not under --fp8, whose forward GEMMs take about half the time the rule counts: there the fourth
+            # tensor's copies outlast the forward (docs/benchmarks.md)
+            if not any(p.dora and p.r for p in qkv) and attn.q_proj.fp8 is None:
                 kept.append((tokens * sum(p.out_features for p in qkv), dtype))
         inputs = tokens * H * dtype.itemsize  # a layer's
         for n in range(len(kept), 1, -1):
