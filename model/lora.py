@@ -286,35 +286,35 @@ class LoRALinear(nn.Module):
 
 class _LowRank(torch.autograd.Function):
     """s (X Aᵀ) Bᵀ for X (..., in) and the fp32 masters A (r, in), B (out, r): DoRA with dropout's adapter term
-    (`dora_forward`, which runs in plain autograd otherwise). In the compute dtype, with the dtypes of the fused
-    Functions (the module docstring); backward: dY' = s dY, dX = dY' B A, and the token sums dA = (dY' B)ᵀ X and
-    dB = dY'ᵀ (X Aᵀ) through `_mm_to`, since plain autograd's products of a transposed view and a stored tensor are
-    the layout in which cuBLAS may drop a token (kernels/token_sum_layouts.py)."""
+    (`dora_forward`, which runs in plain autograd otherwise), as the fused Functions compute an adapter (`_adapt`,
+    `_adapt_backward`): s scales the thin products, s X Aᵀ and s dY B, and the token sums dA = (s dY B)ᵀ X and
+    dB = dYᵀ (s X Aᵀ) run through `_mm_to`, since plain autograd's products of a transposed view and a stored tensor
+    are the layout in which cuBLAS may drop a token (kernels/token_sum_layouts.py). The dtypes are the fused
+    Functions' (the module docstring)."""
 
     @staticmethod
     def forward(ctx, x, a, b, scale):
         _check_inputs(ctx, ["x", "lora_A", "lora_B"], (x, a, b), x)
         dtype = compute_dtype(x)
         with torch.autocast(x.device.type, enabled=False):
-            xc, ac, bc = x.to(dtype), a.to(dtype), b.to(dtype)
-            p = xc @ ac.t()
-            y = (p @ bc.t()) * scale
+            xc, ac, bc = x.reshape(-1, x.shape[-1]).to(dtype), a.to(dtype), b.to(dtype)
+            xa = _scaled_mm(xc, ac.t(), scale)  # (N, r)
+            y = (xa @ bc.t()).view(*x.shape[:-1], -1)
         _expect(y, dtype, "output of the adapter term")
-        ctx.save_for_backward(xc, ac, bc, p)
-        ctx.scale = scale
+        ctx.save_for_backward(xc, ac, bc, xa)
+        ctx.scale, ctx.shape = scale, x.shape
         return y
 
     @staticmethod
     def backward(ctx, dy):
-        xc, ac, bc, p = ctx.saved_tensors
-        rows = lambda t: t.reshape(-1, t.shape[-1])  # noqa: E731
+        xc, ac, bc, xa = ctx.saved_tensors
         with torch.autocast(dy.device.type, enabled=False):
-            dy = dy.to(xc.dtype) * ctx.scale
-            dp = dy @ bc
-            dx = dp @ ac
-            db = _mm_to(rows(dy).t(), rows(p), ctx.dtypes[2])
-            da = _mm_to(rows(dp).t(), rows(xc), ctx.dtypes[1])
-        return *_check_grads(ctx, (dx.to(ctx.dtypes[0]), da, db)), None
+            dy = dy.reshape(-1, dy.shape[-1]).to(xc.dtype)
+            dyb = _scaled_mm(dy, bc, ctx.scale)  # (N, r)
+            dx = (dyb @ ac).view(ctx.shape).to(ctx.dtypes[0])
+            db = _mm_to(dy.t(), xa, ctx.dtypes[2])
+            da = _mm_to(dyb.t(), xc, ctx.dtypes[1])
+        return *_check_grads(ctx, (dx, da, db)), None
 
 
 @contextlib.contextmanager
