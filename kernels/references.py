@@ -7,7 +7,7 @@ This module imports torch only, so that those runs need no Triton.
 
     rms_norm_reference                     kernels/rms_norm.py
     add_rms_norm_reference                 kernels/add_rms_norm.py
-    rope_reference                         kernels/rope.py
+    rope_reference, rope_qkv_reference     kernels/rope.py
     rope_into_cache_reference              kernels/rope_cache.py
     decode_attention_reference             kernels/decode_attention.py
     softcap_attention_reference            kernels/softcap_attention.py (and `key_range`, the masks it takes)
@@ -94,6 +94,25 @@ def rope_reference(q, k, cos, sin):
     q_out = q * cos.to(q.dtype) + rotate_half(q) * sin.to(q.dtype)
     k_out = k * cos.to(k.dtype) + rotate_half(k) * sin.to(k.dtype)
     return q_out, k_out
+
+
+def check_rope_qkv_args(qkv, Hq, Hk, cos, sin):
+    if qkv.dim() != 3 or qkv.shape[-1] % (Hq + 2 * Hk):
+        raise ValueError(f"qkv must be [B, T, (Hq + 2 Hk) D] with Hq = {Hq}, Hk = {Hk}; got {tuple(qkv.shape)}")
+    B, T, width = qkv.shape
+    D = width // (Hq + 2 * Hk)
+    check_rope_args(qkv.new_empty(B, T, Hq, D), qkv.new_empty(B, T, Hk, D), cos, sin)
+
+
+def rope_qkv_reference(qkv, Hq, Hk, cos, sin):
+    """Pure torch: q, k, v as the column slices of qkv [B, T, (Hq + 2 Hk) D], q and k through `rope_reference`,
+    v a contiguous copy [B, T, Hk, D]."""
+    check_rope_qkv_args(qkv, Hq, Hk, cos, sin)
+    B, T, width = qkv.shape
+    D = width // (Hq + 2 * Hk)
+    q, k, v = qkv.split([Hq * D, Hk * D, Hk * D], dim=-1)
+    q, k = rope_reference(q.view(B, T, Hq, D), k.view(B, T, Hk, D), cos, sin)
+    return q, k, v.contiguous().view(B, T, Hk, D)
 
 
 # ----------------------------------------------------------------------------- a decoding step
@@ -354,16 +373,18 @@ def check_adapter_grads_args(dyt, p, b, r, q_out):
         f"adapter_grads: q_out (M·r, N) contiguous in dYᵀ's dtype, got {tuple(q_out.shape)} {q_out.dtype}"
 
 
-def adapter_grads_reference(dyt, p, b, scale, r, q_out=None):
+def adapter_grads_reference(dyt, p, b, scale, r, q_out=None, amax=None):
     """`kernels.adapter_grads.adapter_grads` in torch: (dB_m = dY_mᵀ P_m stacked (M·out, r) in fp32, (s dY B)ᵀ in
-    dyt's dtype, into q_out when given). It also takes fp64, which the kernel does not."""
+    dyt's dtype, into q_out when given, and with amax dY's e4m3 copy `fp8_quantize_tensor_reference(dyt.t(), amax)`,
+    else None). It also takes fp64, which the kernel does not."""
     members = p.shape[1] // r
     out = dyt.shape[0] // members
     acc = torch.float64 if dyt.dtype == torch.float64 else torch.float32
     d, pa = dyt.to(acc), p.to(acc)
     db = torch.cat([d[m * out:(m + 1) * out] @ pa[:, m * r:(m + 1) * r] for m in range(members)])
     q = b.t().to(acc) @ d * scale
-    return db, q.to(dyt.dtype) if q_out is None else q_out.copy_(q)
+    fp8 = None if amax is None else fp8_quantize_tensor_reference(dyt.t(), amax)
+    return db, q.to(dyt.dtype) if q_out is None else q_out.copy_(q), fp8
 
 
 # ----------------------------------------------------------------------------- an fp8 output's residual and adapter

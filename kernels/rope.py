@@ -18,13 +18,19 @@ which is the forward map with (s1, s2) replaced by (-s2, -s1): the same kernel w
 BACKWARD=True. cos and sin are per-token tables [B, T, D] (batch may broadcast), so any
 position ids work, packed rows restarting at 0 included. They get no gradient.
 
-Reference: kernels.references.rope_reference.
+Where q and k are column slices of one projection output q | k | v (the fused LoRA path), `apply_rope_qkv`
+takes that tensor whole and returns v beside the rotated q and k: its backward writes dq and dk straight
+into the column slices of one d(q | k | v) tensor and copies dv beside them, where autograd's split would
+concatenate three separate gradients in a pass of its own (a read and a write of the whole tensor). The same
+programs copy v forward (the contiguous copy attention saves) and dv backward.
+
+Reference: kernels.references.rope_reference (and rope_qkv_reference).
 """
 import torch
 import triton
 import triton.language as tl
 
-from kernels.references import DTYPES, check_rope_args
+from kernels.references import DTYPES, check_rope_args, check_rope_qkv_args
 from kernels.rms_norm import _normalized
 
 
@@ -58,10 +64,12 @@ def _rotate_heads(x_ptr, out_ptr, out_head_stride, n_heads, HALF, c1, c2, s1, s2
 @triton.jit
 def _rope_kernel(
     q_ptr, k_ptr, q_token_stride, k_token_stride,  # [B*T, H, D], each token's heads contiguous
-    q_out_ptr, k_out_ptr,  # [B, T, H, D] contiguous
+    q_out_ptr, k_out_ptr, q_out_token_stride, k_out_token_stride,  # [B*T, H, D], each token's heads contiguous
     cos_ptr, sin_ptr, cs_batch_stride, cs_token_stride,  # [B, T, D], last dim contiguous
+    v_ptr, v_token_stride, v_out_ptr, v_out_token_stride,  # [B*T, HK, D], each token's heads contiguous (COPY_V)
     T, HQ, HK, HALF,
-    BACKWARD: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_HALF: tl.constexpr,
+    BACKWARD: tl.constexpr, COPY_V: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)  # b * T + t
     b = token // T
@@ -75,10 +83,16 @@ def _rope_kernel(
     s2 = tl.load(sin_ptr + cs + HALF + d, mask=dmask, other=0.0).to(tl.float32)
     if BACKWARD:
         s1, s2 = -s2, -s1
-    q_in, q_out = q_ptr + token * q_token_stride, q_out_ptr + token * HQ * 2 * HALF
-    k_in, k_out = k_ptr + token * k_token_stride, k_out_ptr + token * HK * 2 * HALF
+    q_in, q_out = q_ptr + token * q_token_stride, q_out_ptr + token * q_out_token_stride
+    k_in, k_out = k_ptr + token * k_token_stride, k_out_ptr + token * k_out_token_stride
     _rotate_heads(q_in, q_out, 2 * HALF, HQ, HALF, c1, c2, s1, s2, q_in, 0.0, 0.0, False, False, BLOCK_HQ, BLOCK_HALF)
     _rotate_heads(k_in, k_out, 2 * HALF, HK, HALF, c1, c2, s1, s2, k_in, 0.0, 0.0, False, False, BLOCK_HK, BLOCK_HALF)
+    if COPY_V:  # v (or dv) copied as it is, beside q and k
+        h = tl.arange(0, BLOCK_HK)[:, None]
+        e = tl.arange(0, 2 * BLOCK_HALF)[None, :]
+        mask = (h < HK) & (e < 2 * HALF)
+        v = tl.load(v_ptr + token * v_token_stride + h * (2 * HALF) + e, mask=mask)
+        tl.store(v_out_ptr + token * v_out_token_stride + h * (2 * HALF) + e, v, mask=mask)
 
 
 def launch_config(Hq: int, Hk: int, D: int) -> tuple[int, int, int, int]:
@@ -91,33 +105,40 @@ def launch_config(Hq: int, Hk: int, D: int) -> tuple[int, int, int, int]:
     return block_hq, block_hk, block_half, num_warps
 
 
-def _tokens(x):
+def _tokens(x, copy=True):
     """x [B, T, H, D] and the distance between its tokens, in elements. A view whose tokens are evenly
     spaced, each with its heads contiguous (a column slice of the packed q/k/v projection output), is
-    read in place; any other layout is copied first."""
+    read in place; any other layout is copied first (copy=False: an output, which must have that layout)."""
     B, T, H, D = x.shape
     if x.stride(3) == 1 and x.stride(2) == D and x.stride(0) == T * x.stride(1):
         return x, x.stride(1)
+    assert copy, f"rope: an output must have its tokens evenly spaced, heads contiguous; got strides {x.stride()}"
     return x.contiguous(), H * D
 
 
-def rope_rotate(q, k, cos, sin, backward=False):
-    """The launcher: new (q_out, k_out), contiguous, q's and k's dtypes. backward=True applies
-    the transpose map (dq, dk from dq_out, dk_out)."""
+def rope_rotate(q, k, cos, sin, backward=False, v=None, out=None):
+    """The launcher: (q_out, k_out), and v_out where v [B, T, Hk, D] is given (a copy of it), in their inputs'
+    dtypes, new and contiguous, or written into `out`, views whose tokens are evenly spaced with their heads
+    contiguous (column slices of one d(q | k | v)). backward=True applies the transpose map (dq, dk from dq_out,
+    dk_out)."""
     B, T, Hq, D = q.shape
     Hk = k.shape[2]
-    (q, q_stride), (k, k_stride) = _tokens(q), _tokens(k)
+    inputs = [_tokens(t) for t in (q, k) + (() if v is None else (v,))]
     cos, sin = cos.expand(B, T, D), sin.expand(B, T, D)
     if cos.stride() != sin.stride() or cos.stride(-1) != 1:
         cos, sin = cos.contiguous(), sin.contiguous()
-    q_out, k_out = q.new_empty(q.shape), k.new_empty(k.shape)
+    out = tuple(t.new_empty(t.shape) for t, _ in inputs) if out is None else out
+    outputs = [_tokens(t, copy=False) for t in out]
+    (q, q_stride), (k, k_stride) = inputs[:2]
+    (v, v_stride), (v_out, v_out_stride) = (inputs[2], outputs[2]) if v is not None else ((q, 0), (q, 0))
     if B * T > 0:
         block_hq, block_hk, block_half, num_warps = launch_config(Hq, Hk, D)
         _rope_kernel[(B * T,)](
-            q, k, q_stride, k_stride, q_out, k_out, cos, sin, cos.stride(0), cos.stride(1),
-            T, Hq, Hk, D // 2,
-            BACKWARD=backward, BLOCK_HQ=block_hq, BLOCK_HK=block_hk, BLOCK_HALF=block_half, num_warps=num_warps)
-    return q_out, k_out
+            q, k, q_stride, k_stride, out[0], out[1], outputs[0][1], outputs[1][1], cos, sin, cos.stride(0),
+            cos.stride(1), v, v_stride, v_out, v_out_stride, T, Hq, Hk, D // 2,
+            BACKWARD=backward, COPY_V=len(inputs) == 3, BLOCK_HQ=block_hq, BLOCK_HK=block_hk, BLOCK_HALF=block_half,
+            num_warps=num_warps)
+    return out
 
 
 class _RoPE(torch.autograd.Function):
@@ -141,3 +162,41 @@ def apply_rope(q, k, cos, sin):
     """Rotate q [B, T, Hq, D] and k [B, T, Hk, D] by cos, sin [B, T, D] (HF layout)."""
     check_rope_args(q, k, cos, sin)
     return _RoPE.apply(q, k, cos, sin)
+
+
+class _RoPEQKV(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, qkv, Hq, Hk, cos, sin):
+        assert qkv.dtype in DTYPES and cos.dtype in DTYPES and sin.dtype in DTYPES, (
+            f"apply_rope_qkv: qkv, cos and sin must be fp32/bf16/fp16, got {qkv.dtype}, {cos.dtype}, {sin.dtype}")
+        q, k, v = qkv_heads(qkv, Hq, Hk)
+        ctx.save_for_backward(cos, sin)
+        ctx.Hk, ctx.dtype = Hk, qkv.dtype
+        return rope_rotate(q, k, cos, sin, v=v)  # attention saves v: a copy, so that q | k | v can go
+
+    @staticmethod
+    def backward(ctx, dq_out, dk_out, dv):
+        assert dq_out.dtype == dk_out.dtype == dv.dtype == ctx.dtype, (
+            f"apply_rope_qkv: dq, dk, dv must have q | k | v's dtype {ctx.dtype}, got {dq_out.dtype}, "
+            f"{dk_out.dtype}, {dv.dtype}")
+        cos, sin = ctx.saved_tensors
+        B, T, Hq, D = dq_out.shape
+        dqkv = dq_out.new_empty(B, T, (Hq + 2 * ctx.Hk) * D)
+        rope_rotate(dq_out, dk_out, cos, sin, backward=True, v=dv, out=qkv_heads(dqkv, Hq, ctx.Hk))
+        return dqkv, None, None, None, None
+
+
+def qkv_heads(qkv, Hq, Hk):
+    """q [B, T, Hq, D], k and v [B, T, Hk, D]: views of the column slices of qkv [B, T, (Hq + 2 Hk) D]."""
+    B, T, width = qkv.shape
+    D = width // (Hq + 2 * Hk)
+    q, k, v = qkv.split([Hq * D, Hk * D, Hk * D], dim=-1)
+    return q.view(B, T, Hq, D), k.view(B, T, Hk, D), v.view(B, T, Hk, D)
+
+
+def apply_rope_qkv(qkv, Hq, Hk, cos, sin):
+    """(q, k, v) from one projection output qkv [B, T, (Hq + 2 Hk) D]: q [B, T, Hq, D] and k [B, T, Hk, D]
+    rotated by cos, sin [B, T, D], v [B, T, Hk, D] a contiguous copy of its slice; the gradient of qkv comes
+    back as one tensor of its layout (module docstring)."""
+    check_rope_qkv_args(qkv, Hq, Hk, cos, sin)
+    return _RoPEQKV.apply(qkv, Hq, Hk, cos, sin)

@@ -15,7 +15,8 @@ where the operand is stored row-major (x and dY of q/k/v, o, down; x of gate/up)
 [features × tokens] (the MLP's H, the input of down, and [dG | dU], the dY of gate/up: see model/lora.py), a
 token's amax would be a reduction across the strided dimension; there the whole tensor takes one scale, from
 one amax over it (torchao's "tensorwise" recipe; kernels/fp8_quantize_tensor.py), which the activation's kernels
-find as they write H and [dG | dU] (kernels/glu.py), so that one pass reads them, in their stored layout.
+find as they write H and [dG | dU] (kernels/glu.py), so that one pass reads them, in their stored layout; that
+pass over [dG | dU] is the adapters' one read of it (kernels/adapter_grads.py), where that kernel runs.
 _scaled_mm still gets it as a per-token scale_a (the one value in every row), so that W keeps its per-row scales
 and the GEMMs are the same.
 s_W: per output row of W; s_Wᵀ: per input column of W, for the copy Wᵀ [in, out] that the input gradient reads
@@ -269,9 +270,10 @@ def fp8_linear(projs, x, dtype, transposed=False, amax=None):
     return _mm(a, sa, w, sw, dtype, transposed)
 
 
-def fp8_input_grad(projs, dy, transposed=False, amax=None):
+def fp8_input_grad(projs, dy, transposed=False, amax=None, quantized=None):
     """dY [W_1; W_2; ...] (N, in) in dY's dtype, from dY (N, Σout): one fp8 GEMM with the transposed copy. amax:
-    max |dY| where the caller has it (`quantize_activation`)."""
+    max |dY| where the caller has it (`quantize_activation`); quantized: (q, s), dY's e4m3 copy as
+    `quantize_activation` gives it, where the caller made it (the MLP adapters' one read, kernels/adapter_grads.py)."""
     w, sw = _weights(projs, transposed=True)
-    a, sa = quantize_activation(dy, amax)
+    a, sa = quantize_activation(dy, amax) if quantized is None else quantized
     return _mm(a, sa, w, sw, dy.dtype, transposed)

@@ -859,14 +859,15 @@ def _dora_backward(fn, projs, m_dtypes, dy, pre, g, inv, need_m, dms, inplace=Fa
     return dp
 
 
-def _base_backward(projs, dy, transposed=False, rows=None, amax=None):
+def _base_backward(projs, dy, transposed=False, rows=None, amax=None, quantized=None):
     """dY [W_1; W_2; ...] (N, in), the gradient of the projections' shared input through their base weights, from
     dY (N, Σout), as one GEMM; each W is dequantized again, and freed after it. transposed: computed as the
     contiguous (in, N) product and returned transposed (the MLP's dH, which meets Gᵀ and Uᵀ in the kernels).
     rows: dY is [dY | s dY B] and the weight [W; A] (`_folded`). With --fp8 the GEMM runs in fp8 with the weights'
-    transposed copy (model/fp8.py); amax: max |dY| where the caller has it (`fp8_input_grad`)."""
+    transposed copy (model/fp8.py); amax: max |dY| where the caller has it, quantized: dY's e4m3 copy where the
+    caller made it (`fp8_input_grad`)."""
     if projs[0].fp8 is not None:
-        return fp8_input_grad(projs, dy, transposed, amax)
+        return fp8_input_grad(projs, dy, transposed, amax, quantized)
     w = _base_weights(projs, dy.dtype, rows=rows)
     return torch.mm(w.t(), dy.t()).t() if transposed else torch.mm(dy, w)
 
@@ -1009,19 +1010,23 @@ def _stacked_da(projs, group, dybt, x, need_a, masters, da):
             da[i] = da_stacked[c] if need_a[i] else None  # rows of the stack: contiguous
 
 
-def _adapt_backward_one_read(fn, projs, group, dyt, x, xa, b, need_a, need_b, masters, da, db, q_out=None):
+def _adapt_backward_one_read(fn, projs, group, dyt, x, xa, b, need_a, need_b, masters, da, db, q_out=None,
+                             amax=None, fp8=None):
     """`_adapt_backward` of a group whose dY is stored transposed, dyt = dYᵀ (Σout, N) with unit stride along N (the
     MLP's [dG | dU]). fn (`GLU.adapter_grads`) takes s dY B and the members' dB from one read of dY, where the
     members share one width and one rank and some dB is wanted. Returns (s dY B)ᵀ (Σr, N), written into q_out when
-    given, or None where the one read does not run (nothing written: the caller's GEMMs then do the work)."""
+    given, or None where the one read does not run (nothing written: the caller's GEMMs then do the work). amax:
+    max |dY| (--fp8), where the read also makes dY's e4m3 copy for the base's GEMM; it goes into the list `fp8`."""
     r = projs[group[0]].r
     if fn is None or len({projs[i].r for i in group}) > 1 or len({projs[i].out_features for i in group}) > 1 or \
             not any(need_b[i] for i in group):
         return None
-    result = fn(dyt, xa, b, projs[group[0]].scale, r, q_out)
+    result = fn(dyt, xa, b, projs[group[0]].scale, r, q_out, amax)
     if result is None:  # where one read does not pay
         return None
-    db_stacked, dybt = result
+    db_stacked, dybt, quantized = result
+    if amax is not None:
+        fp8.append(quantized)
     for i, (features, _) in zip(group, _blocks(projs, group)[1]):
         db[i] = db_stacked[features].to(masters[i]) if need_b[i] else None
     _stacked_da(projs, group, dybt, x, need_a, masters, da)
@@ -1301,9 +1306,22 @@ class _LoRAMLP(torch.autograd.Function):
                 dx = _base_backward(projs[:2], gu_rows.t(), rows=a) if need[0] else None
                 dx_loras = [None, None]
             else:
-                dx = _base_backward(projs[:2], dgu, amax=amax) if need[0] else None
-                dx_loras = _adapt_groups_backward(projs[:2], ctx.groups, saved, dgu, x_loras, xc, dx, need[1:3],
-                                                  need_a, need_b, masters, da, db, one_read=ctx.glu.adapter_grads)
+                # --fp8, one group: the adapters' one read of [dG | dU] also makes its e4m3 copy for the base's GEMM
+                fp8, dybt = [], None
+                if amax is not None and need[0] and stored_transposed(dgu) and \
+                        _one_group(projs[:2], ctx.groups, x_loras, False):
+                    xa, a, b = saved[:3]
+                    _expect(a, xc.dtype, f"saved lora_A of {projs[0].name}")
+                    _expect(b, xc.dtype, f"saved lora_B of {projs[0].name}")
+                    dybt = _adapt_backward_one_read(ctx.glu.adapter_grads, projs[:2], ctx.groups[0], dgu.t(), xc, xa,
+                                                    b, need_a, need_b, masters, da, db, amax=amax, fp8=fp8)
+                if dybt is not None:
+                    dx = _base_backward(projs[:2], dgu, quantized=fp8[0]).addmm_(dybt.t(), a)
+                    dx_loras = [None, None]
+                else:
+                    dx = _base_backward(projs[:2], dgu, amax=amax) if need[0] else None
+                    dx_loras = _adapt_groups_backward(projs[:2], ctx.groups, saved, dgu, x_loras, xc, dx, need[1:3],
+                                                      need_a, need_b, masters, da, db, one_read=ctx.glu.adapter_grads)
         x_dtype = ctx.dtypes[0]  # X's, and X̃_gate's and X̃_up's (asserted in forward)
         dxs = [_to(t, x_dtype) for t in (dx, *dx_loras)]
         return (None, None, None, None, None,

@@ -36,6 +36,7 @@ from kernels.references import (
     key_range,
     rms_norm_and_residual_reference,
     rms_norm_reference,
+    rope_qkv_reference,
     rope_reference,
     softcap_attention_reference,
     swiglu_reference,
@@ -89,12 +90,13 @@ class Ops:
             from kernels.geglu import geglu, geglu_backward, geglu_forward
             from kernels.glu import terms_pay
             from kernels.rms_norm import rms_norm, rms_norm_and_residual
-            from kernels.rope import apply_rope
+            from kernels.rope import apply_rope, apply_rope_qkv
             from kernels.rope_cache import rope_into_cache
             from kernels.sample import sample_tokens
             from kernels.softcap_attention import softcap_attention
             from kernels.swiglu import swiglu, swiglu_backward, swiglu_forward
             self.rms_norm, self.rope, self.swiglu, self.geglu = rms_norm, apply_rope, swiglu, geglu
+            self.rope_qkv = apply_rope_qkv
             self.linear_cross_entropy = fused_linear_cross_entropy
             self.rope_into_cache, self.decode_attention = rope_into_cache, decode_attention
             self.add_rms_norm = add_rms_norm
@@ -111,6 +113,7 @@ class Ops:
         else:
             self.rms_norm, self.rope, self.swiglu, self.geglu = (rms_norm_reference, rope_reference,
                                                                  swiglu_reference, geglu_reference)
+            self.rope_qkv = rope_qkv_reference
             self.linear_cross_entropy = fused_linear_cross_entropy_reference
             self.rms_norm_and_residual = rms_norm_and_residual_reference
             self.dora = DoRAOps()
@@ -521,19 +524,23 @@ class Attention(nn.Module):
         fused = self.ops.fused_lora and fusable(qkv + (self.o_proj,))
         # q | k | v's output: kept for the recompute, where o's is (`keep_output` below), and given there
         keep_qkv = fused and keep is not None and keep.projections and givable(qkv, x)
+        # q | k | v split and q, k rotated by one Function, whose backward writes their gradients into one tensor
+        # where autograd's split would concatenate three (kernels/rope.py): where the gradient is taken
+        rotated = fused and torch.is_grad_enabled() and not self.qk_norm and not isinstance(mask, DecodeMask)
         if fused:
             given = given_output(qkv, store, keep.offload) if keep_qkv else None
             qkv_out = projected(x, qkv, store, self.ops.dora, given=given)
-            q, k, v = output_slices(qkv_out, qkv)
+            q, k, v = (self.ops.rope_qkv(qkv_out, self.nh, self.nkv, cos, sin) if rotated else
+                       output_slices(qkv_out, qkv))
             if torch.is_grad_enabled() or not keep_qkv:
                 del qkv_out  # the attention runs without it
         else:  # one GEMM each way where q, k, v all train (full fine-tuning), else one projection at a time
             q, k, v = stacked_projections(x, qkv) if self.ops.fused_lora and stacked(qkv) else \
                 (project(p, x, self.ops.fused_lora) for p in qkv)
-        q = q.view(B, T, self.nh, self.d)  # fused: column slices of one (B, T, q | k | v) tensor
+        q = q.view(B, T, self.nh, self.d)  # fused and not rotated: column slices of one (B, T, q | k | v) tensor
         k = k.view(B, T, self.nkv, self.d)
-        # Attention saves v for backward: a copy of it, not a slice, lets the q | k | v tensor go after RoPE. Without
-        # a graph (decoding) nothing keeps v, and the cache copies the slice.
+        # Attention saves v for backward: a copy of it, not a slice, lets the q | k | v tensor go after RoPE (rotated:
+        # the Function's v is that copy). Without a graph (decoding) nothing keeps v, and the cache copies the slice.
         v = (v.contiguous() if torch.is_grad_enabled() else v).view(B, T, self.nkv, self.d)
         if isinstance(mask, DecodeMask):  # RoPE, the cache write (and the q/k norms) in one kernel
             qk_norm = (self.q_norm, self.k_norm) if self.qk_norm else None
@@ -541,7 +548,8 @@ class Attention(nn.Module):
         else:
             if self.qk_norm:
                 q, k = self.q_norm(q), self.k_norm(k)
-            q, k = self.ops.rope(q, k, cos, sin)  # (B, T, nh, d), (B, T, nkv, d)
+            if not rotated:
+                q, k = self.ops.rope(q, k, cos, sin)  # (B, T, nh, d), (B, T, nkv, d)
             q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, heads, T, d)
             if cache is not None:
                 k, v = cache.update(k, v)  # (B, nkv, S, d): the cached positions, then these

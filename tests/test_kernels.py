@@ -23,18 +23,20 @@ from kernels.references import (
     cross_entropy_reference,
     dora_backward_reference,
     dora_norms_reference,
+    fp8_quantize_tensor_reference,
     fused_linear_cross_entropy_reference,
     geglu_reference,
     merged_weight_reference,
     residual_lowrank_add_reference,
     rms_norm_and_residual_reference,
     rms_norm_reference,
+    rope_qkv_reference,
     rope_reference,
     swiglu_reference,
 )
 from kernels.residual_lowrank_add import residual_lowrank_add_
 from kernels.rms_norm import rms_norm, rms_norm_and_residual
-from kernels.rope import apply_rope
+from kernels.rope import apply_rope, apply_rope_qkv
 from kernels.swiglu import swiglu, swiglu_backward, swiglu_forward
 from model.lora import affine_forward, autograd_backward
 from model.transformer import rope_cos_sin
@@ -540,6 +542,46 @@ def test_rope_general_tables():
     check_rope(DEVICE, torch.float32, 2, 5, 4, 2, 64, random_tables=True)
 
 
+def check_rope_qkv(device, dtype, B, T, Hq, Hk, D):
+    """apply_rope_qkv against the split, `rope_reference` and v's copy, values and d(q | k | v), in float64 for the
+    reference; dv must come back bit for bit in v's columns."""
+    position_ids = torch.randint(0, 4096, (B, T), device=device)
+    inv_freq = 1.0 / 10000 ** (torch.arange(0, D, 2, device=device).float() / D)
+    cos, sin = rope_cos_sin(position_ids, inv_freq, torch.float32)
+    qkv = torch.randn(B, T, (Hq + 2 * Hk) * D, device=device).to(dtype).requires_grad_()
+    ref_qkv = qkv.detach().double().requires_grad_()
+    out = apply_rope_qkv(qkv, Hq, Hk, cos, sin)
+    ref = rope_qkv_reference(ref_qkv, Hq, Hk, cos.double(), sin.double())
+    grads = [torch.randn_like(r).to(dtype) for r in ref]
+    for name, a, b in zip(("q", "k", "v"), out, ref):
+        assert a.dtype == dtype and a.shape == b.shape and a.is_contiguous(), name
+        close(a, b.to(dtype), dtype, name)
+    torch.autograd.backward(out, grads)
+    torch.autograd.backward(ref, [g.double() for g in grads])
+    assert qkv.grad.dtype == dtype and qkv.grad.shape == qkv.shape
+    close(qkv.grad, ref_qkv.grad.to(dtype), dtype, "d(q | k | v)")
+    assert torch.equal(qkv.grad[..., (Hq + Hk) * D:], grads[2].flatten(2)), "dv must be copied as it came"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("B, T, Hq, Hk, D", [(2, 7, 4, 2, 64), (1, 5, 6, 1, 80), (3, 4, 4, 4, 32)])
+def test_rope_qkv(dtype, B, T, Hq, Hk, D):
+    check_rope_qkv(DEVICE, dtype, B, T, Hq, Hk, D)
+
+
+def test_rope_qkv_rejects_a_width_the_heads_do_not_divide():
+    cos = sin = torch.ones(1, 3, 8)
+    with pytest.raises(ValueError, match=r"qkv must be \[B, T, \(Hq \+ 2 Hk\) D\]"):
+        apply_rope_qkv(torch.randn(1, 3, 30), 2, 1, cos, sin)
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_cuda_rope_qkv_at_llama_8b_heads(dtype):
+    check_rope_qkv("cuda", dtype, 2, 257, 32, 8, 128)
+
+
 # ----------------------------------------------------------------------------- SwiGLU / GeGLU
 
 ACTIVATIONS = {
@@ -737,7 +779,8 @@ def test_dora_backward(dtype, N, C, transposed):
 def check_adapter_grads(device, dtype, members, out, N, r, scale=0.5):
     """The LoRA dY products from one read (kernels/adapter_grads.py) against the fp64 reference: dB in fp32, s dY B
     in the buffer's last rows in the inputs' dtype, dY's rows untouched; a second launch gives the same bits, and
-    so does one that allocates s dY B itself."""
+    so does one that allocates s dY B itself; one given dY's amax also gives dY's e4m3 copy, bit for bit the
+    tensor-wise quantization's, with the same dB and s dY B."""
     rows = torch.randn(members * (out + r), N, device=device).to(dtype)  # the MLP's [dG | dU | spare rows]
     dyt, q_out = rows[:members * out], rows[members * out:]
     p = torch.randn(N, members * r, device=device).to(dtype)
@@ -749,18 +792,25 @@ def check_adapter_grads(device, dtype, members, out, N, r, scale=0.5):
     if result is None:  # on a GPU, where one read does not pay: nothing written
         assert dyt.is_cuda and (dyt.numel() < MIN_ELEMENTS or r > MAX_RANK) and torch.equal(q_out, q_kept)
         return
-    db, q = result
-    db_ref, q_ref = adapter_grads_reference(dyt.double(), p.double(), b.double(), scale, r)
+    db, q, fp8 = result
+    assert fp8 is None
+    db_ref, q_ref, _ = adapter_grads_reference(dyt.double(), p.double(), b.double(), scale, r)
     assert q is q_out, "s dY B not written into the given rows"
     assert db.dtype == torch.float32 and db.shape == (members * out, r) and db.is_contiguous()
     close(db.double(), db_ref, torch.float32, "dB", scale=10)
     close(q_out.double(), q_ref.to(dtype).double(), dtype, "s dY B", scale=2)
     assert torch.equal(dyt, kept), "dY was written"
     q_first = q_out.clone()
-    db2, _ = adapter_grads(dyt, p, b, scale, r, q_out)
+    db2, _, _ = adapter_grads(dyt, p, b, scale, r, q_out)
     assert torch.equal(db2, db) and torch.equal(q_out, q_first), "two launches differ"
-    db3, q3 = adapter_grads(dyt, p, b, scale, r)
+    db3, q3, _ = adapter_grads(dyt, p, b, scale, r)
     assert torch.equal(db3, db) and torch.equal(q3, q_first), "the launch that allocates s dY B differs"
+    amax = dyt.abs().amax() if N else dyt.new_zeros(())
+    db4, q4, (q8, s8) = adapter_grads(dyt, p, b, scale, r, amax=amax)
+    assert torch.equal(db4, db) and torch.equal(q4, q_first), "quantizing dY moved dB or s dY B"
+    q8_ref, s8_ref = fp8_quantize_tensor_reference(dyt.t(), amax)
+    assert q8.shape == (N, members * out) and q8.is_contiguous() and s8.shape == (N,) and s8.dtype == torch.float32
+    assert torch.equal(q8.view(torch.uint8), q8_ref.view(torch.uint8)) and torch.equal(s8, s8_ref), "dY's e4m3 copy"
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -123,10 +123,12 @@ def kernel_cases():
     block_hq, block_hk, block_half, warps = rp.launch_config(32, 8, 256)
     specs.append(("kernels.rope", "_rope_kernel", lambda t: {
         "q_ptr": f"*{t}", "k_ptr": f"*{t}", "q_token_stride": "i32", "k_token_stride": "i32",
-        "q_out_ptr": f"*{t}", "k_out_ptr": f"*{t}", "cos_ptr": f"*{t}", "sin_ptr": f"*{t}", "cs_batch_stride": "i32",
-        "cs_token_stride": "i32", "T": "i32", "HQ": "i32", "HK": "i32", "HALF": "i32"},
+        "q_out_ptr": f"*{t}", "k_out_ptr": f"*{t}", "q_out_token_stride": "i32", "k_out_token_stride": "i32",
+        "cos_ptr": f"*{t}", "sin_ptr": f"*{t}", "cs_batch_stride": "i32", "cs_token_stride": "i32",
+        "v_ptr": f"*{t}", "v_token_stride": "i32", "v_out_ptr": f"*{t}", "v_out_token_stride": "i32",
+        "T": "i32", "HQ": "i32", "HK": "i32", "HALF": "i32"},
         {"BLOCK_HQ": block_hq, "BLOCK_HK": block_hk, "BLOCK_HALF": block_half},
-        flags("BACKWARD"), warps))
+        flags("BACKWARD", "COPY_V"), warps))
     specs.append((rc.__name__, "_rope_into_cache_kernel", lambda t: {
         "q_ptr": f"*{t}", "k_ptr": f"*{t}", "v_ptr": f"*{t}", "q_row_stride": "i32", "k_row_stride": "i32",
         "v_row_stride": "i32", "q_out_ptr": f"*{t}", "k_cache_ptr": f"*{t}", "v_cache_ptr": f"*{t}", "at_ptr": "*i64",
@@ -276,14 +278,18 @@ def adapter_grads_cases():
     import kernels.adapter_grads as ag
     cases = []
     for dtype, R, arch in product(DTYPES, (16, 64), ARCHS):
-        block_f, block_t, warps, stages = ag.launch_config(torch_dtype(dtype))
-        constexprs = dict(RANK=R, R=R, BLOCK_F=block_f, BLOCK_T=block_t, **dot_case(dtype))
-        sig = {"dyt_ptr": f"*{dtype}", "p_ptr": f"*{dtype}", "b_ptr": f"*{dtype}", "db_ptr": "*fp32", "q_ptr": "*fp32",
-               **dict.fromkeys(("N", "M", "OUT", "stride_dyt", "stride_p", "stride_b"), "i32"), "scale": "fp32",
-               "runs": "i32", "tiles_per_run": "i32", **dict.fromkeys(constexprs, "constexpr")}
-        cases.append(Case(f"_adapter_grads_kernel-R{R}-{dtype}-sm{arch}", ag.__name__, "_adapter_grads_kernel", sig,
-                          constexprs, warps, arch, stages, aligned=("dyt_ptr", "p_ptr", "b_ptr", "db_ptr", "q_ptr", "N",
-                                                                    "stride_dyt", "stride_p", "stride_b")))
+        for quantize in (False, True):
+            block_f, block_t, warps, stages = ag.launch_config(torch_dtype(dtype), quantize)
+            constexprs = dict(RANK=R, R=R, BLOCK_F=block_f, BLOCK_T=block_t, **dot_case(dtype), QUANTIZE=quantize,
+                              HARDWARE_E4M3=arch >= 89, MIN_SCALE=2.0**-126)
+            sig = {"dyt_ptr": f"*{dtype}", "p_ptr": f"*{dtype}", "b_ptr": f"*{dtype}", "db_ptr": "*fp32",
+                   "q_ptr": "*fp32", "amax_ptr": f"*{dtype}", "q8_ptr": "*u8", "s8_ptr": "*fp32",
+                   **dict.fromkeys(("N", "M", "OUT", "stride_dyt", "stride_p", "stride_b"), "i32"), "scale": "fp32",
+                   "runs": "i32", "tiles_per_run": "i32", **dict.fromkeys(constexprs, "constexpr")}
+            cases.append(Case(f"_adapter_grads_kernel-R{R}-{dtype}-QUANTIZE={int(quantize)}-sm{arch}", ag.__name__,
+                              "_adapter_grads_kernel", sig, constexprs, warps, arch, stages,
+                              aligned=("dyt_ptr", "p_ptr", "b_ptr", "db_ptr", "q_ptr", "q8_ptr", "N", "stride_dyt",
+                                       "stride_p", "stride_b")))
     return cases
 
 
