@@ -96,23 +96,28 @@ def rope_reference(q, k, cos, sin):
     return q_out, k_out
 
 
-def check_rope_qkv_args(qkv, Hq, Hk, cos, sin):
-    if qkv.dim() != 3 or qkv.shape[-1] % (Hq + 2 * Hk):
-        raise ValueError(f"qkv must be [B, T, (Hq + 2 Hk) D] with Hq = {Hq}, Hk = {Hk}; got {tuple(qkv.shape)}")
-    B, T, width = qkv.shape
-    D = width // (Hq + 2 * Hk)
-    check_rope_args(qkv.new_empty(B, T, Hq, D), qkv.new_empty(B, T, Hk, D), cos, sin)
-
-
-def rope_qkv_reference(qkv, Hq, Hk, cos, sin):
-    """Pure torch: q, k, v as the column slices of qkv [B, T, (Hq + 2 Hk) D], q and k through `rope_reference`,
-    v a contiguous copy [B, T, Hk, D]."""
-    check_rope_qkv_args(qkv, Hq, Hk, cos, sin)
+def qkv_heads(qkv, Hq, Hk):
+    """q [B, T, Hq, D], k and v [B, T, Hk, D]: views of the column slices of qkv [B, T, (Hq + 2 Hk) D]."""
     B, T, width = qkv.shape
     D = width // (Hq + 2 * Hk)
     q, k, v = qkv.split([Hq * D, Hk * D, Hk * D], dim=-1)
-    q, k = rope_reference(q.view(B, T, Hq, D), k.view(B, T, Hk, D), cos, sin)
-    return q, k, v.contiguous().view(B, T, Hk, D)
+    return q.view(B, T, Hq, D), k.view(B, T, Hk, D), v.view(B, T, Hk, D)
+
+
+def check_rope_qkv_args(qkv, Hq, Hk, cos, sin):
+    if qkv.dim() != 3 or qkv.shape[-1] % (Hq + 2 * Hk):
+        raise ValueError(f"qkv must be [B, T, (Hq + 2 Hk) D] with Hq = {Hq}, Hk = {Hk}; got {tuple(qkv.shape)}")
+    q, k, _ = qkv_heads(qkv, Hq, Hk)
+    check_rope_args(q, k, cos, sin)
+
+
+def rope_qkv_reference(qkv, Hq, Hk, cos, sin):
+    """Pure torch: q, k, v as the column slices of qkv [B, T, (Hq + 2 Hk) D] (`qkv_heads`), q and k through
+    `rope_reference`, v a contiguous copy [B, T, Hk, D]."""
+    check_rope_qkv_args(qkv, Hq, Hk, cos, sin)
+    q, k, v = qkv_heads(qkv, Hq, Hk)
+    q, k = rope_reference(q, k, cos, sin)
+    return q, k, v.contiguous()
 
 
 # ----------------------------------------------------------------------------- a decoding step

@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.references import DTYPES, check_rope_args, check_rope_qkv_args
+from kernels.references import DTYPES, check_rope_args, check_rope_qkv_args, qkv_heads
 from kernels.rms_norm import _normalized
 
 
@@ -184,14 +184,6 @@ class _RoPEQKV(torch.autograd.Function):
         dqkv = dq_out.new_empty(B, T, (Hq + 2 * ctx.Hk) * D)
         rope_rotate(dq_out, dk_out, cos, sin, backward=True, v=dv, out=qkv_heads(dqkv, Hq, ctx.Hk))
         return dqkv, None, None, None, None
-
-
-def qkv_heads(qkv, Hq, Hk):
-    """q [B, T, Hq, D], k and v [B, T, Hk, D]: views of the column slices of qkv [B, T, (Hq + 2 Hk) D]."""
-    B, T, width = qkv.shape
-    D = width // (Hq + 2 * Hk)
-    q, k, v = qkv.split([Hq * D, Hk * D, Hk * D], dim=-1)
-    return q.view(B, T, Hq, D), k.view(B, T, Hk, D), v.view(B, T, Hk, D)
 
 
 def apply_rope_qkv(qkv, Hq, Hk, cos, sin):

@@ -1040,6 +1040,15 @@ def _adapt_groups(y, projs, groups, x_loras, x, a_masters, b_masters, dtype, res
             for t in _adapt(y, projs, g, _read(g, x_loras, x), a_masters, b_masters, dtype, residual)]
 
 
+def _saved_group(saved, n, dtype, first):
+    """(s X Aᵀ, A, B) that `_adapt_groups` saved for its n-th group, whose first member is `first`; A and B checked to
+    be in the compute dtype."""
+    xa, a, b = saved[3 * n:3 * n + 3]
+    _expect(a, dtype, f"saved lora_A of {first.name}")
+    _expect(b, dtype, f"saved lora_B of {first.name}")
+    return xa, a, b
+
+
 def _adapt_groups_backward(projs, groups, saved, dy, x_loras, x, dx, need_x, need_a, need_b, masters, da, db,
                            one_read=None):
     """`_adapt_backward` for every group; saved starts with what `_adapt_groups` returned. A group that reads
@@ -1048,9 +1057,7 @@ def _adapt_groups_backward(projs, groups, saved, dy, x_loras, x, dx, need_x, nee
     tried where dY is stored transposed (the MLP's [dG | dU]; `_adapt_backward_one_read`)."""
     dx_loras = [None] * len(x_loras)
     for n, g in enumerate(groups):
-        xa, a, b = saved[3 * n:3 * n + 3]
-        _expect(a, x.dtype, f"saved lora_A of {projs[g[0]].name}")
-        _expect(b, x.dtype, f"saved lora_B of {projs[g[0]].name}")
+        xa, a, b = _saved_group(saved, n, x.dtype, projs[g[0]])
         xr = _read(g, x_loras, x)
         dybt = None
         if one_read is not None and stored_transposed(dy):
@@ -1296,9 +1303,7 @@ class _LoRAMLP(torch.autograd.Function):
                 dgu = gu if ctx.glu.inplace else torch.cat([dg, du]).t()  # [dG | dU] (N, 2I)
             del gu, dg, du
             if len(gu_rows) > n_gu:  # folded: [dG | dU | s dY B] [W_gate; W_up; A], s dY B in the spare rows
-                xa, a, b = saved[:3]
-                _expect(a, xc.dtype, f"saved lora_A of {projs[0].name}")
-                _expect(b, xc.dtype, f"saved lora_B of {projs[0].name}")
+                xa, a, b = _saved_group(saved, 0, xc.dtype, projs[0])
                 if _adapt_backward_one_read(ctx.glu.adapter_grads, projs[:2], ctx.groups[0], gu_rows[:n_gu], xc, xa, b,
                                             need_a, need_b, masters, da, db, q_out=gu_rows[n_gu:]) is None:
                     dyb = _adapt_backward(projs[:2], ctx.groups[0], dgu, xc, xa, b, need_a, need_b, masters, da, db)
@@ -1310,9 +1315,7 @@ class _LoRAMLP(torch.autograd.Function):
                 fp8, dybt = [], None
                 if amax is not None and need[0] and stored_transposed(dgu) and \
                         _one_group(projs[:2], ctx.groups, x_loras, False):
-                    xa, a, b = saved[:3]
-                    _expect(a, xc.dtype, f"saved lora_A of {projs[0].name}")
-                    _expect(b, xc.dtype, f"saved lora_B of {projs[0].name}")
+                    xa, a, b = _saved_group(saved, 0, xc.dtype, projs[0])
                     dybt = _adapt_backward_one_read(ctx.glu.adapter_grads, projs[:2], ctx.groups[0], dgu.t(), xc, xa,
                                                     b, need_a, need_b, masters, da, db, amax=amax, fp8=fp8)
                 if dybt is not None:
