@@ -31,6 +31,8 @@ from kernels.glu import (
     glu_forward,
     load_dh,
     load_gate_up,
+    strip_right,
+    strip_rights,
     tile,
     tile_steps,
 )
@@ -61,10 +63,11 @@ def _geglu_forward_kernel(gate_ptr, up_ptr, scale_ptr, bias_ptr, h_ptr, amax_ptr
                           BLOCK_C: tl.constexpr, BLOCK_K: tl.constexpr, K_CHUNKS: tl.constexpr, STEPS: tl.constexpr,
                           STAGES: tl.constexpr, DTYPE: tl.constexpr, OPERAND: tl.constexpr, PRECISION: tl.constexpr):
     amax = tl.zeros((), dtype=tl.float32)
+    rights = strip_rights(terms, n_cols, TERMS, BLOCK_C, BLOCK_K)
     for step in tl.range(0, tile_steps(n, n_cols, TERMS, BLOCK_R, BLOCK_C, STEPS), num_stages=STAGES):
         offs, mask, rows, cols = tile(step, n, n_cols, TERMS, BLOCK, BLOCK_R, BLOCK_C, STEPS)
-        g, u = load_gate_up(gate_ptr, up_ptr, scale_ptr, bias_ptr, terms, offs, mask, rows, cols, n, n_cols, AFFINE,
-                            HAS_BIAS, TERMS, BLOCK_R, BLOCK_C, BLOCK_K, K_CHUNKS, DTYPE, OPERAND, PRECISION)
+        g, u = load_gate_up(gate_ptr, up_ptr, scale_ptr, bias_ptr, terms, rights, offs, mask, rows, cols, n, n_cols,
+                            AFFINE, HAS_BIAS, TERMS, BLOCK_R, BLOCK_C, BLOCK_K, K_CHUNKS, DTYPE, OPERAND, PRECISION)
         gelu, _ = _gelu_and_grad(g, APPROX_TANH)
         h = (gelu * u).to(h_ptr.dtype.element_ty)
         tl.store(h_ptr + offs, h, mask=mask)
@@ -83,12 +86,15 @@ def _geglu_backward_kernel(dh_ptr, gate_ptr, up_ptr, scale_ptr, bias_ptr, dgate_
                            K_CHUNKS: tl.constexpr, STEPS: tl.constexpr, STAGES: tl.constexpr, DTYPE: tl.constexpr,
                            OPERAND: tl.constexpr, PRECISION: tl.constexpr):
     amax = tl.zeros((), dtype=tl.float32)
+    rights = strip_rights(terms, n_cols, GATE_UP_TERMS, BLOCK_C, BLOCK_K)
+    dh_right = strip_right(dh_term, n_cols, DH_TERM, BLOCK_C, BLOCK_K)
     for step in tl.range(0, tile_steps(n, n_cols, TERMS, BLOCK_R, BLOCK_C, STEPS), num_stages=STAGES):
         offs, mask, rows, cols = tile(step, n, n_cols, TERMS, BLOCK, BLOCK_R, BLOCK_C, STEPS)
-        dh = load_dh(dh_ptr, dh_term, offs, mask, rows, cols, n, n_cols, DH_TERM, BLOCK_R, BLOCK_C, BLOCK_K, K_CHUNKS,
-                     DTYPE, OPERAND, PRECISION)
-        g, u = load_gate_up(gate_ptr, up_ptr, scale_ptr, bias_ptr, terms, offs, mask, rows, cols, n, n_cols, AFFINE,
-                            HAS_BIAS, GATE_UP_TERMS, BLOCK_R, BLOCK_C, BLOCK_K, K_CHUNKS, DTYPE, OPERAND, PRECISION)
+        dh = load_dh(dh_ptr, dh_term, dh_right, offs, mask, rows, cols, n, n_cols, DH_TERM, BLOCK_R, BLOCK_C, BLOCK_K,
+                     K_CHUNKS, DTYPE, OPERAND, PRECISION)
+        g, u = load_gate_up(gate_ptr, up_ptr, scale_ptr, bias_ptr, terms, rights, offs, mask, rows, cols, n, n_cols,
+                            AFFINE, HAS_BIAS, GATE_UP_TERMS, BLOCK_R, BLOCK_C, BLOCK_K, K_CHUNKS, DTYPE, OPERAND,
+                            PRECISION)
         gelu, dgelu = _gelu_and_grad(g, APPROX_TANH)
         dgate = (dh * u * dgelu).to(dgate_ptr.dtype.element_ty)
         dup = (dh * gelu).to(dup_ptr.dtype.element_ty)

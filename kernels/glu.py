@@ -36,10 +36,11 @@ into the full (rows, n_cols) tensors in a pass of their own (a read and a write 
 reads them. Backward recomputes G and U from the same terms, with the forward's bits. A program then takes a
 strip of BLOCK_C columns and, one after the other, up to STEPS tiles of BLOCK_R rows down it (constexpr TERMS), in
 place of BLOCK consecutive elements, so that each term is a tensor-core product over k (`lowrank_term`); L and R
-are small and read from L2. The loop over the tiles is software-pipelined (STAGES): the next tile's loads are in
-flight while this one's products and stores run, which a program of one tile, waiting on L2 for L and R and on
-HBM for gate and up in turn, cannot do. gate's and up's terms are not taken with the affine (they would belong
-before it).
+are small and read from L2. R's rows are the strip's columns, the same for every tile down it: the program reads
+their first chunk of k (every rank up to MAX_BLOCK_K whole) once, before its loop (`strip_right`). The loop over the
+tiles is software-pipelined (STAGES): the next tile's loads are in flight while this one's products and stores run,
+which a program of one tile, waiting on L2 for L and R and on HBM for gate and up in turn, cannot do. gate's and
+up's terms are not taken with the affine (they would belong before it).
 """
 import torch
 import triton
@@ -52,11 +53,13 @@ BLOCK = 1024
 NUM_WARPS = 4
 # With low-rank terms: a program's strip of BLOCK_C columns and up to STEPS tiles of BLOCK_R rows, pipelined in
 # STAGES; the terms' k in chunks of up to MAX_BLOCK_K, one tensor-core product each (an adapter's rank 16 in one).
-# Where they pay on an H100 (the measurements: docs/benchmarks.md, "The MLP adapters inside the activation" and "The
-# activation's adapter terms as pipelined strips"; dev/perf-notes.md, "The adapters' terms below MIN_TERM_ELEMENTS"):
-# gate of at least 2^24 elements, both of its dimensions multiples of ALIGN (a tile's rows then load as whole
-# vectors); elsewhere the add pass beside the 1-d kernel is faster.
-BLOCK_R, BLOCK_C, STEPS, STAGES, TILE_WARPS = 32, 128, 8, 3, 4
+# 16 × 128 tiles, 8 a strip, are the fastest of those measured on an H200 at 7-8B and 0.5-1B MLP shapes
+# (docs/benchmarks.md, "The activation's terms: R read once a strip, 16-row tiles"). Where the terms pay on an H100
+# (docs/benchmarks.md, "The MLP adapters inside the activation" and "The activation's adapter terms as pipelined
+# strips"; dev/perf-notes.md, "The adapters' terms below MIN_TERM_ELEMENTS"): gate of at least 2^24 elements, both
+# of its dimensions multiples of ALIGN (a tile's rows then load as whole vectors); elsewhere the add pass beside the
+# 1-d kernel is faster.
+BLOCK_R, BLOCK_C, STEPS, STAGES, TILE_WARPS = 16, 128, 8, 3, 4
 MAX_BLOCK_K = 64
 # The pipelined loop holds the next tiles' L and R in shared memory: half-precision terms of k up to MAX_PIPELINED_K
 # fit an sm_80's; others take the loop unpipelined (STAGES 1).
@@ -101,31 +104,67 @@ def tile(step, n, n_cols, TERMS: tl.constexpr, BLOCK: tl.constexpr, BLOCK_R: tl.
 
 
 @triton.jit
-def lowrank_term(term, rows, cols, n_rows, n_cols, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+def term_right(term, cols, n_cols, chunk, BLOCK_K: tl.constexpr):
+    """R[cols, c]ᵀ (BLOCK_K, BLOCK_C) for the chunk's c, zeros outside R: a term's right operand (`lowrank_term`)."""
+    l_ptr, l_stride0, l_stride1, r_ptr, r_stride0, r_stride1, k = term
+    c = chunk * BLOCK_K + tl.arange(0, BLOCK_K)
+    return tl.load(r_ptr + cols[None, :] * r_stride0 + c[:, None] * r_stride1,
+                   mask=(cols[None, :] < n_cols) & (c[:, None] < k), other=0.0)
+
+
+@triton.jit
+def strip_right(term, n_cols, TERM: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The term's first chunk of R over the program's strip of columns (`tile`), read once for all its tiles; 0
+    where the kernel takes no such term (a stand-in it never reads)."""
+    if TERM:
+        cols = (tl.program_id(0) % tl.cdiv(n_cols, BLOCK_C)) * BLOCK_C + tl.arange(0, BLOCK_C)
+        right = term_right(term, cols, n_cols, 0, BLOCK_K)
+    else:
+        right = 0
+    return right
+
+
+@triton.jit
+def strip_rights(terms, n_cols, TERMS: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_K: tl.constexpr):
+    """gate's and up's `strip_right` for terms = (gate's, up's); (0, 0) without them."""
+    if TERMS:
+        gate_term, up_term = terms
+        rights = (strip_right(gate_term, n_cols, True, BLOCK_C, BLOCK_K),
+                  strip_right(up_term, n_cols, True, BLOCK_C, BLOCK_K))
+    else:
+        rights = (0, 0)
+    return rights
+
+
+@triton.jit
+def lowrank_term(term, right, rows, cols, n_rows, n_cols, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
                  BLOCK_K: tl.constexpr, K_CHUNKS: tl.constexpr, DTYPE: tl.constexpr, OPERAND: tl.constexpr,
                  PRECISION: tl.constexpr):
     """Σ_c L[rows, c] R[cols, c] (BLOCK_R, BLOCK_C) in fp32, for term = (L, its two strides, R, its two strides, k):
     one tensor-core product a chunk of BLOCK_K along k, K_CHUNKS of them (unrolled, so that the loop around stays
-    one loop for the pipeliner), zeros outside L and R."""
+    one loop for the pipeliner), zeros outside L and R. right: R's first chunk over `cols` (`term_right`), read
+    already; the further chunks are read here."""
     l_ptr, l_stride0, l_stride1, r_ptr, r_stride0, r_stride1, k = term
     acc = tl.zeros((BLOCK_R, BLOCK_C), dtype=tl.float32)
     for chunk in tl.static_range(K_CHUNKS):
         c = chunk * BLOCK_K + tl.arange(0, BLOCK_K)
         left = tl.load(l_ptr + rows[:, None] * l_stride0 + c[None, :] * l_stride1,
                        mask=(rows[:, None] < n_rows) & (c[None, :] < k), other=0.0)  # (BLOCK_R, BLOCK_K)
-        right = tl.load(r_ptr + cols[None, :] * r_stride0 + c[:, None] * r_stride1,
-                        mask=(cols[None, :] < n_cols) & (c[:, None] < k), other=0.0)  # (BLOCK_K, BLOCK_C)
-        acc += _dot(left, right, DTYPE, OPERAND, PRECISION)
+        if chunk == 0:
+            acc += _dot(left, right, DTYPE, OPERAND, PRECISION)
+        else:
+            acc += _dot(left, term_right(term, cols, n_cols, chunk, BLOCK_K), DTYPE, OPERAND, PRECISION)
     return acc
 
 
 @triton.jit
-def load_gate_up(gate_ptr, up_ptr, scale_ptr, bias_ptr, terms, offs, mask, rows, cols, n, n_cols,
+def load_gate_up(gate_ptr, up_ptr, scale_ptr, bias_ptr, terms, rights, offs, mask, rows, cols, n, n_cols,
                  AFFINE: tl.constexpr, HAS_BIAS: tl.constexpr, TERMS: tl.constexpr, BLOCK_R: tl.constexpr,
                  BLOCK_C: tl.constexpr, BLOCK_K: tl.constexpr, K_CHUNKS: tl.constexpr, DTYPE: tl.constexpr,
                  OPERAND: tl.constexpr, PRECISION: tl.constexpr):
     """(G, U) in fp32 at `offs`: gate and up as stored, or their per-row affine, or with TERMS gate + L_gate R_gateᵀ
-    and up + L_up R_upᵀ on the program's tile, terms = (gate's, up's) (`lowrank_term`; see the module docstring)."""
+    and up + L_up R_upᵀ on the program's tile, terms = (gate's, up's) (`lowrank_term`; see the module docstring),
+    rights their `strip_rights`."""
     g = tl.load(gate_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(up_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     if AFFINE:
@@ -138,22 +177,24 @@ def load_gate_up(gate_ptr, up_ptr, scale_ptr, bias_ptr, terms, offs, mask, rows,
             u = u + tl.load(bias_ptr + n_rows + row, mask=mask, other=0.0).to(tl.float32)
     if TERMS:
         gate_term, up_term = terms
-        g += lowrank_term(gate_term, rows, cols, n // n_cols, n_cols, BLOCK_R, BLOCK_C, BLOCK_K, K_CHUNKS, DTYPE,
-                          OPERAND, PRECISION)
-        u += lowrank_term(up_term, rows, cols, n // n_cols, n_cols, BLOCK_R, BLOCK_C, BLOCK_K, K_CHUNKS, DTYPE,
-                          OPERAND, PRECISION)
+        gate_right, up_right = rights
+        g += lowrank_term(gate_term, gate_right, rows, cols, n // n_cols, n_cols, BLOCK_R, BLOCK_C, BLOCK_K,
+                          K_CHUNKS, DTYPE, OPERAND, PRECISION)
+        u += lowrank_term(up_term, up_right, rows, cols, n // n_cols, n_cols, BLOCK_R, BLOCK_C, BLOCK_K, K_CHUNKS,
+                          DTYPE, OPERAND, PRECISION)
     return g, u
 
 
 @triton.jit
-def load_dh(dh_ptr, dh_term, offs, mask, rows, cols, n, n_cols, DH_TERM: tl.constexpr, BLOCK_R: tl.constexpr,
-            BLOCK_C: tl.constexpr, BLOCK_K: tl.constexpr, K_CHUNKS: tl.constexpr, DTYPE: tl.constexpr,
-            OPERAND: tl.constexpr, PRECISION: tl.constexpr):
-    """dH in fp32 at `offs`: dh as stored, or with DH_TERM dh + L_h R_hᵀ on the program's tile (`lowrank_term`)."""
+def load_dh(dh_ptr, dh_term, dh_right, offs, mask, rows, cols, n, n_cols, DH_TERM: tl.constexpr,
+            BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_K: tl.constexpr, K_CHUNKS: tl.constexpr,
+            DTYPE: tl.constexpr, OPERAND: tl.constexpr, PRECISION: tl.constexpr):
+    """dH in fp32 at `offs`: dh as stored, or with DH_TERM dh + L_h R_hᵀ on the program's tile (`lowrank_term`),
+    dh_right its `strip_right`."""
     dh = tl.load(dh_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     if DH_TERM:
-        dh += lowrank_term(dh_term, rows, cols, n // n_cols, n_cols, BLOCK_R, BLOCK_C, BLOCK_K, K_CHUNKS, DTYPE,
-                           OPERAND, PRECISION)
+        dh += lowrank_term(dh_term, dh_right, rows, cols, n // n_cols, n_cols, BLOCK_R, BLOCK_C, BLOCK_K, K_CHUNKS,
+                           DTYPE, OPERAND, PRECISION)
     return dh
 
 

@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from kernels.decode_linear import dot_constexprs
-from kernels.glu import lowrank_term, rank_blocks
+from kernels.glu import lowrank_term, rank_blocks, term_right
 from kernels.references import check_residual_lowrank_add_args
 
 BLOCK_R, BLOCK_C, NUM_WARPS = 64, 128, 4
@@ -31,7 +31,8 @@ def _residual_lowrank_add_kernel(y_ptr, y_row_stride, r_ptr, r_row_stride, term,
     y_offs = rows[:, None].to(tl.int64) * y_row_stride + cols[None, :]
     y = tl.load(y_ptr + y_offs, mask=mask, other=0.0).to(tl.float32)
     r = tl.load(r_ptr + rows[:, None].to(tl.int64) * r_row_stride + cols[None, :], mask=mask, other=0.0)
-    y += r.to(tl.float32) + lowrank_term(term, rows, cols, n_rows, n_cols, BLOCK_R, BLOCK_C, BLOCK_K, K_CHUNKS,
+    right = term_right(term, cols, n_cols, 0, BLOCK_K)
+    y += r.to(tl.float32) + lowrank_term(term, right, rows, cols, n_rows, n_cols, BLOCK_R, BLOCK_C, BLOCK_K, K_CHUNKS,
                                          DTYPE, OPERAND, PRECISION)
     tl.store(y_ptr + y_offs, y.to(y_ptr.dtype.element_ty), mask=mask)
 
