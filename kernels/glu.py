@@ -86,15 +86,20 @@ def tile_steps(n, n_cols, TERMS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: t
 
 
 @triton.jit
+def strip_cols(n_cols, BLOCK_C: tl.constexpr):
+    """The columns of the program's strip (BLOCK_C,), with low-rank terms: the same for every tile down it."""
+    return (tl.program_id(0) % tl.cdiv(n_cols, BLOCK_C)) * BLOCK_C + tl.arange(0, BLOCK_C)
+
+
+@triton.jit
 def tile(step, n, n_cols, TERMS: tl.constexpr, BLOCK: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
          STEPS: tl.constexpr):
     """(offs, mask, rows, cols) of the program's elements at its step-th tile: BLOCK consecutive ones (offs 1-d;
     rows and cols are offs, unused), or with TERMS the step-th BLOCK_R × BLOCK_C tile down its strip of the
     (n // n_cols, n_cols) operands (offs 2-d)."""
     if TERMS:
-        col_tiles = tl.cdiv(n_cols, BLOCK_C)
-        rows = ((tl.program_id(0) // col_tiles) * STEPS + step) * BLOCK_R + tl.arange(0, BLOCK_R)
-        cols = (tl.program_id(0) % col_tiles) * BLOCK_C + tl.arange(0, BLOCK_C)
+        rows = ((tl.program_id(0) // tl.cdiv(n_cols, BLOCK_C)) * STEPS + step) * BLOCK_R + tl.arange(0, BLOCK_R)
+        cols = strip_cols(n_cols, BLOCK_C)
         offs = rows[:, None].to(tl.int64) * n_cols + cols[None, :]
         mask = (rows[:, None] < n // n_cols) & (cols[None, :] < n_cols)
         return offs, mask, rows, cols
@@ -114,11 +119,10 @@ def term_right(term, cols, n_cols, chunk, BLOCK_K: tl.constexpr):
 
 @triton.jit
 def strip_right(term, n_cols, TERM: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_K: tl.constexpr):
-    """The term's first chunk of R over the program's strip of columns (`tile`), read once for all its tiles; 0
+    """The term's first chunk of R over the program's strip of columns (`strip_cols`), read once for all its tiles; 0
     where the kernel takes no such term (a stand-in it never reads)."""
     if TERM:
-        cols = (tl.program_id(0) % tl.cdiv(n_cols, BLOCK_C)) * BLOCK_C + tl.arange(0, BLOCK_C)
-        right = term_right(term, cols, n_cols, 0, BLOCK_K)
+        right = term_right(term, strip_cols(n_cols, BLOCK_C), n_cols, 0, BLOCK_K)
     else:
         right = 0
     return right
