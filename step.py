@@ -283,8 +283,8 @@ def shortest_bucket(micro_steps):
     """The shortest length bucket of a run of `micro_steps` micro-steps: SHORTEST for a short run, BUCKET for a
     longer one. A capture costs as much time as many replays: a short run saves the capture of a graph for
     batches of at most SHORTEST - BUCKET tokens by padding them to SHORTEST, which a long run would pay for at
-    every such step (docs/benchmarks.md, section 21). The choice depends on the run's length alone, so a resumed
-    run pads every batch as the uninterrupted run did: the same shapes, the same kernels, the same results."""
+    every such step (dev/benchmarks-history.md, section 21). The choice depends on the run's length alone, so a
+    resumed run pads every batch as the uninterrupted run did: the same shapes, the same kernels, the same results."""
     return SHORTEST if micro_steps <= SHORT_RUN else BUCKET
 
 

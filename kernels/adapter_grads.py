@@ -37,9 +37,9 @@ from kernels.fp8_quantize import MIN_SCALE, e4m3_bits, fp8_scale_and_reciprocal,
 from kernels.references import E4M3, check_adapter_grads_args
 from kernels.softcap_attention import _dot
 
-# Where one read is faster than cuBLAS's GEMMs on an H100 (the measurements: docs/benchmarks.md, "gate | up's s dY B
-# and dB from one read"): dY of at least 2^25 elements (below, the launches and the partial sums cost more than the
-# read saves) and ranks up to 32 (above, the partial sums and the (BLOCK_T, R) accumulator do).
+# Where one read is faster than cuBLAS's GEMMs on an H100 (the measurements: dev/benchmarks-history.md, section 36,
+# "gate | up's s dY B and dB from one read"): dY of at least 2^25 elements (below, the launches and the partial sums
+# cost more than the read saves) and ranks up to 32 (above, the partial sums and the (BLOCK_T, R) accumulator do).
 MIN_ELEMENTS, MAX_RANK = 1 << 25, 32
 PROGRAMS_PER_SM = 4  # about two resident programs an SM (80 KB of shared memory each), two waves
 

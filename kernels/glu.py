@@ -54,11 +54,11 @@ NUM_WARPS = 4
 # With low-rank terms: a program's strip of BLOCK_C columns and up to STEPS tiles of BLOCK_R rows, pipelined in
 # STAGES; the terms' k in chunks of up to MAX_BLOCK_K, one tensor-core product each (an adapter's rank 16 in one).
 # 16 × 128 tiles, 8 a strip, are the fastest of those measured on an H200 at 7-8B and 0.5-1B MLP shapes
-# (docs/benchmarks.md, "The activation's terms: R read once a strip, 16-row tiles"). Where the terms pay on an H100
-# (docs/benchmarks.md, "The MLP adapters inside the activation" and "The activation's adapter terms as pipelined
-# strips"; dev/perf-notes.md, "The adapters' terms below MIN_TERM_ELEMENTS"): gate of at least 2^24 elements, both
-# of its dimensions multiples of ALIGN (a tile's rows then load as whole vectors); elsewhere the add pass beside the
-# 1-d kernel is faster.
+# (dev/benchmarks-history.md, section 36, "The activation's terms: R read once a strip, 16-row tiles"). Where the
+# terms pay on an H100 (the same section, "The MLP adapters inside the activation" and "The activation's adapter
+# terms as pipelined strips"; dev/perf-notes.md, "The adapters' terms below MIN_TERM_ELEMENTS"): gate of at least
+# 2^24 elements, both of its dimensions multiples of ALIGN (a tile's rows then load as whole vectors); elsewhere the
+# add pass beside the 1-d kernel is faster.
 BLOCK_R, BLOCK_C, STEPS, STAGES, TILE_WARPS = 16, 128, 8, 3, 4
 MAX_BLOCK_K = 64
 # The pipelined loop holds the next tiles' L and R in shared memory: half-precision terms of k up to MAX_PIPELINED_K

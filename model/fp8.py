@@ -42,7 +42,8 @@ otherwise the plain product is copied into that layout.
 Both GEMMs sum in the tensor cores' own accumulator (use_fast_accum=True; torchao takes it for its forward
 GEMM) rather than having cuBLAS add the partial sums into fp32 registers every few K-steps, which is slower. The
 error this adds to a product is small beside e4m3's rounding of the operands (time and error on 7-9B shapes in
-docs/benchmarks.md; tests/test_fp8_gpu.py bounds it at K = 4096 and 28672).
+dev/benchmarks-history.md, section 36, "`--fp8` with fast accumulation"; tests/test_fp8_gpu.py bounds it at K =
+4096 and 28672).
 
 Why e4m3 for dY too (not e5m2, the classic choice for gradients): with a scale per token, the range a row
 needs is its own, and e4m3's extra mantissa bit halves the rounding error, as DeepSeek-V3 and torchao's

@@ -421,7 +421,7 @@ def kept_attention(q, k, v, mask, scale, softcap, store, key, offload):
 # A checkpointed layer hands tensors to the activation offload only where its forward does at least this many FLOPs
 # for each byte it copies to the host (its input's and theirs), so that the copies run under the layer's work. Below
 # it the copies outlast a GPU's forward and slow the step more than the recompute they save (the measurements behind
-# the value: docs/benchmarks.md). On a CPU the copies are memcpys, and the rule does not apply.
+# the value: dev/benchmarks-history.md, section 36). On a CPU the copies are memcpys, and the rule does not apply.
 KEPT_FLOPS_PER_BYTE = 6000
 
 
@@ -815,7 +815,7 @@ class Transformer(nn.Module):
         if self.ops.fused_lora and fusable(qkv + (attn.o_proj,)) and not (attn.o_proj.dora and attn.o_proj.r):
             kept.append((tokens * H, dtype))
             # not under --fp8, whose forward GEMMs take about half the time the rule counts: there the fourth
-            # tensor's copies outlast the forward (docs/benchmarks.md)
+            # tensor's copies outlast the forward (dev/benchmarks-history.md, section 36)
             if not any(p.dora and p.r for p in qkv) and attn.q_proj.fp8 is None:
                 kept.append((tokens * sum(p.out_features for p in qkv), dtype))
         inputs = tokens * H * dtype.itemsize  # a layer's

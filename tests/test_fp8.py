@@ -293,8 +293,8 @@ def test_fp8_refusals(run_model, argv, match, capsys, tmp_path):
 
 def test_offload_keeps_no_qkv_output_under_fp8(qwen2_folder):
     """With activation offload, a checkpointed layer hands q | k | v's output to the offload only where the base
-    GEMMs run in bf16: an fp8 forward is about twice as short, and the extra copies outlast it (docs/benchmarks.md).
-    The attention's two and o's stay."""
+    GEMMs run in bf16: an fp8 forward is about twice as short, and the extra copies outlast it
+    (dev/benchmarks-history.md, section 36). The attention's two and o's stay."""
     for fp8, kept in ((False, 4), (True, 3)):
         model = load(qwen2_folder, fp8=fp8, gradient_checkpointing=True, offload_activations=True)
         assert len(model.kept_tensors(2, 24, torch.float32)) == kept, fp8
