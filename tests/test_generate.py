@@ -235,7 +235,7 @@ LAYERS = {  # hidden, intermediate, layers, q heads, kv heads, head_dim, archite
 def test_fused_decoding_layers_serve_small_layers(name, served):
     """The five-launch layers take a step where a layer's weights are small enough that the step costs its launches
     (up to Qwen2.5-1.5B's; with sandwich norms up to Gemma 3 270M's); larger layers keep the nine launches, whose
-    cuBLAS GEMMs stream the weights faster (docs/benchmarks.md)."""
+    cuBLAS GEMMs stream the weights faster (docs/benchmarks.md, "The rollout today, model by model")."""
     from model.config import from_hf_config
     from model.decode import FusedDecode
     from model.transformer import Transformer
