@@ -267,20 +267,28 @@ def test_bench_qlora_smoke(tmp_path):
     assert "| gemma-2-9b | 2x64 | on+offload |" in stdout
 
 
-def test_write_checkpoint_gives_what_the_peers_load(tmp_path):
-    """--write-checkpoint: a checkpoint of the shape (Gemma 2's softcaps kept) with a tokenizer of exactly
-    vocab_size tokens, which nanotune and transformers both load; an existing folder is refused before writing."""
+@pytest.mark.parametrize("shape", sorted(bench_qlora.SHAPES))
+def test_write_checkpoint_gives_what_the_peers_load(tmp_path, shape):
+    """--write-checkpoint: a checkpoint whose config.json nanotune reads as the shape's own config (Gemma 2's
+    softcaps, Gemma 3's text model, windows and RoPE bases kept) with a tokenizer of exactly vocab_size tokens, which
+    transformers loads; an existing folder is refused before writing."""
+    import dataclasses
+
     from transformers import AutoTokenizer
 
     from model import read_config
-    folder = tmp_path / "g9"
-    bench_qlora.write_checkpoint("gemma-2-9b", str(folder), smoke=True)
-    cfg = read_config(str(folder))
-    assert (cfg.attn_softcap, cfg.final_softcap, cfg.vocab_size) == (50.0, 30.0, bench_qlora.SMOKE_SIZES["vocab_size"])
+    folder = tmp_path / shape
+    bench_qlora.write_checkpoint(shape, str(folder), smoke=True)
+    written, built = read_config(str(folder)), bench_qlora.model_config(shape, smoke=True)
+    assert (written.bos_token_id, written.eos_token_id, written.pad_token_id) == (2, 1, 0)
+    # transformers writes the scaling's dict with its base beside it (rope_parameters)
+    scaling = {k: written.rope_scaling[k] for k in built.rope_scaling} if built.rope_scaling else written.rope_scaling
+    ids = dict(bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    assert dataclasses.replace(written, rope_scaling=scaling, **ids) == built
     tok = AutoTokenizer.from_pretrained(str(folder))
-    assert len(tok) == cfg.vocab_size and (tok.pad_token_id, tok.eos_token_id, tok.bos_token_id) == (0, 1, 2)
+    assert len(tok) == written.vocab_size and (tok.pad_token_id, tok.eos_token_id, tok.bos_token_id) == (0, 1, 2)
     with pytest.raises(SystemExit):
-        bench_qlora.main(["--shapes", "gemma-2-9b", "--write-checkpoint", str(folder), "--smoke"])
+        bench_qlora.main(["--shapes", shape, "--write-checkpoint", str(folder), "--smoke"])
 
 
 def test_qlora_fp8_case_runs():

@@ -17,7 +17,7 @@ warm-up steps (2 + 5 at 2 x 2048, 1 + 1 for a long row), median; each case runs 
 peak memory is its own. The peers (Unsloth, transformers + PEFT + bitsandbytes) need a checkpoint
 on disk: shared/anchors/qlora_big.py writes Llama and Qwen2 ones and times them beside nanotune (its --run takes
 any such folder); `--write-checkpoint DIR` writes one of any shape here (random bf16 weights, a word-level
-tokenizer), e.g. Gemma-2-9B's for `qlora_big.py --run DIR`.
+tokenizer), e.g. Gemma-2-9B's or Gemma-3-12B's for `qlora_big.py --run DIR`.
 
 Long rows run at batch 1 with checkpointing and offload (the long-context mode). After them, the longest
 sequence that fits is predicted from their peak memory, which grows linearly in the length (weights and
@@ -46,24 +46,24 @@ LLAMA3_ROPE = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_fre
 # config.json of each model, the keys that change its FLOPs or numerics.
 SHAPES = {
     "llama-3.1-8b": dict(
-        architectures=["LlamaForCausalLM"], vocab_size=128256, hidden_size=4096, intermediate_size=14336,
-        num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, rms_norm_eps=1e-5,
+        architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=128256, hidden_size=4096,
+        intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, rms_norm_eps=1e-5,
         rope_theta=500000.0, rope_scaling=LLAMA3_ROPE, max_position_embeddings=131072, tie_word_embeddings=False),
     "qwen2.5-7b": dict(
-        architectures=["Qwen2ForCausalLM"], vocab_size=152064, hidden_size=3584, intermediate_size=18944,
-        num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4, rms_norm_eps=1e-6,
+        architectures=["Qwen2ForCausalLM"], model_type="qwen2", vocab_size=152064, hidden_size=3584,
+        intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4, rms_norm_eps=1e-6,
         rope_theta=1000000.0, max_position_embeddings=32768, tie_word_embeddings=False),
     # the exact softcaps (attention 50, logits 30) and the 4096-token sliding window of every other layer
     "gemma-2-9b": dict(
-        architectures=["Gemma2ForCausalLM"], vocab_size=256000, hidden_size=3584, intermediate_size=14336,
-        num_hidden_layers=42, num_attention_heads=16, num_key_value_heads=8, head_dim=256,
+        architectures=["Gemma2ForCausalLM"], model_type="gemma2", vocab_size=256000, hidden_size=3584,
+        intermediate_size=14336, num_hidden_layers=42, num_attention_heads=16, num_key_value_heads=8, head_dim=256,
         hidden_activation="gelu_pytorch_tanh", query_pre_attn_scalar=256, attn_logit_softcapping=50.0,
         final_logit_softcapping=30.0, sliding_window=4096, rms_norm_eps=1e-6, max_position_embeddings=8192,
         tie_word_embeddings=True),
     # q/k norms, five 1024-token sliding layers to one global layer, two RoPE bases
     "gemma-3-12b": dict(
-        architectures=["Gemma3ForCausalLM"], vocab_size=262208, hidden_size=3840, intermediate_size=15360,
-        num_hidden_layers=48, num_attention_heads=16, num_key_value_heads=8, head_dim=256,
+        architectures=["Gemma3ForCausalLM"], model_type="gemma3_text", vocab_size=262208, hidden_size=3840,
+        intermediate_size=15360, num_hidden_layers=48, num_attention_heads=16, num_key_value_heads=8, head_dim=256,
         hidden_activation="gelu_pytorch_tanh", query_pre_attn_scalar=256, sliding_window=1024,
         sliding_window_pattern=6, rope_theta=1000000.0, rope_local_base_freq=10000.0,
         rope_scaling=dict(rope_type="linear", factor=8.0), rms_norm_eps=1e-6, max_position_embeddings=131072,
@@ -108,9 +108,10 @@ def write_checkpoint(shape, folder, smoke):
     import transformers
     from tokenizers import Tokenizer, models, pre_tokenizers
     spec = dict(SHAPES[shape], **(SMOKE_SIZES if smoke else {}))
-    config_class = getattr(transformers, spec["architectures"][0].replace("ForCausalLM", "Config"))
     specials = ["<pad>", "<eos>", "<bos>", "<unk>"]  # Gemma's ids: pad 0, eos 1, bos 2
-    config = config_class(**spec, pad_token_id=0, eos_token_id=1, bos_token_id=2)
+    # by model_type, as transformers reads config.json: Gemma 3's text model is gemma3_text (Gemma3TextConfig), where
+    # Gemma3Config is the multimodal wrapper
+    config = transformers.AutoConfig.for_model(**spec, pad_token_id=0, eos_token_id=1, bos_token_id=2)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     torch.manual_seed(0)
     with torch.device(device):
